@@ -1,0 +1,23 @@
+// Logging set-up.
+#include "core/log.h"
+
+#include <cstdlib>
+
+#include "core/error.h"
+
+namespace tandem {
+
+void init_logging(const std::string& level) {
+  std::string name = level;
+  if (name.empty()) {
+    const char* env = std::getenv("TANDEM_LOG_LEVEL");
+    name = env != nullptr ? env : "info";
+  }
+  const auto lvl = spdlog::level::from_str(name);
+  TANDEM_CHECK(lvl != spdlog::level::off || name == "off",
+               "unknown log level '{}': use trace, debug, info, warn, error or off", name);
+  spdlog::set_level(lvl);
+  spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
+}
+
+}  // namespace tandem

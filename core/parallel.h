@@ -1,0 +1,36 @@
+// The CPU thread pool (OpenMP): one pool for every op, a fixed split of work over threads.
+#pragma once
+
+#include <omp.h>
+
+#include <cstdint>
+
+namespace tandem {
+
+// Threads the CPU ops use: TANDEM_NUM_THREADS, else the cores this process may run on.
+int num_threads();
+void set_num_threads(int n);
+
+// Calls f(begin, end) on contiguous chunks of [0, n) in parallel. The split depends only on n
+// and the thread count; callers whose results must not depend on the split (every op) keep
+// each output element's arithmetic inside one call.
+template <class F>
+void parallel_for(int64_t n, F&& f, int64_t min_chunk = 1) {
+  if (n <= 0) return;
+  const int64_t max_threads = (n + min_chunk - 1) / min_chunk;
+  const int threads = static_cast<int>(max_threads < num_threads() ? max_threads : num_threads());
+  if (threads <= 1) {
+    f(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t chunk = (n + threads - 1) / threads;
+    const int64_t begin = t * chunk;
+    const int64_t end = begin + chunk < n ? begin + chunk : n;
+    if (begin < end) f(begin, end);
+  }
+}
+
+}  // namespace tandem

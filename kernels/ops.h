@@ -1,0 +1,205 @@
+// Every math op of tandem: shapes, dtypes and semantics. Rollout and training call only these.
+//
+// Conventions (the dimension letters of STYLE.md):
+//   T tokens (packed: the sequences of a batch laid end to end, no padding), B sequences,
+//   C model width, H query heads, Hkv key/value heads, D head size, F MLP width, V vocabulary.
+// - Tensors are row-major and contiguous. Outputs are passed in, allocated by the caller (an
+//   arena), and never reallocated: no op allocates on a hot path except the CPU matmul backward
+//   scratch, which grows once to the largest shape seen.
+// - All tensors of one call live on the same device; the op runs there (CPU, or CUDA on
+//   `stream`). A mismatch of shape, dtype or device throws tandem::Error naming the op and the
+//   shapes; nothing broadcasts. Token ids out of range throw, they are never read out of bounds.
+// - CPU ops compute in f32 (bf16/f16 inputs are widened exactly). CUDA matmuls compute in bf16
+//   with f32 accumulation; everything else accumulates in f32.
+// - Batch invariance: the result for one row (token, sequence) never depends on the other rows
+//   of the call or on how many there are: reductions run in a fixed order along K and along the
+//   sequence. So the rollout engine (decode, small batches) and the trainer (packed, large
+//   batches) get bitwise the same numbers on one device.
+// - Ops with `accumulate` add into their output instead of overwriting it.
+// - Everything is deterministic: the same inputs give bitwise the same outputs, run to run.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/device.h"
+#include "core/tensor.h"
+
+namespace tandem::ops {
+
+// ---------------------------------------------------------------------------------------------
+// Matmul (the torch Linear layout: weights are (out, in)).
+
+// y (M, N) = x (M, K) · w (N, K)^T, [+ y]. x, w: f32 or bf16, in any mix; y: f32.
+// Batch-invariant: row i of y depends only on row i of x and on w.
+void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate = false,
+            const Stream& stream = {});
+// dx (M, K) = dy (M, N) · w (N, K), [+ dx]. dy: f32; w: f32 or bf16; dx: f32.
+void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx,
+                           bool accumulate = false, const Stream& stream = {});
+// dw (N, K) = dy (M, N)^T · x (M, K), [+ dw]. dy: f32; x: f32 or bf16; dw: f32.
+void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
+                            bool accumulate = false, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Element-type casts and small vector ops.
+
+// dst = src converted (f32/bf16/f16 to f32/bf16/f16, round to nearest even). Same numel.
+void cast(const Tensor& src, const Tensor& dst, const Stream& stream = {});
+// x *= s, in place. x: f32.
+void scale(const Tensor& x, float s, const Stream& stream = {});
+// out f32 = uniform [0, 1) values: out[i] = uniform_from_bits(philox_random(seed, stream_id,
+// i / 4).v[i % 4]), the same numbers on every device.
+void random_uniform(const Tensor& out, uint64_t seed, uint64_t stream_id,
+                    const Stream& stream = {});
+// out (1) f32 [+]= sum of x*x over all of x (f32), in a fixed order.
+void sum_squares(const Tensor& x, const Tensor& out, bool accumulate = false,
+                 const Stream& stream = {});
+// sqrt of the sum of squares of every tensor (the global gradient norm); waits for the stream.
+float global_norm(std::span<const Tensor> tensors, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Embedding.
+
+// out (T, C) f32 = table (V, C) [ids (T)], ids: i32, table: f32 or bf16. An id outside [0, V)
+// throws.
+void embedding(const Tensor& ids, const Tensor& table, const Tensor& out,
+               const Stream& stream = {});
+// dtable (V, C) f32 [+]= scatter-add of dout (T, C) f32 into the rows ids (T) name. Each row's
+// contributions are summed in token order (deterministic).
+void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable,
+                        bool accumulate = false, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight.
+
+// x (T, C) f32, weight (C) f32 or bf16 -> out (T, C) f32, rstd (T) f32 (saved for backward).
+void rmsnorm(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
+             float eps, const Stream& stream = {});
+// The residual add fused in front: residual_out = residual + delta (residual_out may be the
+// residual tensor itself), then out = rmsnorm(residual_out). All (T, C) f32.
+void add_rmsnorm(const Tensor& residual, const Tensor& delta, const Tensor& weight,
+                 const Tensor& residual_out, const Tensor& out, const Tensor& rstd, float eps,
+                 const Stream& stream = {});
+// Given dout (T, C), x (T, C) (the normalised input: residual_out for add_rmsnorm), weight and
+// rstd: dx (T, C) [+]= d/dx and dweight (C) f32 [+]= d/dweight (summed over T in a fixed
+// order). With add_rmsnorm, pass accumulate_dx = true on the residual stream's gradient.
+void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dweight, bool accumulate_dx = false,
+                      bool accumulate_dweight = false, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Rotary position embedding, rotate-half (GPT-NeoX / Hugging Face) convention: for
+// i < D/2 the pair (x[i], x[i + D/2]) is rotated by the angle pos * inv_freq[i],
+// inv_freq[i] = theta^(-2i/D), optionally rescaled as Llama 3.1 does.
+struct RopeParams {
+  float theta = 10000.0f;
+  // Llama-3 frequency scaling; off when factor == 0.
+  float factor = 0.0f;
+  float low_freq_factor = 1.0f;
+  float high_freq_factor = 4.0f;
+  int64_t original_max_position = 8192;
+};
+// x (T, N, D) f32 with N heads, positions (T) i32 -> out (T, N, D) f32; out may be x.
+void rope(const Tensor& x, const Tensor& positions, const Tensor& out, const RopeParams& p,
+          const Stream& stream = {});
+// dx = the inverse rotation of dout; dx may be dout.
+void rope_backward(const Tensor& dout, const Tensor& positions, const Tensor& dx,
+                   const RopeParams& p, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: out = silu(gate) * up, gate and up side by side in one (T, 2F) tensor (the output of
+// one fused gate/up matmul: columns [0, F) are gate, [F, 2F) are up).
+
+// gate_up (T, 2F) f32 -> out (T, F) f32.
+void swiglu(const Tensor& gate_up, const Tensor& out, const Stream& stream = {});
+// dout (T, F), gate_up (T, 2F) -> dgate_up (T, 2F) (overwritten).
+void swiglu_backward(const Tensor& dout, const Tensor& gate_up, const Tensor& dgate_up,
+                     const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Causal attention over packed variable-length sequences (GQA: query head h reads key/value
+// head h / (H / Hkv)). cu_seqlens (B + 1) i32 holds the start of each sequence in T and T at
+// the end. Token t of a sequence attends to that sequence's tokens 0..t.
+// Keys are visited in blocks of kAttentionKeyBlock with an online softmax, in the same order
+// as paged_attention_decode, so a token's output is bitwise the same computed either way.
+inline constexpr int64_t kAttentionKeyBlock = 16;
+
+// q (T, H, D), k and v (T, Hkv, D), f32 -> out (T, H, D) f32, lse (T, H) f32 (the
+// log-sum-exp of the scaled scores, saved for backward). scale: usually 1/sqrt(D).
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+               const Tensor& out, const Tensor& lse, float scale, const Stream& stream = {});
+// Gradients of attention: dq (T, H, D), dk and dv (T, Hkv, D), overwritten.
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
+                        const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Paged KV cache. The cache is a pool of blocks of P token slots:
+// k_cache and v_cache (num_blocks, P, Hkv, D), f32 or bf16. A sequence's blocks are listed
+// in CSR form (as FlashInfer does): kv_indptr (B + 1) i32, kv_indices (kv_indptr[B]) i32 block
+// ids, kv_last_len (B) i32 = slots used in its last block (1..P). Its length is
+// (blocks - 1) * P + last_len. Sequences may share blocks (a group's common prompt).
+
+// Writes k, v (T, Hkv, D) f32 into the cache slots slot_mapping (T) i32 (block * P + offset).
+void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                    const Tensor& k_cache, const Tensor& v_cache, const Stream& stream = {});
+// One query per sequence against its cached keys and values (all of them: the query's own
+// token is already written). q (B, H, D) f32 -> out (B, H, D) f32.
+void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& kv_indptr, const Tensor& kv_indices,
+                            const Tensor& kv_last_len, const Tensor& out, float scale,
+                            const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Log-softmax gather: the logprob of each target token and the entropy of each row, fused so
+// that the (T, V) probabilities are never stored. Logits are divided by temperature first.
+
+// logits (T, V) f32, targets (T) i32 -> logprob (T) f32, lse (T) f32 (log-sum-exp of the
+// scaled logits, saved for backward), entropy (T) f32 (pass an undefined Tensor to skip it).
+void logprob_gather(const Tensor& logits, const Tensor& targets, const Tensor& logprob,
+                    const Tensor& lse, const Tensor& entropy, float temperature = 1.0f,
+                    const Stream& stream = {});
+// dlogits (T, V) [+]= d(sum dlogprob * logprob + dentropy * entropy)/dlogits. dentropy may
+// be undefined.
+void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
+                             const Tensor& targets, const Tensor& lse, const Tensor& dlogits,
+                             float temperature = 1.0f, bool accumulate = false,
+                             const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// AdamW (decoupled weight decay, Loshchilov & Hutter), on f32 master weights and moments.
+struct AdamWParams {
+  float lr = 1e-6f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+  int64_t step = 1;         // 1-based, for bias correction
+  float grad_scale = 1.0f;  // multiplies the gradient first (the clipping coefficient)
+};
+// param, grad, m, v (N) f32, updated in place (grad is read only). param_copy: an undefined
+// Tensor, or (N) bf16/f32 that receives the new parameters (the rollout copy).
+void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+           const AdamWParams& p, const Tensor& param_copy = {}, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Sampling, per sequence: logits (B, V) f32 and per-row settings
+//   temperature (B) f32 (0 = greedy), top_k (B) i32 (0 = off), top_p (B) f32 (1 = off),
+//   min_p (B) f32 (0 = off), seed (B) i64, offset (B) i64 (the decode step).
+// Filters apply to the temperature-scaled probabilities p in this order: top-k (the k largest,
+// ties to the lower id), then top-p (the fewest largest whose mass reaches top_p of what is
+// left), then min-p (p >= min_p * max p). The token is drawn by inverse CDF over the kept
+// tokens in vocabulary order with u = uniform_from_bits(philox_random(seed, 0, offset).v[0]),
+// so CPU and CUDA draw the same token from the same logits. No full sort of the vocabulary.
+// Outputs: token (B) i32 and logprob (B) f32 = its log-probability under the full
+// temperature-scaled distribution (under temperature 1 when greedy), the number the trainer
+// recomputes.
+struct SamplingTensors {
+  Tensor temperature, top_k, top_p, min_p, seed, offset;
+};
+void sample(const Tensor& logits, const SamplingTensors& settings, const Tensor& token,
+            const Tensor& logprob, const Stream& stream = {});
+
+}  // namespace tandem::ops

@@ -1,0 +1,3 @@
+// The test runner: Catch2's main.
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>

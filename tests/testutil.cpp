@@ -1,0 +1,209 @@
+// Test helpers.
+#include "tests/testutil.h"
+
+#include <catch2/catch.hpp>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/philox.h"
+
+namespace tandem::test {
+namespace {
+
+template <class T>
+void store(void* p, int64_t i, double v) {
+  if constexpr (std::is_same_v<T, float>) {
+    static_cast<float*>(p)[i] = static_cast<float>(v);
+  } else {
+    static_cast<T*>(p)[i] = T(static_cast<float>(v));
+  }
+}
+
+void store_any(const Tensor& t, int64_t i, double v) {
+  switch (t.dtype()) {
+    case DType::f32:
+      store<float>(t.data(), i, v);
+      break;
+    case DType::bf16:
+      store<bf16>(t.data(), i, v);
+      break;
+    case DType::f16:
+      store<f16>(t.data(), i, v);
+      break;
+    case DType::i32:
+      static_cast<int32_t*>(t.data())[i] = static_cast<int32_t>(v);
+      break;
+    case DType::i64:
+      static_cast<int64_t*>(t.data())[i] = static_cast<int64_t>(v);
+      break;
+    case DType::u8:
+      static_cast<uint8_t*>(t.data())[i] = static_cast<uint8_t>(v);
+      break;
+  }
+}
+
+double uniform01(uint64_t seed, int64_t i) {
+  const Philox4x32 r = philox_random(seed, 0x7e57, static_cast<uint64_t>(i) / 2);
+  // 53 random bits from two words.
+  const uint64_t hi = r.v[(i % 2) * 2], lo = r.v[(i % 2) * 2 + 1];
+  return static_cast<double>(((hi << 32) | lo) >> 11) * 0x1.0p-53;
+}
+
+}  // namespace
+
+Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo, double hi) {
+  TANDEM_CHECK(dtype_is_float(dtype), "random_tensor wants a float dtype, got {}", dtype);
+  Tensor t = Tensor::empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) store_any(t, i, lo + (hi - lo) * uniform01(seed, i));
+  return t;
+}
+
+Tensor random_ints(const Shape& shape, DType dtype, uint64_t seed, int64_t lo, int64_t hi) {
+  TANDEM_CHECK(dtype == DType::i32 || dtype == DType::i64, "random_ints wants i32 or i64");
+  Tensor t = Tensor::empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int64_t v = lo + static_cast<int64_t>(uniform01(seed, i) * static_cast<double>(hi - lo));
+    store_any(t, i, static_cast<double>(v < hi ? v : hi - 1));
+  }
+  return t;
+}
+
+Tensor tensor_from(const std::vector<double>& values, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  TANDEM_CHECK_EQ(static_cast<int64_t>(values.size()), t.numel(), "tensor_from");
+  for (int64_t i = 0; i < t.numel(); ++i) store_any(t, i, values[static_cast<size_t>(i)]);
+  return t;
+}
+
+std::vector<double> to_f64(const Tensor& t_any) {
+  const Tensor t = t_any.device().is_cpu() ? t_any : t_any.to(Device::cpu());
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    double v = 0;
+    switch (t.dtype()) {
+      case DType::f32:
+        v = static_cast<const float*>(t.data())[i];
+        break;
+      case DType::bf16:
+        v = static_cast<float>(static_cast<const bf16*>(t.data())[i]);
+        break;
+      case DType::f16:
+        v = static_cast<float>(static_cast<const f16*>(t.data())[i]);
+        break;
+      case DType::i32:
+        v = static_cast<const int32_t*>(t.data())[i];
+        break;
+      case DType::i64:
+        v = static_cast<double>(static_cast<const int64_t*>(t.data())[i]);
+        break;
+      case DType::u8:
+        v = static_cast<const uint8_t*>(t.data())[i];
+        break;
+    }
+    out[static_cast<size_t>(i)] = v;
+  }
+  return out;
+}
+
+bool bitwise_equal(const Tensor& a_any, const Tensor& b_any) {
+  if (!(a_any.shape() == b_any.shape()) || a_any.dtype() != b_any.dtype()) return false;
+  const Tensor a = a_any.device().is_cpu() ? a_any : a_any.to(Device::cpu());
+  const Tensor b = b_any.device().is_cpu() ? b_any : b_any.to(Device::cpu());
+  return std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (double v : a) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+double nmse(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? num / den : num;
+}
+
+bool all_finite(const Tensor& t) {
+  for (double v : to_f64(t))
+    if (!std::isfinite(v)) return false;
+  return true;
+}
+
+void check_within_reference_error(const Tensor& ours, const std::vector<double>& truth,
+                                  const std::vector<double>& same_precision,
+                                  const std::string& what) {
+  const std::vector<double> got = to_f64(ours);
+  const double err = max_abs_diff(got, truth);
+  const double ref_err = max_abs_diff(same_precision, truth);
+  const double floor = 4.0 * FLT_EPSILON * max_abs(truth);
+  INFO(what << ": max |ours - f64| = " << err << ", max |f32 reference - f64| = " << ref_err
+            << ", floor " << floor);
+  CHECK(all_finite(ours));
+  CHECK(err <= 2.0 * ref_err + floor);
+}
+
+void check_gradient(const Tensor& x, const std::function<double()>& loss, const Tensor& grad,
+                    const std::string& what, const FdOptions& opt) {
+  REQUIRE(x.dtype() == DType::f32);
+  REQUIRE(x.device().is_cpu());
+  REQUIRE(grad.numel() == x.numel());
+  const std::vector<double> g = to_f64(grad);
+  const double scale = std::max(max_abs(g), 1e-6);
+  float* p = x.data_as<float>();
+  int bad = 0;
+  for (int probe = 0; probe < opt.probes; ++probe) {
+    const int64_t i =
+        static_cast<int64_t>(uniform01(opt.seed, probe) * static_cast<double>(x.numel()));
+    const float saved = p[i];
+    p[i] = static_cast<float>(saved + opt.eps);
+    const double up = loss();
+    p[i] = static_cast<float>(saved - opt.eps);
+    const double down = loss();
+    p[i] = saved;
+    const double h = (static_cast<double>(static_cast<float>(saved + opt.eps)) -
+                      static_cast<double>(static_cast<float>(saved - opt.eps)));
+    const double fd = (up - down) / h;
+    const double an = g[static_cast<size_t>(i)];
+    if (std::fabs(fd - an) > opt.rtol * scale) {
+      ++bad;
+      UNSCOPED_INFO(what << ": d/dx[" << i << "] finite difference " << fd << " vs analytic " << an
+                         << " (gradient scale " << scale << ")");
+    }
+  }
+  CHECK(bad == 0);
+}
+
+double weighted_sum(const Tensor& y, const Tensor& w) {
+  const std::vector<double> a = to_f64(y), b = to_f64(w);
+  REQUIRE(a.size() == b.size());
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+bool gpu_available() { return cuda_device_count() > 0; }
+
+void skip_without_gpu() {
+  if (gpu_available()) return;
+  std::printf("SKIPPED: %s\n", gpu_summary().c_str());
+  std::fflush(stdout);
+  std::_Exit(77);
+}
+
+}  // namespace tandem::test

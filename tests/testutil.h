@@ -1,0 +1,57 @@
+// Helpers shared by the tests: seeded random tensors, comparisons, error bounds, finite
+// differences, and skipping GPU tests on machines without one.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tandem::test {
+
+// Seeded uniform values in [lo, hi), rounded to the dtype (f32/bf16/f16), on the CPU.
+Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo = -1.0,
+                     double hi = 1.0);
+// Seeded integers in [lo, hi) (i32 or i64), on the CPU.
+Tensor random_ints(const Shape& shape, DType dtype, uint64_t seed, int64_t lo, int64_t hi);
+// A CPU tensor holding the given values, rounded to dtype.
+Tensor tensor_from(const std::vector<double>& values, const Shape& shape, DType dtype = DType::f32);
+
+// Every element as a double (any dtype, any device).
+std::vector<double> to_f64(const Tensor& t);
+bool bitwise_equal(const Tensor& a, const Tensor& b);
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+double max_abs(const std::vector<double>& a);
+// Normalised mean squared error sum((a-b)^2) / sum(b^2), as llama.cpp's test-backend-ops uses.
+double nmse(const std::vector<double>& a, const std::vector<double>& b);
+bool all_finite(const Tensor& t);
+
+// The flash-attention rule for tolerances: our result may be at most twice as far from the f64
+// truth as a plain same-precision reference is (plus a few ulps of the largest value).
+// Reports the case through Catch (CHECK) with `what` and both errors.
+void check_within_reference_error(const Tensor& ours, const std::vector<double>& truth,
+                                  const std::vector<double>& same_precision,
+                                  const std::string& what);
+
+// Central finite differences of a scalar loss at `probes` random coordinates of x (f32, CPU;
+// perturbed in place and restored), against the analytic gradient.
+struct FdOptions {
+  int probes = 24;
+  double eps = 1e-2;
+  double rtol = 2e-2;  // relative to the gradient's largest entry
+  uint64_t seed = 7;
+};
+void check_gradient(const Tensor& x, const std::function<double()>& loss, const Tensor& grad,
+                    const std::string& what, const FdOptions& opt = {});
+
+// sum(w * y) in f64: the loss whose gradient with respect to y is w.
+double weighted_sum(const Tensor& y, const Tensor& w);
+
+// Whether a CUDA device is usable; GPU tests call skip_without_gpu() first, which prints why
+// and ends the test process with ctest's "skipped" code (77) when there is none.
+bool gpu_available();
+void skip_without_gpu();
+
+}  // namespace tandem::test
