@@ -4,6 +4,7 @@
 
 #include <cstdio>
 
+#include "bench/bench.h"
 #include "core/build_info.h"
 #include "core/device.h"
 #include "core/error.h"
@@ -26,12 +27,33 @@ int main(int argc, char** argv) {
   bool version = false;
   app.add_flag("--version", version, "print the version, commit, compiled-in backends and GPUs");
 
+  tandem::bench::Options bench_opt;
+  std::string bench_what, bench_device = "cpu";
+  CLI::App* bench = app.add_subcommand("bench", "measure tandem (and peers side by side)");
+  bench->add_option("what", bench_what, "what to measure: kernels")
+      ->required()
+      ->check(CLI::IsMember({"kernels"}));
+  bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
+  bench->add_flag("--quick", bench_opt.quick, "small sizes and few repetitions (smoke test)");
+  bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
+  bench->add_option("--device", bench_device, "cpu or cuda[:N]");
+  bench->add_option("--min-seconds", bench_opt.min_seconds, "time spent on each measurement");
+
   CLI11_PARSE(app, argc, argv);
   try {
     tandem::init_logging();
     if (version || app.get_subcommands().empty()) {
       print_version();
       return 0;
+    }
+    if (bench->parsed()) {
+      if (bench_device.rfind("cuda", 0) == 0) {
+        const int index = bench_device.size() > 5 ? std::stoi(bench_device.substr(5)) : 0;
+        bench_opt.device = tandem::Device::cuda(index);
+      } else {
+        TANDEM_CHECK(bench_device == "cpu", "--device '{}': use cpu or cuda[:N]", bench_device);
+      }
+      return tandem::bench::run_kernel_benches(bench_opt);
     }
   } catch (const tandem::Error& e) {
     std::fprintf(stderr, "tandem: error: %s\n", e.what());

@@ -1,0 +1,195 @@
+// The benchmark runner: timing, machine ceilings, JSON lines, and `tandem bench kernels`.
+#include "bench/bench.h"
+
+#include <cblas.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "core/tensor.h"
+
+namespace tandem::bench {
+namespace {
+
+std::vector<std::pair<std::string, KernelBench>>& kernel_benches() {
+  static std::vector<std::pair<std::string, KernelBench>> benches;
+  return benches;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// STREAM triad a = b + s*c over arrays far larger than the caches; bytes counted as 3 arrays.
+double measure_triad_gbytes(const Options& opt) {
+  const int64_t n = opt.quick ? (int64_t{16} << 20) : (int64_t{32} << 20);  // floats per array
+  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n), 1.0f),
+      c(static_cast<size_t>(n), 2.0f);
+  auto triad = [&] {
+    parallel_for(n, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        a[static_cast<size_t>(i)] = b[static_cast<size_t>(i)] + 3.0f * c[static_cast<size_t>(i)];
+    });
+  };
+  triad();
+  double best = 1e30;
+  for (int rep = 0; rep < (opt.quick ? 3 : 7); ++rep) {
+    const double t0 = now_seconds();
+    triad();
+    best = std::min(best, now_seconds() - t0);
+  }
+  return 3.0 * static_cast<double>(n) * sizeof(float) / best / 1e9;
+}
+
+double measure_openblas_gflops(const Options& opt) {
+  const int n = opt.quick ? 512 : 1024;
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(static_cast<size_t>(n) * n, 0.25f),
+      c(static_cast<size_t>(n) * n);
+  auto gemm = [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+  };
+  gemm();
+  double best = 1e30;
+  for (int rep = 0; rep < (opt.quick ? 3 : 7); ++rep) {
+    const double t0 = now_seconds();
+    gemm();
+    best = std::min(best, now_seconds() - t0);
+  }
+  return 2.0 * n * n * static_cast<double>(n) / best / 1e9;
+}
+
+}  // namespace
+
+int add_kernel_bench(const std::string& family, KernelBench fn) {
+  kernel_benches().emplace_back(family, std::move(fn));
+  return static_cast<int>(kernel_benches().size());
+}
+
+bool Runner::wants(const std::string& op, const std::string& case_name) const {
+  return opt_.filter.empty() || op.find(opt_.filter) != std::string::npos ||
+         case_name.find(opt_.filter) != std::string::npos;
+}
+
+double Runner::time(const std::function<void()>& fn) const {
+  const Stream sync{opt_.device, nullptr};
+  fn();  // warm-up
+  sync.synchronize();
+  std::vector<double> samples;
+  const double start = now_seconds();
+  const int min_reps = opt_.quick ? 2 : 5;
+  while (static_cast<int>(samples.size()) < min_reps ||
+         (now_seconds() - start < opt_.min_seconds && samples.size() < 1000)) {
+    const double t0 = now_seconds();
+    fn();
+    sync.synchronize();
+    samples.push_back(now_seconds() - t0);
+  }
+  std::nth_element(samples.begin(), samples.begin() + static_cast<long>(samples.size() / 2),
+                   samples.end());
+  return samples[samples.size() / 2];
+}
+
+void Runner::measure(const std::string& op, const std::string& case_name, double flops,
+                     double bytes, const std::function<void()>& fn, const std::string& peer,
+                     const std::function<void()>& peer_fn) {
+  if (!wants(op, case_name)) return;
+  Measurement m{"kernels", op, case_name, time(fn), flops, bytes, std::nullopt, 0};
+  if (peer_fn) {
+    m.peer = peer;
+    m.peer_seconds = time(peer_fn);
+  }
+  emit(m);
+}
+
+void Runner::emit(const Measurement& m) {
+  ++emitted_;
+  const bool compute = m.flops > 0;
+  const double work = compute ? m.flops : m.bytes;
+  const double value = work > 0 ? work / m.seconds / 1e9 : 1e3 * m.seconds;
+  const double limit = compute ? ceilings_.gflops : ceilings_.gbytes;
+  nlohmann::ordered_json j;
+  j["bench"] = m.bench;
+  j["case"] = fmt::format("{} {}", m.op, m.case_name);
+  j["op"] = m.op;
+  j["device"] = opt_.device.str();
+  j["metric"] = compute ? "gflops" : (m.bytes > 0 ? "gbytes_per_s" : "time");
+  j["unit"] = compute ? "GFLOP/s" : (m.bytes > 0 ? "GB/s" : "ms");
+  j["value"] = value;
+  j["time_ms"] = 1e3 * m.seconds;
+  if (m.peer) {
+    j["peer"] = *m.peer;
+    j["peer_value"] = work > 0 ? work / m.peer_seconds / 1e9 : 1e3 * m.peer_seconds;
+    j["ratio"] = m.peer_seconds / m.seconds;  // > 1: tandem is faster
+  }
+  if (work > 0 && limit > 0) {
+    j["limit"] = limit;
+    j["fraction_of_limit"] = value / limit;
+  }
+  if (opt_.json) {
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf(
+        "%-14s %-52s %10.3f ms %10.1f %-8s%s%s\n", m.op.c_str(), m.case_name.c_str(),
+        1e3 * m.seconds, value, j["unit"].get<std::string>().c_str(),
+        j.contains("fraction_of_limit")
+            ? fmt::format(" {:5.1f}% of limit", 100 * j["fraction_of_limit"].get<double>()).c_str()
+            : "",
+        m.peer ? fmt::format("  {} {:.2f}x", *m.peer, j["ratio"].get<double>()).c_str() : "");
+  }
+  std::fflush(stdout);
+}
+
+Ceilings measure_ceilings(const Options& opt) {
+  Ceilings c;
+  if (opt.device.is_cpu()) {
+    openblas_set_num_threads(num_threads());
+    c.gflops = measure_openblas_gflops(opt);
+    c.gflops_source = "OpenBLAS sgemm, square, f32";
+    c.gbytes = measure_triad_gbytes(opt);
+    c.gbytes_source = "triad, 3 arrays counted";
+    return c;
+  }
+  TANDEM_CHECK(cuda_device_count() > 0, "bench on {}: {}", opt.device, gpu_summary());
+  // Device-to-device copy bandwidth, read + write counted.
+  const int64_t n = int64_t{1} << 28;
+  Tensor a = Tensor::zeros({n}, DType::u8, opt.device),
+         b = Tensor::zeros({n}, DType::u8, opt.device);
+  Runner probe(opt, c);
+  const double t = probe.time([&] { b.copy_from(a); });
+  c.gbytes = 2.0 * static_cast<double>(n) / t / 1e9;
+  c.gbytes_source = "cudaMemcpy device to device, read + write";
+  return c;
+}
+
+int run_kernel_benches(const Options& opt) {
+  Ceilings ceilings = measure_ceilings(opt);
+  Runner runner(opt, ceilings);
+  const std::string ceiling_line = fmt::format(
+      "{{\"bench\":\"kernels\",\"case\":\"ceilings\",\"device\":\"{}\",\"metric\":\"ceilings\","
+      "\"unit\":\"GFLOP/s|GB/s\",\"value\":{:.1f},\"gflops\":{:.1f},\"gbytes_per_s\":{:.1f},"
+      "\"threads\":{},\"gflops_source\":\"{}\",\"gbytes_source\":\"{}\"}}",
+      opt.device.str(), ceilings.gflops, ceilings.gflops, ceilings.gbytes, num_threads(),
+      ceilings.gflops_source, ceilings.gbytes_source);
+  if (opt.json) {
+    std::printf("%s\n", ceiling_line.c_str());
+  } else {
+    std::printf("ceilings on %s: %.1f GFLOP/s (%s), %.1f GB/s (%s), %d threads\n",
+                opt.device.str().c_str(), ceilings.gflops, ceilings.gflops_source.c_str(),
+                ceilings.gbytes, ceilings.gbytes_source.c_str(), num_threads());
+  }
+  auto benches = kernel_benches();
+  std::sort(benches.begin(), benches.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [family, fn] : benches) fn(runner);
+  return runner.emitted() > 0 ? 0 : 1;
+}
+
+}  // namespace tandem::bench

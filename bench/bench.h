@@ -1,0 +1,88 @@
+// Benchmarks behind `tandem bench <what> --json`: one JSON object per measurement, in the format
+// of DESIGN.md (bench, case, metric, unit, value; peer, peer_value, ratio; limit,
+// fraction_of_limit).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+
+namespace tandem::bench {
+
+// What the machine can do at best, measured at the start of a run.
+struct Ceilings {
+  double gflops = 0;  // f32 sgemm peak on CPU (the best of the measured GEMMs); bf16 cuBLAS on CUDA
+  double gbytes = 0;  // memory bandwidth (triad on CPU; device-to-device copy on CUDA)
+  std::string gflops_source, gbytes_source;
+};
+
+struct Options {
+  bool json = false;
+  bool quick = false;        // fewer repetitions and shapes (CI smoke runs)
+  double min_seconds = 0.3;  // time spent per measurement
+  std::string filter;        // only cases whose op or case contains this
+  Device device = Device::cpu();
+};
+
+// One measured case: median seconds of `run` over repetitions.
+struct Measurement {
+  std::string bench;      // "kernels"
+  std::string op;         // "matmul"
+  std::string case_name;  // "smollm2 qkv (512, 576)x(960, 576) f32"
+  double seconds = 0;
+  double flops = 0;  // work of one run (0: not a compute-bound op)
+  double bytes = 0;  // bytes one run must move at least (0: not counted)
+  std::optional<std::string> peer;
+  double peer_seconds = 0;
+};
+
+class Runner {
+ public:
+  Runner(Options opt, Ceilings ceilings) : opt_(std::move(opt)), ceilings_(std::move(ceilings)) {}
+  const Options& options() const { return opt_; }
+  const Ceilings& ceilings() const { return ceilings_; }
+  Device device() const { return opt_.device; }
+
+  // Whether a case is selected by --filter.
+  bool wants(const std::string& op, const std::string& case_name) const;
+  // Median seconds per call of fn (synchronised with the device after each call).
+  double time(const std::function<void()>& fn) const;
+  // Times fn (and the peer's function, if given) and prints the result lines.
+  void measure(const std::string& op, const std::string& case_name, double flops, double bytes,
+               const std::function<void()>& fn, const std::string& peer = "",
+               const std::function<void()>& peer_fn = {});
+  void emit(const Measurement& m);
+  int emitted() const { return emitted_; }
+
+ private:
+  Options opt_;
+  Ceilings ceilings_;
+  int emitted_ = 0;
+};
+
+// The kernel benchmarks of one op family; registered with TANDEM_KERNEL_BENCH.
+using KernelBench = std::function<void(Runner&)>;
+int add_kernel_bench(const std::string& family, KernelBench fn);
+
+Ceilings measure_ceilings(const Options& opt);
+// `tandem bench kernels`: every registered family on opt.device; returns the exit code.
+int run_kernel_benches(const Options& opt);
+
+// The model shapes the kernel benchmarks use.
+struct ModelShape {
+  const char* name;
+  int64_t C, F, H, Hkv, D, V;
+};
+inline constexpr ModelShape kSmolLM2_135M{"smollm2-135m", 576, 1536, 9, 3, 64, 49152};
+inline constexpr ModelShape kQwen25_1_5B{"qwen2.5-1.5b", 1536, 8960, 12, 2, 128, 151936};
+
+}  // namespace tandem::bench
+
+#define TANDEM_KERNEL_BENCH(family)                                             \
+  static void tandem_kernel_bench_##family(::tandem::bench::Runner&);           \
+  [[maybe_unused]] static const int tandem_kernel_bench_registered_##family =   \
+      ::tandem::bench::add_kernel_bench(#family, tandem_kernel_bench_##family); \
+  static void tandem_kernel_bench_##family(::tandem::bench::Runner& runner)
