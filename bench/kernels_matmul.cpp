@@ -1,0 +1,115 @@
+// Kernel benchmarks of matmul and its backward products at SmolLM2-135M and Qwen2.5-1.5B
+// shapes, beside OpenBLAS's cblas_sgemm on the same f32 operands (CPU).
+#include <cblas.h>
+
+#include <vector>
+
+#include "bench/bench.h"
+#include "core/parallel.h"
+#include "core/tensor.h"
+#include "kernels/ops.h"
+
+namespace tandem::bench {
+namespace {
+
+// Uniform random values in [0, 1) on the device, in dtype (through f32).
+Tensor filled(const Shape& shape, DType dtype, Device d, uint64_t seed) {
+  Tensor f = Tensor::empty(shape, DType::f32, d);
+  ops::random_uniform(f, seed, 0);
+  if (dtype == DType::f32) return f;
+  Tensor t = Tensor::empty(shape, dtype, d);
+  ops::cast(f, t);
+  return t;
+}
+
+struct Product {
+  const char* name;
+  int64_t N, K;
+};
+
+// The linear layers of a model: q/o, k/v, fused gate/up, down, lm head.
+std::vector<Product> products(const ModelShape& m, bool with_head) {
+  std::vector<Product> p = {{"q_proj", m.H * m.D, m.C},
+                            {"k_proj", m.Hkv * m.D, m.C},
+                            {"gate_up", 2 * m.F, m.C},
+                            {"down", m.C, m.F}};
+  if (with_head) p.push_back({"lm_head", m.V, m.C});
+  return p;
+}
+
+}  // namespace
+
+TANDEM_KERNEL_BENCH(matmul) {
+  const Device d = runner.device();
+  const bool cpu = d.is_cpu();
+  const bool quick = runner.options().quick;
+  if (cpu) openblas_set_num_threads(num_threads());
+
+  // Forward y (M, N) = x (M, K) w (N, K)^T.
+  const auto forward = [&](const ModelShape& model, const Product& p, int64_t M, DType wt) {
+    const std::string name = fmt::format("{} {} ({}, {})x({}, {}) w {}", model.name, p.name, M, p.K,
+                                         p.N, p.K, dtype_name(wt));
+    if (!runner.wants("matmul", name)) return;
+    const Tensor x = filled({M, p.K}, DType::f32, d, 1);
+    const Tensor w = filled({p.N, p.K}, wt, d, 2);
+    Tensor y = Tensor::empty({M, p.N}, DType::f32, d);
+    const double flops = 2.0 * static_cast<double>(M * p.N * p.K);
+    const double bytes = static_cast<double>(w.nbytes() + x.nbytes() + y.nbytes());
+    const auto ours = [&] { ops::matmul(x, w, y); };
+    if (!cpu || wt != DType::f32) return runner.measure("matmul", name, flops, bytes, ours);
+    runner.measure("matmul", name, flops, bytes, ours, "openblas", [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M),
+                  static_cast<int>(p.N), static_cast<int>(p.K), 1.0f, x.data_as<float>(),
+                  static_cast<int>(p.K), w.data_as<float>(), static_cast<int>(p.K), 0.0f,
+                  y.data_as<float>(), static_cast<int>(p.N));
+    });
+  };
+  for (const int64_t M : {int64_t{512}, int64_t{2048}}) {
+    if (quick && M > 512) continue;
+    for (const Product& p : products(kSmolLM2_135M, true)) forward(kSmolLM2_135M, p, M, DType::f32);
+  }
+  for (const Product& p : products(kSmolLM2_135M, true))
+    forward(kSmolLM2_135M, p, 512, DType::bf16);
+  // Decode: one token and a small batch (bound by reading w).
+  for (const int64_t M : {int64_t{1}, int64_t{32}}) {
+    for (const Product& p : products(kSmolLM2_135M, true)) {
+      forward(kSmolLM2_135M, p, M, DType::f32);
+      forward(kSmolLM2_135M, p, M, DType::bf16);
+    }
+  }
+  if (!quick)
+    for (const Product& p : products(kQwen25_1_5B, false))
+      forward(kQwen25_1_5B, p, 512, DType::f32);
+
+  // Backward products at M = 512 tokens: dx (M, K) = dy (M, N) w (N, K);
+  // dw (N, K) = dy^T (N, M) x (M, K).
+  const int64_t M = 512;
+  for (const Product& p : products(kSmolLM2_135M, false)) {
+    const std::string name =
+        fmt::format("{} {} dy ({}, {}) w ({}, {})", kSmolLM2_135M.name, p.name, M, p.N, p.N, p.K);
+    const double flops = 2.0 * static_cast<double>(M * p.N * p.K);
+    const Tensor dy = filled({M, p.N}, DType::f32, d, 3);
+    const Tensor w = filled({p.N, p.K}, DType::f32, d, 4);
+    const Tensor x = filled({M, p.K}, DType::f32, d, 5);
+    Tensor dx = Tensor::empty({M, p.K}, DType::f32, d);
+    Tensor dw = Tensor::empty({p.N, p.K}, DType::f32, d);
+    const int m = static_cast<int>(M), n = static_cast<int>(p.N), k = static_cast<int>(p.K);
+    const auto dx_ours = [&] { ops::matmul_backward_input(dy, w, dx); };
+    const auto dw_ours = [&] { ops::matmul_backward_weight(dy, x, dw); };
+    if (!cpu) {
+      runner.measure("matmul_backward_input", name, flops, 0, dx_ours);
+      runner.measure("matmul_backward_weight", name, flops, 0, dw_ours);
+      continue;
+    }
+    runner.measure("matmul_backward_input", name, flops, 0, dx_ours, "openblas", [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.0f, dy.data_as<float>(), n,
+                  w.data_as<float>(), k, 0.0f, dx.data_as<float>(), k);
+    });
+    runner.measure("matmul_backward_weight", name, flops, 0, dw_ours, "openblas", [&] {
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.0f, dy.data_as<float>(), n,
+                  x.data_as<float>(), k, 0.0f, dw.data_as<float>(), k);
+    });
+  }
+}
+
+}  // namespace tandem::bench

@@ -1,0 +1,205 @@
+// CPU matmul, matmul_backward_input and matmul_backward_weight: blocking, bf16 widening, the
+// thread split over N, the portable kernel, and the transposes that turn both backward products
+// into the forward one.
+#include "kernels/cpu/matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/half.h"
+#include "core/parallel.h"
+
+namespace tandem::ops::cpu {
+namespace detail {
+namespace {
+
+float tree_sum(const float (&a)[kLanes]) {
+  float s8[8], s4[4], s2[2];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  return s2[0] + s2[1];
+}
+
+}  // namespace
+
+void tiles_portable(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+                    int64_t M, int64_t N, int64_t K, bool accumulate) {
+  for (int64_t i = 0; i < M; ++i) {
+    const float* xi = x + i * ldx;
+    for (int64_t j = 0; j < N; ++j) {
+      const float* wj = w + j * ldw;
+      float acc[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes)
+        for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(xi[k + l], wj[k + l], acc[l]);
+      for (int l = 0; k + l < K; ++l) acc[l] = std::fma(xi[k + l], wj[k + l], acc[l]);
+      const float s = tree_sum(acc);
+      float& out = y[i * ldy + j];
+      out = accumulate ? out + s : s;
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::kTileCols;
+using detail::kTileRows;
+
+MatmulKernel g_kernel = MatmulKernel::automatic;
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+using TilesFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
+                         int64_t, int64_t, bool);
+
+TilesFn tiles_fn() {
+  if (g_kernel == MatmulKernel::automatic && cpu_has_avx512()) return detail::tiles_avx512;
+  return detail::tiles_portable;
+}
+
+// Bytes of x rows one block holds: the block stays in a core's L2 while every w panel of the
+// thread's share of N passes over it.
+constexpr int64_t kXBlockBytes = int64_t{1} << 20;
+// Smallest work (multiply-adds) worth a thread of its own.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
+
+// Grow-only per-thread buffers: the f32 copies of bf16 operands (a panel of w rows, a block of
+// x rows) and the transposes of the backward products. They grow to the largest shape seen and
+// are never freed, so the steady state allocates nothing.
+float* grow(std::vector<float>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
+// dst (rows, cols) f32 = src rows (leading dimension ld) widened (bf16 -> f32 is exact).
+void widen_rows(const uint16_t* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * ld;
+    float* d = dst + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(s[c]) << 16;
+      std::memcpy(d + c, &bits, sizeof bits);
+    }
+  }
+}
+
+// One operand of the forward product: rows of K elements, f32 or bf16.
+struct Rows {
+  const void* data;
+  bool bf16;
+};
+
+// y (M, N) [+]= x (M, K) · w (N, K)^T. Threads take contiguous ranges of NR-row panels of w and
+// never split K, so every element's arithmetic is the kernel's, whatever M, N and the thread
+// count are.
+void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  const TilesFn tiles = tiles_fn();
+  const int64_t panels = (N + kTileCols - 1) / kTileCols;
+  const int64_t max_block =
+      std::max<int64_t>(kTileRows, kXBlockBytes / (4 * std::max<int64_t>(K, 1)));
+  const int64_t blocks = (M + max_block - 1) / max_block;
+  const int64_t block_rows = ((M + blocks - 1) / blocks + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t panel_work = std::max<int64_t>(1, M * kTileCols * K);
+  const int64_t min_panels = std::max<int64_t>(1, kMinWorkPerThread / panel_work);
+  parallel_for(
+      panels,
+      [&](int64_t p0, int64_t p1) {
+        thread_local std::vector<float> x_scratch, w_scratch;
+        for (int64_t i0 = 0; i0 < M; i0 += block_rows) {
+          const int64_t rows = std::min(block_rows, M - i0);
+          const float* xb;
+          if (x.bf16) {
+            float* d = grow(x_scratch, rows * K);
+            widen_rows(static_cast<const uint16_t*>(x.data) + i0 * K, K, rows, K, d);
+            xb = d;
+          } else {
+            xb = static_cast<const float*>(x.data) + i0 * K;
+          }
+          for (int64_t p = p0; p < p1; ++p) {
+            const int64_t j0 = p * kTileCols;
+            const int64_t cols = std::min<int64_t>(kTileCols, N - j0);
+            const float* wp;
+            if (w.bf16) {
+              float* d = grow(w_scratch, cols * K);
+              widen_rows(static_cast<const uint16_t*>(w.data) + j0 * K, K, cols, K, d);
+              wp = d;
+            } else {
+              wp = static_cast<const float*>(w.data) + j0 * K;
+            }
+            tiles(xb, K, wp, K, y + i0 * N + j0, N, rows, cols, K, accumulate);
+          }
+        }
+      },
+      min_panels);
+}
+
+// dst (cols, rows) f32 = src (rows, cols)^T, f32 or bf16, in 32 x 32 blocks.
+void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
+  constexpr int64_t kB = 32;
+  const int64_t col_blocks = (cols + kB - 1) / kB;
+  parallel_for(
+      col_blocks,
+      [&](int64_t cb0, int64_t cb1) {
+        for (int64_t c0 = cb0 * kB; c0 < std::min(cols, cb1 * kB); c0 += kB) {
+          const int64_t c1 = std::min(cols, c0 + kB);
+          for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+            const int64_t r1 = std::min(rows, r0 + kB);
+            for (int64_t c = c0; c < c1; ++c) {
+              float* d = dst + c * rows;
+              if (src.bf16) {
+                const uint16_t* s = static_cast<const uint16_t*>(src.data);
+                for (int64_t r = r0; r < r1; ++r) d[r] = bf16_bits_to_f32(s[r * cols + c]);
+              } else {
+                const float* s = static_cast<const float*>(src.data);
+                for (int64_t r = r0; r < r1; ++r) d[r] = s[r * cols + c];
+              }
+            }
+          }
+        }
+      },
+      4);
+}
+
+Rows rows_of(const Tensor& t) { return {t.data(), t.dtype() == DType::bf16}; }
+
+}  // namespace
+
+void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
+bool matmul_has_avx512() { return cpu_has_avx512(); }
+
+void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) {
+  forward(rows_of(x), rows_of(w), y.data_as<float>(), x.size(0), w.size(0), x.size(1), accumulate);
+}
+
+void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate) {
+  // dx (M, K) = dy (M, N) · w (N, K) = dy · (w^T (K, N))^T: the forward product against w^T.
+  const int64_t N = w.size(0), K = w.size(1);
+  thread_local std::vector<float> w_t;  // (K, N)
+  float* wt = grow(w_t, K * N);
+  transpose(rows_of(w), N, K, wt);
+  forward(rows_of(dy), {wt, false}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
+}
+
+void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate) {
+  // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
+  const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
+  thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M)
+  float* dyt = grow(dy_t, N * M);
+  float* xt = grow(x_t, K * M);
+  transpose(rows_of(dy), M, N, dyt);
+  transpose(rows_of(x), M, K, xt);
+  forward({dyt, false}, {xt, false}, dw.data_as<float>(), N, K, M, accumulate);
+}
+
+}  // namespace tandem::ops::cpu

@@ -1,0 +1,336 @@
+// matmul and its backward products: against f64 references, by finite differences, batch
+// invariance and thread-count independence bit for bit, AVX-512 == portable kernel, bad
+// arguments, and their parity cases.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
+#include "tests/kernels/parity.h"
+#include "tests/testutil.h"
+
+using namespace tandem;
+using namespace tandem::test;
+
+namespace {
+
+// The products as plain loops over (already widened) values: in f64 (the truth) and in f32
+// with one sequential accumulator (the same-precision reference).
+// out (R, C) = sum over s of a(r, s) * b(c, s), with a = (R, S) and b = (C, S) given by strides.
+template <class T>
+std::vector<double> product(const std::vector<double>& a, int64_t a_rs, int64_t a_ss,
+                            const std::vector<double>& b, int64_t b_cs, int64_t b_ss, int64_t R,
+                            int64_t C, int64_t S, const std::vector<double>* init) {
+  std::vector<double> out(static_cast<size_t>(R * C));
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      T acc = 0;
+      for (int64_t s = 0; s < S; ++s)
+        acc += static_cast<T>(a[static_cast<size_t>(r * a_rs + s * a_ss)]) *
+               static_cast<T>(b[static_cast<size_t>(c * b_cs + s * b_ss)]);
+      const size_t o = static_cast<size_t>(r * C + c);
+      if (init) acc = static_cast<T>((*init)[o]) + acc;
+      out[o] = static_cast<double>(acc);
+    }
+  }
+  return out;
+}
+
+enum class Op { forward, backward_input, backward_weight };
+
+// Runs one op on the CPU and checks it against both references. M, N, K as in ops.h.
+void check_op(Op op, int64_t M, int64_t N, int64_t K, DType a_type, DType b_type, bool accumulate,
+              uint64_t seed) {
+  Tensor a, b, out;
+  std::vector<double> truth, ref;
+  const std::string what =
+      fmt::format("op {} M={} N={} K={} {} {} accumulate={}", static_cast<int>(op), M, N, K,
+                  dtype_name(a_type), dtype_name(b_type), accumulate);
+  switch (op) {
+    case Op::forward:
+      a = random_tensor({M, K}, a_type, seed);      // x
+      b = random_tensor({N, K}, b_type, seed + 1);  // w
+      out = random_tensor({M, N}, DType::f32, seed + 2);
+      break;
+    case Op::backward_input:
+      a = random_tensor({M, N}, DType::f32, seed);  // dy
+      b = random_tensor({N, K}, b_type, seed + 1);  // w
+      out = random_tensor({M, K}, DType::f32, seed + 2);
+      break;
+    case Op::backward_weight:
+      a = random_tensor({M, N}, DType::f32, seed);  // dy
+      b = random_tensor({M, K}, b_type, seed + 1);  // x
+      out = random_tensor({N, K}, DType::f32, seed + 2);
+      break;
+  }
+  const std::vector<double> av = to_f64(a), bv = to_f64(b), init = to_f64(out);
+  const std::vector<double>* ip = accumulate ? &init : nullptr;
+  switch (op) {
+    case Op::forward:
+      truth = product<double>(av, K, 1, bv, K, 1, M, N, K, ip);
+      ref = product<float>(av, K, 1, bv, K, 1, M, N, K, ip);
+      ops::matmul(a, b, out, accumulate);
+      break;
+    case Op::backward_input:  // dx[m][k] = sum_n dy[m][n] w[n][k]
+      truth = product<double>(av, N, 1, bv, 1, K, M, K, N, ip);
+      ref = product<float>(av, N, 1, bv, 1, K, M, K, N, ip);
+      ops::matmul_backward_input(a, b, out, accumulate);
+      break;
+    case Op::backward_weight:  // dw[n][k] = sum_m dy[m][n] x[m][k]
+      truth = product<double>(av, 1, N, bv, 1, K, N, K, M, ip);
+      ref = product<float>(av, 1, N, bv, 1, K, N, K, M, ip);
+      ops::matmul_backward_weight(a, b, out, accumulate);
+      break;
+  }
+  check_within_reference_error(out, truth, ref, what);
+}
+
+struct Dims {
+  int64_t M, N, K;
+};
+constexpr Dims kOddShapes[] = {{7, 13, 37}, {65, 33, 577}, {1, 5, 16}, {3, 7, 1}, {9, 6, 48}};
+
+// y rows [first, first + rows) of x against w, as a fresh (rows, N) tensor.
+Tensor forward_rows(const Tensor& x, const Tensor& w, int64_t first, int64_t rows) {
+  Tensor y = Tensor::empty({rows, w.size(0)}, DType::f32);
+  ops::matmul(x.narrow(first, rows), w, y);
+  return y;
+}
+
+bool rows_equal(const Tensor& a, int64_t a_row, const Tensor& b, int64_t b_row) {
+  const int64_t n = a.size(1);
+  return std::memcmp(a.data_as<float>() + a_row * n, b.data_as<float>() + b_row * n,
+                     static_cast<size_t>(n) * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("matmul matches an f64 reference on odd shapes in every dtype mix", "[unit]") {
+  uint64_t seed = 100;
+  for (const Dims& d : kOddShapes) {
+    for (DType xt : {DType::f32, DType::bf16}) {
+      for (DType wt : {DType::f32, DType::bf16}) {
+        for (bool acc : {false, true}) check_op(Op::forward, d.M, d.N, d.K, xt, wt, acc, ++seed);
+      }
+    }
+  }
+}
+
+TEST_CASE("matmul backward products match f64 references on odd shapes", "[unit]") {
+  uint64_t seed = 200;
+  for (const Dims& d : kOddShapes) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      for (bool acc : {false, true}) {
+        check_op(Op::backward_input, d.M, d.N, d.K, DType::f32, t, acc, ++seed);
+        check_op(Op::backward_weight, d.M, d.N, d.K, DType::f32, t, acc, ++seed);
+      }
+    }
+  }
+}
+
+TEST_CASE("matmul backward products match finite differences of a weighted sum", "[unit]") {
+  const int64_t M = 11, N = 19, K = 41;
+  const Tensor x = random_tensor({M, K}, DType::f32, 301);
+  const Tensor w = random_tensor({N, K}, DType::f32, 302);
+  const Tensor r = random_tensor({M, N}, DType::f32, 303);  // dloss/dy
+  Tensor y = Tensor::empty({M, N}, DType::f32);
+  const auto loss = [&] {
+    ops::matmul(x, w, y);
+    return weighted_sum(y, r);
+  };
+  Tensor dx = Tensor::empty({M, K}, DType::f32);
+  Tensor dw = Tensor::empty({N, K}, DType::f32);
+  ops::matmul_backward_input(r, w, dx);
+  ops::matmul_backward_weight(r, x, dw);
+  check_gradient(x, loss, dx, "dx");
+  check_gradient(w, loss, dw, "dw");
+}
+
+TEST_CASE("matmul rows are bitwise the same alone and inside batches of any size", "[unit]") {
+  const int threads = num_threads();
+  struct Case {
+    int64_t N, K;
+    DType wt;
+    int64_t big;  // one larger batch besides 1..64
+  };
+  for (const Case& c : {Case{576, 576, DType::f32, 2048}, Case{1536, 576, DType::f32, 300},
+                        Case{576, 576, DType::bf16, 300}, Case{13, 37, DType::f32, 300}}) {
+    INFO("N=" << c.N << " K=" << c.K << " w " << dtype_name(c.wt));
+    const Tensor x = random_tensor({c.big, c.K}, DType::f32, 401);
+    const Tensor w = random_tensor({c.N, c.K}, c.wt, 402);
+    // Every row alone, on one thread.
+    set_num_threads(1);
+    Tensor alone = Tensor::empty({c.big, c.N}, DType::f32);
+    for (int64_t i = 0; i < c.big; ++i) {
+      Tensor yi =
+          Tensor::wrap(alone.data_as<float>() + i * c.N, {1, c.N}, DType::f32, Device::cpu());
+      ops::matmul(x.narrow(i, 1), w, yi);
+    }
+    for (int t : {1, 2}) {
+      set_num_threads(t);
+      INFO(t << " threads");
+      // Batches of 1..64 rows starting at varied offsets, and the whole batch.
+      int bad = 0;
+      for (int64_t m = 1; m <= 64; ++m) {
+        const int64_t first = (m * 37) % (c.big - m + 1);
+        const Tensor y = forward_rows(x, w, first, m);
+        for (int64_t i = 0; i < m; ++i) bad += !rows_equal(y, i, alone, first + i);
+      }
+      const Tensor all = forward_rows(x, w, 0, c.big);
+      for (int64_t i = 0; i < c.big; ++i) bad += !rows_equal(all, i, alone, i);
+      CHECK(bad == 0);
+    }
+  }
+  set_num_threads(threads);
+}
+
+TEST_CASE("matmul backward products are bitwise the same with 1 and 2 threads", "[unit]") {
+  const int threads = num_threads();
+  const Tensor dy = random_tensor({70, 200}, DType::f32, 501);
+  const Tensor w = random_tensor({200, 96}, DType::bf16, 502);
+  const Tensor x = random_tensor({70, 96}, DType::f32, 503);
+  std::vector<Tensor> dx, dw;
+  for (int t : {1, 2}) {
+    set_num_threads(t);
+    dx.push_back(Tensor::empty({70, 96}, DType::f32));
+    dw.push_back(Tensor::empty({200, 96}, DType::f32));
+    ops::matmul_backward_input(dy, w, dx.back());
+    ops::matmul_backward_weight(dy, x, dw.back());
+  }
+  set_num_threads(threads);
+  CHECK(bitwise_equal(dx[0], dx[1]));
+  CHECK(bitwise_equal(dw[0], dw[1]));
+}
+
+TEST_CASE("the AVX-512 matmul kernel and the portable kernel agree bit for bit", "[unit]") {
+  if (!ops::cpu::matmul_has_avx512())
+    WARN("this CPU has no AVX-512: both runs below use the portable kernel");
+  struct Case {
+    int64_t M, N, K;
+    DType xt, wt;
+  };
+  for (const Case& c :
+       {Case{7, 13, 37, DType::f32, DType::f32}, Case{65, 33, 577, DType::bf16, DType::f32},
+        Case{33, 576, 576, DType::f32, DType::bf16}, Case{5, 11, 1536, DType::f32, DType::f32},
+        Case{2, 3, 5, DType::f32, DType::f32}}) {
+    INFO("M=" << c.M << " N=" << c.N << " K=" << c.K);
+    // Large, mixed-sign values so that cancellation exercises the reduction order.
+    const Tensor x = random_tensor({c.M, c.K}, c.xt, 601, -100.0, 100.0);
+    const Tensor w = random_tensor({c.N, c.K}, c.wt, 602, -3.0, 3.0);
+    for (bool acc : {false, true}) {
+      Tensor fast = random_tensor({c.M, c.N}, DType::f32, 603);
+      Tensor portable = fast.to(Device::cpu());
+      ops::matmul(x, w, fast, acc);
+      ops::cpu::set_matmul_kernel(ops::cpu::MatmulKernel::portable);
+      ops::matmul(x, w, portable, acc);
+      ops::cpu::set_matmul_kernel(ops::cpu::MatmulKernel::automatic);
+      CHECK(bitwise_equal(fast, portable));
+    }
+  }
+}
+
+TEST_CASE("matmul ops reject mismatched shapes and dtypes naming both shapes", "[unit]") {
+  using Catch::Matchers::Contains;
+  const Tensor x = random_tensor({7, 37}, DType::f32, 1);
+  const Tensor w = random_tensor({13, 36}, DType::f32, 2);
+  Tensor y = Tensor::empty({7, 13}, DType::f32);
+  CHECK_THROWS_WITH(ops::matmul(x, w, y),
+                    Contains("matmul") && Contains("(7, 37)") && Contains("(13, 36)"));
+  const Tensor w_ok = random_tensor({13, 37}, DType::f32, 3);
+  CHECK_THROWS_WITH(ops::matmul(x, w_ok, Tensor::empty({7, 12}, DType::f32)),
+                    Contains("(7, 12)") && Contains("(7, 13)"));
+  CHECK_THROWS_WITH(ops::matmul(x, w_ok, Tensor::empty({7, 13}, DType::bf16)),
+                    Contains("matmul") && Contains("y"));
+  CHECK_THROWS_AS(ops::matmul(random_tensor({7, 37}, DType::f16, 4), w_ok, y), Error);
+  CHECK_THROWS_AS(ops::matmul(random_tensor({7, 37, 1}, DType::f32, 4), w_ok, y), Error);
+  // Backward: dy (7, 13) against w (12, 37) and x (8, 37).
+  const Tensor dy = random_tensor({7, 13}, DType::f32, 5);
+  CHECK_THROWS_WITH(
+      ops::matmul_backward_input(dy, random_tensor({12, 37}, DType::f32, 6),
+                                 Tensor::empty({7, 37}, DType::f32)),
+      Contains("matmul_backward_input") && Contains("(7, 13)") && Contains("(12, 37)"));
+  CHECK_THROWS_WITH(
+      ops::matmul_backward_weight(dy, random_tensor({8, 37}, DType::f32, 7),
+                                  Tensor::empty({13, 37}, DType::f32)),
+      Contains("matmul_backward_weight") && Contains("(7, 13)") && Contains("(8, 37)"));
+  CHECK_THROWS_AS(ops::matmul_backward_input(random_tensor({7, 13}, DType::bf16, 8), w_ok,
+                                             Tensor::empty({7, 37}, DType::f32)),
+                  Error);
+}
+
+namespace {
+
+// y (M, N) [+]= x (M, K) w (N, K)^T and the backward products on one shape; the CUDA run
+// computes in bf16 whenever an operand is bf16 (the f32 operand is rounded to bf16 first), so
+// those cases allow the normalised error of one bf16 rounding of an operand in a K-term dot
+// product (about 2^-18 per product, ~1e-6 in all); all-f32 cases run an f32 GEMM on the GPU
+// and differ from the CPU only by summation order.
+void add_matmul_cases(const std::string& what, int64_t M, int64_t N, int64_t K, DType t,
+                      bool accumulate) {
+  const double nmse = t == DType::bf16 ? 1e-5 : 1e-10;
+  const std::string tag = fmt::format("{} {}{} M={} N={} K={}", what, dtype_name(t),
+                                      accumulate ? " accumulate" : "", M, N, K);
+  const auto out_init = [accumulate](Shape s) {
+    return [accumulate, s](const std::vector<Tensor>&) {
+      return std::vector<Tensor>{accumulate ? random_tensor(s, DType::f32, 77)
+                                            : Tensor::zeros(s, DType::f32)};
+    };
+  };
+  add_parity_case({
+      .name = "matmul " + tag,
+      .inputs =
+          [=](uint64_t seed) {
+            return std::vector<Tensor>{random_tensor({M, K}, DType::f32, seed),
+                                       random_tensor({N, K}, t, seed + 1)};
+          },
+      .outputs = out_init({M, N}),
+      .run = [accumulate](
+                 const std::vector<Tensor>& in,
+                 const std::vector<Tensor>& out) { ops::matmul(in[0], in[1], out[0], accumulate); },
+      .max_nmse = nmse,
+  });
+  add_parity_case({
+      .name = "matmul_backward_input " + tag,
+      .inputs =
+          [=](uint64_t seed) {
+            return std::vector<Tensor>{random_tensor({M, N}, DType::f32, seed),
+                                       random_tensor({N, K}, t, seed + 1)};
+          },
+      .outputs = out_init({M, K}),
+      .run =
+          [accumulate](const std::vector<Tensor>& in, const std::vector<Tensor>& out) {
+            ops::matmul_backward_input(in[0], in[1], out[0], accumulate);
+          },
+      .max_nmse = nmse,
+  });
+  add_parity_case({
+      .name = "matmul_backward_weight " + tag,
+      .inputs =
+          [=](uint64_t seed) {
+            return std::vector<Tensor>{random_tensor({M, N}, DType::f32, seed),
+                                       random_tensor({M, K}, t, seed + 1)};
+          },
+      .outputs = out_init({N, K}),
+      .run =
+          [accumulate](const std::vector<Tensor>& in, const std::vector<Tensor>& out) {
+            ops::matmul_backward_weight(in[0], in[1], out[0], accumulate);
+          },
+      .max_nmse = nmse,
+  });
+}
+
+}  // namespace
+
+TANDEM_PARITY_CASES(matmul) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    add_matmul_cases("odd", 7, 13, 37, t, false);
+    add_matmul_cases("odd", 65, 33, 577, t, true);
+    add_matmul_cases("smollm2 q_proj", 64, 576, 576, t, false);
+    add_matmul_cases("smollm2 down_proj", 33, 576, 1536, t, true);
+  }
+}
