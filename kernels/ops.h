@@ -62,11 +62,11 @@ float global_norm(std::span<const Tensor> tensors, const Stream& stream = {});
 // Embedding.
 
 // out (T, C) f32 = table (V, C) [ids (T)], ids: i32, table: f32 or bf16. An id outside [0, V)
-// throws.
+// throws, naming its position; on CUDA that check copies a flag back and waits for the stream.
 void embedding(const Tensor& ids, const Tensor& table, const Tensor& out,
                const Stream& stream = {});
 // dtable (V, C) f32 [+]= scatter-add of dout (T, C) f32 into the rows ids (T) name. Each row's
-// contributions are summed in token order (deterministic).
+// contributions are summed in token order (deterministic). Ids are checked as in embedding.
 void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable,
                         bool accumulate = false, const Stream& stream = {});
 
