@@ -13,38 +13,46 @@ namespace {
 constexpr int L = kSoftmaxLanes;
 
 template <class Op>
-float lane_tree(float* acc, Op op) {
+[[gnu::always_inline]] inline float lane_tree(float* acc, Op op) {
   for (int w = L / 2; w > 0; w /= 2)
     for (int j = 0; j < w; ++j) acc[j] = op(acc[j], acc[j + w]);
   return acc[0];
 }
 
 // The larger value; NaN wins, so that a row holding NaN gets a NaN log-sum-exp.
-float max_op(float a, float b) { return (a > b || a != a) ? a : b; }
-float sum_op(float a, float b) { return a + b; }
+[[gnu::always_inline]] inline float max_op(float a, float b) { return (a > b || a != a) ? a : b; }
+[[gnu::always_inline]] inline float sum_op(float a, float b) { return a + b; }
 
-template <bool kEntropy>
-RowSoftmax row_softmax_impl(const float* x, int64_t V, float temperature) {
+// z = x / temperature; x / 1 is x exactly, so the unit-temperature instances skip the division
+// and give the same bits.
+template <bool kUnit>
+[[gnu::always_inline]] inline float z_of(float x, float temperature) {
+  return kUnit ? x : scaled_logit(x, temperature);
+}
+
+template <bool kEntropy, bool kUnit>
+[[gnu::always_inline]] inline RowSoftmax row_softmax_impl(const float* x, int64_t V,
+                                                          float temperature) {
+  // max z = (max x) / temperature exactly: division by a positive number rounds monotonically.
   const int64_t full = V - V % L;
   float mx[L];
   for (int j = 0; j < L; ++j) mx[j] = -std::numeric_limits<float>::infinity();
   for (int64_t v0 = 0; v0 < full; v0 += L)
-    for (int j = 0; j < L; ++j) mx[j] = max_op(scaled_logit(x[v0 + j], temperature), mx[j]);
-  for (int64_t v = full; v < V; ++v)
-    mx[v - full] = max_op(scaled_logit(x[v], temperature), mx[v - full]);
-  const float m = lane_tree(mx, max_op);
+    for (int j = 0; j < L; ++j) mx[j] = max_op(x[v0 + j], mx[j]);
+  for (int64_t v = full; v < V; ++v) mx[v - full] = max_op(x[v], mx[v - full]);
+  const float m = z_of<kUnit>(lane_tree(mx, max_op), temperature);
 
   float s[L] = {}, ey[L] = {};
   for (int64_t v0 = 0; v0 < full; v0 += L) {
     for (int j = 0; j < L; ++j) {
-      const float y = scaled_logit(x[v0 + j], temperature) - m;
+      const float y = z_of<kUnit>(x[v0 + j], temperature) - m;
       const float e = softmax_exp(y);
       s[j] += e;
       if constexpr (kEntropy) ey[j] += e * (e > 0.0f ? y : 0.0f);  // 0 * -inf would be NaN
     }
   }
   for (int64_t v = full; v < V; ++v) {
-    const float y = scaled_logit(x[v], temperature) - m;
+    const float y = z_of<kUnit>(x[v], temperature) - m;
     const float e = softmax_exp(y);
     s[v - full] += e;
     if constexpr (kEntropy) ey[v - full] += e * (e > 0.0f ? y : 0.0f);
@@ -59,18 +67,20 @@ RowSoftmax row_softmax_impl(const float* x, int64_t V, float temperature) {
 }
 
 // -sum p log p of a row with log-sum-exp lse, p = exp(z - lse), in the lane order.
-float row_entropy(const float* x, int64_t V, float temperature, float lse) {
+template <bool kUnit>
+[[gnu::always_inline]] inline float row_entropy(const float* x, int64_t V, float temperature,
+                                                float lse) {
   const int64_t full = V - V % L;
   float acc[L] = {};
   for (int64_t v0 = 0; v0 < full; v0 += L) {
     for (int j = 0; j < L; ++j) {
-      const float logp = scaled_logit(x[v0 + j], temperature) - lse;
+      const float logp = z_of<kUnit>(x[v0 + j], temperature) - lse;
       const float p = softmax_exp(logp);
       acc[j] += p * (p > 0.0f ? logp : 0.0f);
     }
   }
   for (int64_t v = full; v < V; ++v) {
-    const float logp = scaled_logit(x[v], temperature) - lse;
+    const float logp = z_of<kUnit>(x[v], temperature) - lse;
     const float p = softmax_exp(logp);
     acc[v - full] += p * (p > 0.0f ? logp : 0.0f);
   }
@@ -79,25 +89,51 @@ float row_entropy(const float* x, int64_t V, float temperature, float lse) {
 
 // d/dz_v of a*logprob + b*entropy, divided by the temperature:
 //   d logprob / dz_v = 1[v = target] - p_v,  d entropy / dz_v = -p_v (log p_v + H).
-template <bool kEntropy, bool kAccumulate>
-void backward_row(const float* x, int64_t V, int32_t target, float temperature, float lse, float a,
-                  float b, float* g) {
-  const float H = kEntropy ? row_entropy(x, V, temperature, lse) : 0.0f;
+template <bool kEntropy, bool kAccumulate, bool kUnit>
+[[gnu::always_inline]] inline void backward_row(const float* x, int64_t V, int32_t target,
+                                                float temperature, float lse, float a, float b,
+                                                float* g) {
+  const float H = kEntropy ? row_entropy<kUnit>(x, V, temperature, lse) : 0.0f;
   for (int64_t v = 0; v < V; ++v) {
-    const float logp = scaled_logit(x[v], temperature) - lse;
+    const float logp = z_of<kUnit>(x[v], temperature) - lse;
     const float p = softmax_exp(logp);
     float d = a * (static_cast<float>(static_cast<int32_t>(static_cast<int32_t>(v) == target)) - p);
     if constexpr (kEntropy) d += b * (-p * ((p > 0.0f ? logp : -H) + H));  // 0 * -inf would be NaN
-    d = d / temperature;
+    if constexpr (!kUnit) d = d / temperature;
     g[v] = kAccumulate ? g[v] + d : d;
+  }
+}
+
+TANDEM_ROW_CLONES void backward_row_any(const float* x, int64_t V, int32_t target,
+                                        float temperature, float lse, float a, const float* b,
+                                        bool accumulate, float* g) {
+  const float bv = b ? *b : 0.0f;
+  const bool unit = temperature == 1.0f;
+  if (b && accumulate) {
+    unit ? backward_row<true, true, true>(x, V, target, temperature, lse, a, bv, g)
+         : backward_row<true, true, false>(x, V, target, temperature, lse, a, bv, g);
+  } else if (b) {
+    unit ? backward_row<true, false, true>(x, V, target, temperature, lse, a, bv, g)
+         : backward_row<true, false, false>(x, V, target, temperature, lse, a, bv, g);
+  } else if (accumulate) {
+    unit ? backward_row<false, true, true>(x, V, target, temperature, lse, a, bv, g)
+         : backward_row<false, true, false>(x, V, target, temperature, lse, a, bv, g);
+  } else {
+    unit ? backward_row<false, false, true>(x, V, target, temperature, lse, a, bv, g)
+         : backward_row<false, false, false>(x, V, target, temperature, lse, a, bv, g);
   }
 }
 
 }  // namespace
 
-RowSoftmax row_softmax(const float* x, int64_t V, float temperature, bool with_entropy) {
-  return with_entropy ? row_softmax_impl<true>(x, V, temperature)
-                      : row_softmax_impl<false>(x, V, temperature);
+TANDEM_ROW_CLONES RowSoftmax row_softmax(const float* x, int64_t V, float temperature,
+                                         bool with_entropy) {
+  if (temperature == 1.0f) {
+    return with_entropy ? row_softmax_impl<true, true>(x, V, temperature)
+                        : row_softmax_impl<false, true>(x, V, temperature);
+  }
+  return with_entropy ? row_softmax_impl<true, false>(x, V, temperature)
+                      : row_softmax_impl<false, false>(x, V, temperature);
 }
 
 void check_targets(const char* op, const int32_t* targets, int64_t T, int64_t V) {
@@ -140,18 +176,8 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
   float* dx = dlogits.data_as<float>();
   parallel_for(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* row = x + t * V;
-      float* g = dx + t * V;
-      const float b = dent ? dent[t] : 0.0f;
-      if (dent && accumulate) {
-        backward_row<true, true>(row, V, tg[t], temperature, ls[t], dlp[t], b, g);
-      } else if (dent) {
-        backward_row<true, false>(row, V, tg[t], temperature, ls[t], dlp[t], b, g);
-      } else if (accumulate) {
-        backward_row<false, true>(row, V, tg[t], temperature, ls[t], dlp[t], b, g);
-      } else {
-        backward_row<false, false>(row, V, tg[t], temperature, ls[t], dlp[t], b, g);
-      }
+      backward_row_any(x + t * V, V, tg[t], temperature, ls[t], dlp[t], dent ? dent + t : nullptr,
+                       accumulate, dx + t * V);
     }
   });
 }

@@ -82,20 +82,20 @@ float largest_value_where(float lo, float hi, Pred pred) {
   return key_value(a);
 }
 
-int64_t count_at_least(const float* z, int64_t n, float t) {
+TANDEM_ROW_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
   int32_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
   return c;
 }
 
-int64_t count_greater(const float* z, int64_t n, float t) {
+TANDEM_ROW_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
   int32_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
   return c;
 }
 
 // Sum of e over the entries with z >= t, in the lane order of row_softmax.
-float mass_at_least(const float* z, const float* e, int64_t n, float t) {
+TANDEM_ROW_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
   const int64_t full = n - n % L;
   float acc[L] = {};
   for (int64_t i0 = 0; i0 < full; i0 += L) {
@@ -111,6 +111,15 @@ float mass_at_least(const float* z, const float* e, int64_t n, float t) {
   for (int w = L / 2; w > 0; w /= 2)
     for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
   return acc[0];
+}
+
+// z = x / tau and e = exp(z - max), as row_softmax computes them.
+TANDEM_ROW_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
+                                     float* e) {
+  for (int64_t v = 0; v < V; ++v) {
+    z[v] = scaled_logit(x[v], tau);
+    e[v] = softmax_exp(z[v] - max);
+  }
 }
 
 int32_t first_argmax(const float* x, int64_t V) {
@@ -132,10 +141,7 @@ void sample_row(const float* x, int64_t V, const RowSettings& s, int32_t* token,
   Scratch& sc = scratch_for(V);
   float* z = sc.z.data();
   float* e = sc.e.data();
-  for (int64_t v = 0; v < V; ++v) {
-    z[v] = scaled_logit(x[v], tau);
-    e[v] = softmax_exp(z[v] - st.max);
-  }
+  scale_and_exp(x, V, tau, st.max, z, e);
   // The thresholds lie in [-inf, max z]: every search below starts from there.
 
   // Top-k: the candidates, in vocabulary order.

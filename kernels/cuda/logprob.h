@@ -132,10 +132,10 @@ __device__ __forceinline__ T block_reduce(T v, Op op) {
 // The row softmax statistics of x (V) with one block: thread i visits i, i + blockDim.x, ...
 template <bool kEntropy>
 __device__ RowSoftmax block_row_softmax(const float* x, int64_t V, float temperature) {
+  // max z = (max x) / temperature exactly: division by a positive number rounds monotonically.
   float m = -INFINITY;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x)
-    m = MaxOp{}(scaled_logit(x[v], temperature), m);
-  m = block_reduce(m, MaxOp{});
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) m = MaxOp{}(x[v], m);
+  m = scaled_logit(block_reduce(m, MaxOp{}), temperature);
   float s = 0.0f, ey = 0.0f;
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
     const float y = sub_rn(scaled_logit(x[v], temperature), m);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/parallel.h"
+#include "kernels/cpu/logprob.h"
 #include "kernels/ops.h"
 #include "tests/kernels/parity.h"
 #include "tests/testutil.h"
@@ -79,6 +80,60 @@ TEST_CASE("logprob_gather matches an f64 reference within the error of a plain f
     const Outputs no_entropy = run_forward(logits, targets, c.temperature, false);
     CHECK(bitwise_equal(no_entropy.logprob, o.logprob));
     CHECK(bitwise_equal(no_entropy.lse, o.lse));
+  }
+}
+
+TEST_CASE("softmax_exp is within 2 ulp of exp down to the normal range and 0 below", "[unit]") {
+  double worst_ulps = 0;
+  for (int i = 0; i <= 200000; ++i) {
+    const float x = -87.0f * static_cast<float>(i) / 200000.0f;
+    const double want = std::exp(static_cast<double>(x));
+    const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+    worst_ulps = std::max(worst_ulps, std::fabs(ops::softmax_exp(x) - want) / ulp);
+  }
+  INFO("worst error " << worst_ulps << " ulp");
+  CHECK(worst_ulps <= 2.0);
+  CHECK(ops::softmax_exp(0.0f) == 1.0f);
+  CHECK(ops::softmax_exp(-INFINITY) == 0.0f);
+  CHECK(ops::softmax_exp(-100.0f) == 0.0f);
+  CHECK(ops::softmax_exp(-87.5f) > 0.0f);  // a subnormal, still counted
+}
+
+TEST_CASE("row_softmax gives the bits of its scalar definition on this CPU", "[unit]") {
+  // The definition written plainly: lane v % 16, trees 8 4 2 1. Whatever vector build of the row
+  // loops the CPU picks must give these bits.
+  constexpr int L = ops::cpu::kSoftmaxLanes;
+  const auto max_op = [](float a, float b) { return (a > b || a != a) ? a : b; };
+  for (const int64_t V : {int64_t{1000}, int64_t{49157}, int64_t{7}}) {
+    for (const float temperature : {1.0f, 0.7f}) {
+      INFO("V " << V << " temperature " << temperature);
+      const Tensor row = random_tensor({V}, DType::f32, 61 + V, -20.0, 20.0);
+      const float* x = row.data_as<float>();
+      float mx[L], s[L] = {}, ey[L] = {};
+      for (float& m : mx) m = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) mx[v % L] = max_op(x[v], mx[v % L]);
+      for (int w = L / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) mx[j] = max_op(mx[j], mx[j + w]);
+      const float m = ops::scaled_logit(mx[0], temperature);
+      for (int64_t v = 0; v < V; ++v) {
+        const float y = ops::scaled_logit(x[v], temperature) - m;
+        const float e = ops::softmax_exp(y);
+        s[v % L] += e;
+        ey[v % L] += e * (e > 0.0f ? y : 0.0f);
+      }
+      for (int w = L / 2; w > 0; w /= 2) {
+        for (int j = 0; j < w; ++j) {
+          s[j] += s[j + w];
+          ey[j] += ey[j + w];
+        }
+      }
+      const float lse = m + std::log(s[0]);
+      const float entropy = std::log(s[0]) - ey[0] / s[0];
+      const ops::RowSoftmax got = ops::cpu::row_softmax(x, V, temperature, true);
+      CHECK(float_bits(got.lse) == float_bits(lse));
+      CHECK(float_bits(got.entropy) == float_bits(entropy));
+      CHECK(float_bits(ops::cpu::row_softmax(x, V, temperature, false).lse) == float_bits(lse));
+    }
   }
 }
 
