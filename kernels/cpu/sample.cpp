@@ -18,6 +18,7 @@
 // boundary may fall differently on the two backends by rounding, never by definition.
 #include "kernels/cpu/sample.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -189,20 +190,14 @@ void sample_row(const float* x, int64_t V, const RowSettings& s, int32_t* token,
     }
   }
 
-  // Inverse CDF in vocabulary order.
+  // Inverse CDF in vocabulary order: the running sums, once (into cz, free by now), then the
+  // first one above the threshold by binary search (sums of non-negative terms never decrease).
   const float u = uniform_from_bits(philox_random(s.seed, 0, s.offset).v[0]);
-  float total = 0.0f;
-  for (int64_t i = 0; i < kept; ++i) total += ce[i];
-  const float threshold = u * total;
-  int64_t pick = -1;
   float running = 0.0f;
-  for (int64_t i = 0; i < kept; ++i) {
-    running += ce[i];
-    if (running > threshold) {
-      pick = i;
-      break;
-    }
-  }
+  for (int64_t i = 0; i < kept; ++i) cz[i] = running += ce[i];
+  const float threshold = u * running;
+  int64_t pick = std::upper_bound(cz, cz + kept, threshold) - cz;
+  if (pick == kept) pick = -1;
   for (int64_t i = kept - 1; pick < 0 && i >= 0; --i)
     if (ce[i] > 0.0f) pick = i;
   const int32_t tok = pick >= 0 ? id[pick] : first_argmax(x, V);
