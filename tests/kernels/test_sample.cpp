@@ -222,6 +222,22 @@ TEST_CASE("sample top_k keeps exactly k with ties going to the lower ids", "[uni
   CHECK(drawn_set(row, {.top_k = 6, .seed = 24}) == std::set<int64_t>{0, 1, 2, 3, 4, 5});
 }
 
+TEST_CASE("sample never draws a token whose logit is -inf", "[unit]") {
+  std::vector<double> row = to_f64(random_tensor({500}, DType::f32, 71, -1.0, 1.0));
+  for (size_t v = 0; v < row.size(); v += 2) row[v] = -INFINITY;
+  for (const RowSpec s : {RowSpec{.seed = 1}, RowSpec{.temperature = 2.0f, .top_k = 400, .seed = 2},
+                          RowSpec{.top_p = 0.95f, .seed = 3}}) {
+    std::vector<RowSpec> rows(300, s);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i].offset = static_cast<int64_t>(i);
+    const Drawn d = run_sample(repeat_row(row, 300), rows);
+    for (int64_t i = 0; i < 300; ++i) {
+      INFO("draw " << i << " token " << d.token.data_as<int32_t>()[i]);
+      CHECK(d.token.data_as<int32_t>()[i] % 2 == 1);
+    }
+    CHECK(all_finite(d.logprob));
+  }
+}
+
 TEST_CASE("sample logprob equals logprob_gather of the drawn token bitwise", "[unit]") {
   const int64_t B = 24, V = 4099;
   const Tensor logits = random_tensor({B, V}, DType::f32, 31, -8.0, 8.0);
