@@ -2,6 +2,7 @@
 #include "kernels/cpu/adamw.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "core/half.h"
 #include "core/parallel.h"
