@@ -195,6 +195,27 @@ TEST_CASE("sample frequencies match the filtered renormalised distribution", "[u
   }
 }
 
+TEST_CASE("sample draws only tokens of the reference kept set on random rows and settings",
+          "[unit]") {
+  const int64_t V = 1000, B = 48, draws = 40;
+  const Tensor logits = random_tensor({B, V}, DType::f32, 91, -4.0, 4.0);
+  const std::vector<double> all = to_f64(logits);
+  for (int64_t b = 0; b < B; ++b) {
+    const RowSpec s{.temperature = 0.5f + 0.05f * static_cast<float>(b % 20),
+                    .top_k = b % 3 == 0 ? static_cast<int32_t>(5 + 7 * b) : 0,
+                    .top_p = b % 4 == 0 ? 1.0f : 0.5f + 0.01f * static_cast<float>(b),
+                    .min_p = b % 5 == 0 ? 0.01f * static_cast<float>(b % 7) : 0.0f,
+                    .seed = 300 + b};
+    INFO("row " << b << " top_k " << s.top_k << " top_p " << s.top_p << " min_p " << s.min_p);
+    const std::vector<double> row(all.begin() + b * V, all.begin() + (b + 1) * V);
+    const std::vector<double> want = filtered_distribution(row, s);
+    const std::vector<int64_t> counts = draw_counts(row, s, draws);
+    int64_t outside = 0;
+    for (int64_t v = 0; v < V; ++v) outside += want[v] == 0 ? counts[v] : 0;
+    CHECK(outside == 0);
+  }
+}
+
 TEST_CASE("sample top_p keeps the fewest largest tokens and every tie at the threshold", "[unit]") {
   const std::vector<double> row = log_of({0.05, 0.30, 0.10, 0.25, 0.20, 0.10});
   CHECK(drawn_set(row, {.top_p = 0.7f, .seed = 3}) == std::set<int64_t>{1, 3, 4});
