@@ -158,6 +158,8 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor
 
 // logits (T, V) f32, targets (T) i32 -> logprob (T) f32, lse (T) f32 (log-sum-exp of the
 // scaled logits, saved for backward), entropy (T) f32 (pass an undefined Tensor to skip it).
+// A target outside [0, V) throws on the CPU; on CUDA (which does not synchronise to check) its
+// logprob is NaN and its row of the backward's gradient is NaN.
 void logprob_gather(const Tensor& logits, const Tensor& targets, const Tensor& logprob,
                     const Tensor& lse, const Tensor& entropy, float temperature = 1.0f,
                     const Stream& stream = {});
@@ -195,7 +197,8 @@ void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tenso
 // so CPU and CUDA draw the same token from the same logits. No full sort of the vocabulary.
 // Outputs: token (B) i32 and logprob (B) f32 = its log-probability under the full
 // temperature-scaled distribution (under temperature 1 when greedy), the number the trainer
-// recomputes.
+// recomputes. Bad settings (temperature < 0, top_k < 0, top_p outside (0, 1], min_p outside
+// [0, 1]) throw naming the row on the CPU; on CUDA that row gets token -1 and a NaN logprob.
 struct SamplingTensors {
   Tensor temperature, top_k, top_p, min_p, seed, offset;
 };

@@ -1,0 +1,37 @@
+// CPU logprob_gather and its backward, and the row softmax statistics that sample shares.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "kernels/cuda/logprob.h"  // the arithmetic CPU and CUDA share (free of CUDA itself)
+
+namespace tandem::ops::cpu {
+
+// The row loops are built twice, for AVX2 and for the x86-64 baseline, and picked when the
+// program loads. AVX2 brings wider vectors but no FMA (GCC would contract a * b + c with it), and
+// every lane op is the same IEEE operation at any width, so both builds give the same bits.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TANDEM_ROW_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define TANDEM_ROW_CLONES
+#endif
+
+// Row reductions run over 16 lanes: lane j sums the elements v = j (mod 16) in increasing v,
+// then the lanes combine in a fixed tree (8, 4, 2, 1). The order depends on V alone.
+inline constexpr int kSoftmaxLanes = 16;
+
+// Max, sum of exp and log-sum-exp of x (V) / temperature, and the entropy when asked.
+// logprob_gather and sample call this one function, so their logprobs agree bit for bit.
+RowSoftmax row_softmax(const float* x, int64_t V, float temperature, bool with_entropy);
+
+// Checks that every target lies in [0, V); throws naming the op, the row and the id.
+void check_targets(const char* op, const int32_t* targets, int64_t T, int64_t V);
+
+void logprob_gather(const Tensor& logits, const Tensor& targets, const Tensor& logprob,
+                    const Tensor& lse, const Tensor& entropy, float temperature);
+void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
+                             const Tensor& targets, const Tensor& lse, const Tensor& dlogits,
+                             float temperature, bool accumulate);
+
+}  // namespace tandem::ops::cpu

@@ -1,0 +1,246 @@
+// CPU sampling: temperature, top-k, top-p and min-p filters by binary search on thresholds (no
+// sort of the vocabulary), then an inverse-CDF draw from the row's Philox stream.
+//
+// The definition both backends implement, per row (z = x / temperature, e_v = softmax_exp(z_v -
+// max z), which is p_v times a constant of the row):
+//  - temperature 0: the lowest id of the largest logit; its logprob under temperature 1.
+//  - top-k (0 < k < V): th_k = the largest value of z with count(z >= th_k) >= k; keep every v
+//    with z_v > th_k, and of those with z_v == th_k the lowest ids, until exactly k are kept.
+//  - top-p (top_p < 1): over the top-k tokens, th_p = the largest of their z with
+//    mass(z >= th_p) >= top_p * mass(all of them), mass summing e over the top-k tokens; keep the
+//    top-k tokens with z >= th_p (all of a tie at th_p stay).
+//  - min-p (min_p > 0): keep the tokens with e_v >= min_p, i.e. p_v >= min_p * max p (the largest
+//    token has e = 1).
+//  - the draw: u = uniform_from_bits(philox_random(seed, 0, offset).v[0]); the first kept token in
+//    vocabulary order whose running sum of e exceeds u * (sum of the kept e). Where rounding
+//    leaves none, the last kept token with e > 0.
+// Masses are f32 sums in a fixed order (16 lanes here, the block's order on CUDA), so a case on a
+// boundary may fall differently on the two backends by rounding, never by definition.
+#include "kernels/cpu/sample.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "core/philox.h"
+#include "kernels/cpu/logprob.h"
+
+namespace tandem::ops::cpu {
+namespace {
+
+constexpr int L = kSoftmaxLanes;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct RowSettings {
+  float temperature;
+  int32_t top_k;
+  float top_p, min_p;
+  uint64_t seed, offset;
+};
+
+// A row's scratch, per thread, grown once to the largest V seen.
+struct Scratch {
+  std::vector<float> z, e, kept_z, kept_e;  // (V)
+  std::vector<int32_t> kept_id;             // (V)
+};
+
+Scratch& scratch_for(int64_t V) {
+  thread_local Scratch s;
+  const size_t n = static_cast<size_t>(V);
+  if (s.z.size() < n) {
+    s.z.resize(n);
+    s.e.resize(n);
+    s.kept_z.resize(n);
+    s.kept_e.resize(n);
+    s.kept_id.resize(n);
+  }
+  return s;
+}
+
+// Float bit patterns mapped to integers in the order of their values (NaN aside).
+uint32_t ordered_key(float f) {
+  const uint32_t b = float_bits(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+float key_value(uint32_t k) { return bits_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+
+// The largest float t in [lo, hi] with pred(t), for pred true at lo and monotone (true up to
+// some value): a binary search over the ordered bit patterns, at most 32 steps.
+template <class Pred>
+float largest_value_where(float lo, float hi, Pred pred) {
+  uint32_t a = ordered_key(lo), b = ordered_key(hi);
+  while (a < b) {
+    const uint32_t mid = a + (b - a) / 2 + 1;
+    if (pred(key_value(mid))) {
+      a = mid;
+    } else {
+      b = mid - 1;
+    }
+  }
+  return key_value(a);
+}
+
+TANDEM_ROW_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
+  int32_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
+  return c;
+}
+
+TANDEM_ROW_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
+  int32_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
+  return c;
+}
+
+// Sum of e over the entries with z >= t, in the lane order of row_softmax.
+TANDEM_ROW_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
+  const int64_t full = n - n % L;
+  float acc[L] = {};
+  for (int64_t i0 = 0; i0 < full; i0 += L) {
+    for (int j = 0; j < L; ++j) {
+      const float ej = e[i0 + j];
+      acc[j] += z[i0 + j] >= t ? ej : 0.0f;
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float ei = e[i];
+    acc[i - full] += z[i] >= t ? ei : 0.0f;
+  }
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
+// z = x / tau and e = exp(z - max), as row_softmax computes them.
+TANDEM_ROW_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
+                                     float* e) {
+  for (int64_t v = 0; v < V; ++v) {
+    z[v] = scaled_logit(x[v], tau);
+    e[v] = softmax_exp(z[v] - max);
+  }
+}
+
+int32_t first_argmax(const float* x, int64_t V) {
+  int64_t best = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (x[v] > x[best]) best = v;
+  return static_cast<int32_t>(best);
+}
+
+void sample_row(const float* x, int64_t V, const RowSettings& s, int32_t* token, float* logprob) {
+  if (s.temperature == 0.0f) {
+    const int32_t a = first_argmax(x, V);
+    *token = a;
+    *logprob = token_logprob(x[a], 1.0f, row_softmax(x, V, 1.0f, false).lse);
+    return;
+  }
+  const float tau = s.temperature;
+  const RowSoftmax st = row_softmax(x, V, tau, false);
+  Scratch& sc = scratch_for(V);
+  float* z = sc.z.data();
+  float* e = sc.e.data();
+  scale_and_exp(x, V, tau, st.max, z, e);
+  // The thresholds lie in [-inf, max z]: every search below starts from there.
+
+  // Top-k: the candidates, in vocabulary order.
+  float* cz = sc.kept_z.data();
+  float* ce = sc.kept_e.data();
+  int32_t* id = sc.kept_id.data();
+  int64_t n = 0;
+  if (s.top_k > 0 && s.top_k < V) {
+    const int64_t k = s.top_k;
+    const float th =
+        largest_value_where(-kInf, st.max, [&](float t) { return count_at_least(z, V, t) >= k; });
+    int64_t ties = k - count_greater(z, V, th);
+    for (int64_t v = 0; v < V; ++v) {
+      if (z[v] > th || (z[v] == th && ties-- > 0)) {
+        cz[n] = z[v];
+        ce[n] = e[v];
+        id[n] = static_cast<int32_t>(v);
+        ++n;
+      }
+    }
+  } else {
+    for (int64_t v = 0; v < V; ++v) {
+      cz[v] = z[v];
+      ce[v] = e[v];
+      id[v] = static_cast<int32_t>(v);
+    }
+    n = V;
+  }
+
+  // Top-p over the top-k candidates.
+  float th_p = -kInf;
+  if (s.top_p < 1.0f && n > 0) {
+    const float target = s.top_p * mass_at_least(cz, ce, n, -kInf);
+    th_p = largest_value_where(-kInf, st.max,
+                               [&](float t) { return mass_at_least(cz, ce, n, t) >= target; });
+  }
+
+  // Top-p and min-p, compacting the candidates in place.
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (cz[i] >= th_p && ce[i] >= s.min_p) {
+      ce[kept] = ce[i];
+      id[kept] = id[i];
+      ++kept;
+    }
+  }
+
+  // Inverse CDF in vocabulary order: the running sums, once (into cz, free by now), then the
+  // first one above the threshold by binary search (sums of non-negative terms never decrease).
+  const float u = uniform_from_bits(philox_random(s.seed, 0, s.offset).v[0]);
+  float running = 0.0f;
+  for (int64_t i = 0; i < kept; ++i) cz[i] = running += ce[i];
+  const float threshold = u * running;
+  int64_t pick = std::upper_bound(cz, cz + kept, threshold) - cz;
+  if (pick == kept) pick = -1;
+  for (int64_t i = kept - 1; pick < 0 && i >= 0; --i)
+    if (ce[i] > 0.0f) pick = i;
+  const int32_t tok = pick >= 0 ? id[pick] : first_argmax(x, V);
+  *token = tok;
+  *logprob = token_logprob(x[tok], tau, st.lse);
+}
+
+}  // namespace
+
+void sample(const Tensor& logits, const SamplingTensors& settings, const Tensor& token,
+            const Tensor& logprob) {
+  const int64_t B = logits.size(0), V = logits.size(1);
+  const float* x = logits.data_as<float>();
+  const float* temperature = settings.temperature.data_as<float>();
+  const int32_t* top_k = settings.top_k.data_as<int32_t>();
+  const float* top_p = settings.top_p.data_as<float>();
+  const float* min_p = settings.min_p.data_as<float>();
+  const int64_t* seed = settings.seed.data_as<int64_t>();
+  const int64_t* offset = settings.offset.data_as<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TANDEM_CHECK(temperature[b] >= 0.0f && std::isfinite(temperature[b]),
+                 "sample: row {} has temperature {}, expected a finite value >= 0 (0 = greedy)", b,
+                 temperature[b]);
+    TANDEM_CHECK(top_k[b] >= 0, "sample: row {} has top_k {}, expected >= 0 (0 = off)", b,
+                 top_k[b]);
+    TANDEM_CHECK(top_p[b] > 0.0f && top_p[b] <= 1.0f,
+                 "sample: row {} has top_p {}, expected a value in (0, 1] (1 = off)", b, top_p[b]);
+    TANDEM_CHECK(min_p[b] >= 0.0f && min_p[b] <= 1.0f,
+                 "sample: row {} has min_p {}, expected a value in [0, 1] (0 = off)", b, min_p[b]);
+  }
+  int32_t* tok = token.data_as<int32_t>();
+  float* lp = logprob.data_as<float>();
+  parallel_for(B, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const RowSettings s{temperature[b],
+                          top_k[b],
+                          top_p[b],
+                          min_p[b],
+                          static_cast<uint64_t>(seed[b]),
+                          static_cast<uint64_t>(offset[b])};
+      sample_row(x + b * V, V, s, tok + b, lp + b);
+    }
+  });
+}
+
+}  // namespace tandem::ops::cpu
