@@ -1,0 +1,661 @@
+// CPU attention: packed causal forward and paged decode around ONE shared online-softmax row step
+// (so a token's output is bitwise the same either way), the backward, and kv_cache_write.
+#include "kernels/cpu/attention.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "core/parallel.h"
+#include "kernels/ops.h"
+
+// GCC contracts a * b + c into an FMA in C++ even under -std=c++20 once a function's target has
+// FMA; the AVX-512 and portable paths must round the same way, so fused multiply-adds are only
+// those written as such (std::fma, _mm512_fmadd_ps).
+#pragma GCC optimize("fp-contract=off")
+
+namespace tandem::ops::cpu {
+namespace {
+
+constexpr int kBlk = static_cast<int>(kAttentionKeyBlock);
+static_assert(kBlk == 16, "the row step keeps one key block in one 16-lane register");
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+std::atomic<bool> g_simd_enabled{true};
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") != 0;
+  return has;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key blocks. Keys are gathered transposed, kt (D, 16), so that the 16 scores of a block come
+// out of one vector loop; values row-major, vb (16, D). Lanes >= n are zero in kt; vb rows >= n
+// are never read. Both the packed and the paged path gather with this one function.
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return static_cast<float>(x); }
+
+template <class T>
+void gather_block(const T* const* krows, const T* const* vrows, int n, int64_t D, float* kt,
+                  float* vb) {
+  for (int j = 0; j < kBlk; ++j) {
+    if (j < n) {
+      const T* kr = krows[j];
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = widen(kr[d]);
+      const T* vr = vrows[j];
+      for (int64_t d = 0; d < D; ++d) vb[j * D + d] = widen(vr[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = 0.0f;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row step: one query row against one key block of n valid keys (1 <= n <= 16), updating
+// the row's state {m, l, acc[D]}. The arithmetic order, fixed here for both implementations:
+//   score_j = ((p0 + p1) + (p2 + p3)) * scale, p_r = fma chain over d = r, r+4, r+8, ...
+//   m' = max(m, max_j score_j); alpha = expf(m - m'); p_j = expf(score_j - m')
+//   l' = l * alpha + tree_sum(p)   (pairwise halving over the 16 lanes, masked lanes are 0)
+//   acc'[d] = fma chain over j = 0..n-1 of p_j * v_j[d], starting from acc[d] * alpha.
+// The AVX-512 and portable versions perform these same IEEE operations lane by lane.
+
+// Softmax bookkeeping on the 16 scores (masked lanes hold -inf); writes p, returns alpha.
+inline float softmax_update(const float* s, int n, float* m, float* l, float* p) {
+  float mb = s[0];
+  for (int j = 1; j < n; ++j) mb = std::max(mb, s[j]);
+  const float m_new = std::max(*m, mb);
+  const float alpha = expf(*m - m_new);
+  for (int j = 0; j < kBlk; ++j) p[j] = j < n ? expf(s[j] - m_new) : 0.0f;
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  const float sum = t[0] + t[1];
+  *l = *l * alpha + sum;
+  *m = m_new;
+  return alpha;
+}
+
+void row_step_portable(const float* q, const float* kt, const float* vb, int n, int64_t D,
+                       float scale, float* state) {
+  float part[4][kBlk] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    float* pr = part[d & 3];
+    for (int j = 0; j < kBlk; ++j) pr[j] = std::fma(q[d], kt[d * kBlk + j], pr[j]);
+  }
+  float s[kBlk], p[kBlk];
+  for (int j = 0; j < kBlk; ++j)
+    s[j] = j < n ? ((part[0][j] + part[1][j]) + (part[2][j] + part[3][j])) * scale : kNegInf;
+  const float alpha = softmax_update(s, n, &state[0], &state[1], p);
+  float* acc = state + 2;
+  for (int64_t d = 0; d < D; ++d) {
+    float a = acc[d] * alpha;
+    for (int j = 0; j < n; ++j) a = std::fma(p[j], vb[j * D + d], a);
+    acc[d] = a;
+  }
+}
+
+// acc chunks of 16 lanes kept in registers across the j loop (NC = D / 16 chunks).
+template <int NC>
+__attribute__((target("avx512f,fma"), always_inline)) inline void pv_chunks_avx512(
+    float* acc, const float* p, const float* vb, int n, int64_t D, float alpha) {
+  __m512 a[NC];
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
+  for (int j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const float* vr = vb + j * D;
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+// The row step for R rows (R <= 4) that see the same key block with the same n: their score
+// chains are interleaved and share the loads of kt; each row's arithmetic is exactly the one of
+// a single-row step.
+template <int R>
+__attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const* q, const float* kt,
+                                                             const float* vb, int n, int64_t D,
+                                                             float scale, float* const* state) {
+  __m512 part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 4 <= D; d += 4) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kBlk);
+      for (int r = 0; r < R; ++r)
+        part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
+    }
+  }
+  for (int c = 0; d + c < D; ++c) {
+    const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kBlk);
+    for (int r = 0; r < R; ++r)
+      part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
+  }
+  float s[R][kBlk], p[R][kBlk], alpha[R];
+  for (int r = 0; r < R; ++r) {
+    const __m512 sv = _mm512_mul_ps(
+        _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3])),
+        _mm512_set1_ps(scale));
+    _mm512_storeu_ps(s[r], sv);
+    for (int j = n; j < kBlk; ++j) s[r][j] = kNegInf;
+  }
+  for (int r = 0; r < R; ++r) alpha[r] = softmax_update(s[r], n, &state[r][0], &state[r][1], p[r]);
+  for (int r = 0; r < R; ++r) {
+    float* acc = state[r] + 2;
+    if (D == 64) {
+      pv_chunks_avx512<4>(acc, p[r], vb, n, D, alpha[r]);
+      continue;
+    }
+    if (D == 128) {
+      pv_chunks_avx512<8>(acc, p[r], vb, n, D, alpha[r]);
+      continue;
+    }
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(alpha[r]));
+      for (int j = 0; j < n; ++j)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), _mm512_loadu_ps(vb + j * D + c), a);
+      _mm512_storeu_ps(acc + c, a);
+    }
+    for (; c < D; ++c) {
+      float a = acc[c] * alpha[r];
+      for (int j = 0; j < n; ++j) a = std::fma(p[r][j], vb[j * D + c], a);
+      acc[c] = a;
+    }
+  }
+}
+
+constexpr int kMaxRows = 4;
+
+// R rows (any R) against one key block, each with n valid keys.
+void rows_step(int R, const float* const* q, const float* kt, const float* vb, int n, int64_t D,
+               float scale, float* const* state) {
+  if (!attention_simd_active()) {
+    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, vb, n, D, scale, state[r]);
+    return;
+  }
+  for (int r0 = 0; r0 < R; r0 += kMaxRows) {
+    switch (std::min(kMaxRows, R - r0)) {
+      case 1:
+        rows_step_avx512<1>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+      case 2:
+        rows_step_avx512<2>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+      case 3:
+        rows_step_avx512<3>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+      default:
+        rows_step_avx512<4>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+    }
+  }
+}
+
+inline void init_row(float* state, int64_t D) {
+  state[0] = kNegInf;
+  state[1] = 0.0f;
+  std::fill(state + 2, state + 2 + D, 0.0f);
+}
+
+inline void finish_row(const float* state, int64_t D, float* out, float* lse) {
+  const float l = state[1];
+  for (int64_t d = 0; d < D; ++d) out[d] = state[2 + d] / l;
+  if (lse != nullptr) *lse = state[0] + logf(l);
+}
+
+// Per-thread scratch that grows once to the largest shape seen.
+std::vector<float>& scratch(int slot) {
+  thread_local std::vector<float> bufs[4];
+  return bufs[slot];
+}
+float* scratch_floats(int slot, size_t n) {
+  std::vector<float>& v = scratch(slot);
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequences of a packed batch.
+
+// The starts of the sequences and T at the end, checked; reuses the calling thread's buffer.
+const std::vector<int64_t>& read_cu_seqlens(const char* op, const Tensor& cu_seqlens, int64_t T) {
+  const int32_t* cu = cu_seqlens.data_as<int32_t>();
+  const int64_t n = cu_seqlens.numel();
+  TANDEM_CHECK(n >= 1 && cu[0] == 0, "{}: cu_seqlens {} must start with 0", op,
+               cu_seqlens.shape().str());
+  thread_local std::vector<int64_t> starts;
+  starts.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    TANDEM_CHECK(i == 0 || cu[i] >= cu[i - 1],
+                 "{}: cu_seqlens must not decrease, but cu_seqlens[{}] = {} < cu_seqlens[{}] = {}",
+                 op, i, cu[i], i - 1, cu[i - 1]);
+    starts[static_cast<size_t>(i)] = cu[i];
+  }
+  TANDEM_CHECK(cu[n - 1] == T, "{}: cu_seqlens ends with {} but there are {} tokens", op, cu[n - 1],
+               T);
+  return starts;
+}
+
+// Work items of the packed kernels: (sequence, kv head, pair of query tiles). Tile p is paired
+// with tile (tiles - 1 - p) so that every item costs about the same under the causal mask.
+struct TileItem {
+  int64_t start, len, kvh, tile_a, tile_b;  // tile_b == tile_a: one tile only
+};
+
+const std::vector<TileItem>& tile_items(const std::vector<int64_t>& starts, int64_t Hkv) {
+  thread_local std::vector<TileItem> items;
+  items.clear();
+  for (size_t b = 0; b + 1 < starts.size(); ++b) {
+    const int64_t len = starts[b + 1] - starts[b];
+    const int64_t tiles = (len + kBlk - 1) / kBlk;
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int64_t p = 0; p < (tiles + 1) / 2; ++p)
+        items.push_back({starts[b], len, kvh, p, tiles - 1 - p});
+  }
+  return items;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward helpers: plain loops, compiled once for AVX-512 and once portably.
+
+// out[j] = sum over d of x[d] * xt[d * 16 + j] in 4 partial sums (fixed order).
+__attribute__((always_inline)) inline void block_dots(const float* x, const float* xt, int64_t D,
+                                                      float* out) {
+  float part[4][kBlk] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    float* pr = part[d & 3];
+    for (int j = 0; j < kBlk; ++j) pr[j] = pr[j] + x[d] * xt[d * kBlk + j];
+  }
+  for (int j = 0; j < kBlk; ++j) out[j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+}
+
+struct BackwardArgs {
+  const float *dout, *q, *k, *v, *lse, *delta;  // delta (T, H) = rowsum(dout * out)
+  float *dq, *dk, *dv;
+  int64_t H, Hkv, D;
+  float scale;
+};
+
+// dq rows of one item's query tiles: dq_i = scale * sum_j P_ij (dP_ij - delta_i) k_j.
+__attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const TileItem& it) {
+  const int64_t D = a.D, G = a.H / a.Hkv;
+  float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+  float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
+  float* kb = scratch_floats(2, static_cast<size_t>(D * kBlk));
+  const int64_t tiles[2] = {it.tile_a, it.tile_b};
+  for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
+    const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = it.kvh * G + g;
+      for (int64_t i = r0; i < r1; ++i) {
+        const int64_t t = it.start + i;
+        float* dq = a.dq + (t * a.H + h) * D;
+        std::fill(dq, dq + D, 0.0f);
+      }
+    }
+    for (int64_t k0 = 0; k0 <= r1 - 1; k0 += kBlk) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+      for (int j = 0; j < kBlk; ++j) {
+        const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+        const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kt[d * kBlk + j] = j < n ? kr[d] : 0.0f;
+          vt[d * kBlk + j] = j < n ? vr[d] : 0.0f;
+          kb[j * D + d] = j < n ? kr[d] : 0.0f;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = it.kvh * G + g;
+        for (int64_t i = std::max(r0, k0); i < r1; ++i) {
+          const int64_t t = it.start + i, row = t * a.H + h;
+          const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
+          float s[kBlk], dp[kBlk], ds[kBlk];
+          block_dots(a.q + row * D, kt, D, s);
+          block_dots(a.dout + row * D, vt, D, dp);
+          for (int j = 0; j < kBlk; ++j) {
+            const float p = j < nv ? expf(s[j] * a.scale - a.lse[row]) : 0.0f;
+            ds[j] = p * (dp[j] - a.delta[row]);
+          }
+          float* dq = a.dq + row * D;
+          for (int j = 0; j < nv; ++j)
+            for (int64_t d = 0; d < D; ++d) dq[d] = dq[d] + ds[j] * kb[j * D + d];
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = r0; i < r1; ++i) {
+        float* dq = a.dq + ((it.start + i) * a.H + it.kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dq[d] = dq[d] * a.scale;
+      }
+  }
+}
+
+// dk, dv rows of one item's key tiles, summed over the group's heads, then the queries, in order.
+__attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, const TileItem& it) {
+  const int64_t D = a.D, G = a.H / a.Hkv;
+  float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+  float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
+  float* acc = scratch_floats(2, static_cast<size_t>(2 * D * kBlk));  // dk (16, D), dv (16, D)
+  const int64_t tiles[2] = {it.tile_a, it.tile_b};
+  for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
+    const int64_t k0 = tiles[ti] * kBlk;
+    const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+    for (int j = 0; j < kBlk; ++j) {
+      const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+      const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kBlk + j] = j < n ? kr[d] : 0.0f;
+        vt[d * kBlk + j] = j < n ? vr[d] : 0.0f;
+      }
+    }
+    float* dk = acc;
+    float* dv = acc + D * kBlk;
+    std::fill(acc, acc + 2 * D * kBlk, 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = it.kvh * G + g;
+      for (int64_t i = k0; i < it.len; ++i) {
+        const int64_t row = (it.start + i) * a.H + h;
+        const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
+        float s[kBlk], dp[kBlk], p[kBlk], ds[kBlk];
+        const float* qr = a.q + row * D;
+        const float* gr = a.dout + row * D;
+        block_dots(qr, kt, D, s);
+        block_dots(gr, vt, D, dp);
+        for (int j = 0; j < kBlk; ++j) {
+          p[j] = j < nv ? expf(s[j] * a.scale - a.lse[row]) : 0.0f;
+          ds[j] = p[j] * (dp[j] - a.delta[row]);
+        }
+        for (int j = 0; j < nv; ++j) {
+          float* dkj = dk + j * D;
+          float* dvj = dv + j * D;
+          for (int64_t d = 0; d < D; ++d) {
+            dvj[d] = dvj[d] + p[j] * gr[d];
+            dkj[d] = dkj[d] + ds[j] * qr[d];
+          }
+        }
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const int64_t row = (it.start + k0 + j) * a.Hkv + it.kvh;
+      for (int64_t d = 0; d < D; ++d) {
+        a.dk[row * D + d] = dk[j * D + d] * a.scale;
+        a.dv[row * D + d] = dv[j * D + d];
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,fma"))) void dq_item_avx512(const BackwardArgs& a,
+                                                           const TileItem& it) {
+  dq_item(a, it);
+}
+void dq_item_portable(const BackwardArgs& a, const TileItem& it) { dq_item(a, it); }
+__attribute__((target("avx512f,fma"))) void dkdv_item_avx512(const BackwardArgs& a,
+                                                             const TileItem& it) {
+  dkdv_item(a, it);
+}
+void dkdv_item_portable(const BackwardArgs& a, const TileItem& it) { dkdv_item(a, it); }
+
+// ---------------------------------------------------------------------------------------------
+// Paged cache helpers.
+
+template <class T>
+void write_slots(const Tensor& k, const Tensor& v, const int32_t* slots, const Tensor& k_cache,
+                 const Tensor& v_cache) {
+  const int64_t T_ = k.size(0), row = k.size(1) * k.size(2);
+  const float* ks = k.data_as<float>();
+  const float* vs = v.data_as<float>();
+  T* kc = static_cast<T*>(k_cache.data());
+  T* vc = static_cast<T*>(v_cache.data());
+  parallel_for(
+      T_,
+      [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          const int64_t s = slots[t];
+          for (int64_t i = 0; i < row; ++i) {
+            if constexpr (std::is_same_v<T, float>) {
+              kc[s * row + i] = ks[t * row + i];
+              vc[s * row + i] = vs[t * row + i];
+            } else {
+              kc[s * row + i] = T(ks[t * row + i]);
+              vc[s * row + i] = T(vs[t * row + i]);
+            }
+          }
+        }
+      },
+      16);
+}
+
+template <class T>
+void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                  const int32_t* indptr, const int32_t* indices, const int32_t* last_len,
+                  const Tensor& out, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+  const T* kc = static_cast<const T*>(k_cache.data());
+  const T* vc = static_cast<const T*>(v_cache.data());
+  const float* qp = q.data_as<float>();
+  float* op = out.data_as<float>();
+  parallel_for(B * Hkv, [&](int64_t begin, int64_t end) {
+    float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+    float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
+    float* state = scratch_floats(2, static_cast<size_t>(G * (D + 2)));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, kvh = item % Hkv;
+      const int64_t len = (indptr[b + 1] - indptr[b] - 1) * P + last_len[b];
+      for (int64_t g = 0; g < G; ++g) init_row(state + g * (D + 2), D);
+      for (int64_t k0 = 0; k0 < len; k0 += kBlk) {
+        const int n = static_cast<int>(std::min<int64_t>(kBlk, len - k0));
+        const T* krows[kBlk];
+        const T* vrows[kBlk];
+        for (int j = 0; j < n; ++j) {
+          const int64_t pos = k0 + j;
+          const int64_t blk = indices[indptr[b] + pos / P];
+          const int64_t off = ((blk * P + pos % P) * Hkv + kvh) * D;
+          krows[j] = kc + off;
+          vrows[j] = vc + off;
+        }
+        gather_block(krows, vrows, n, D, kt, vb);
+        for (int64_t g0 = 0; g0 < G; g0 += kMaxRows) {
+          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, G - g0));
+          const float* qs[kMaxRows];
+          float* ss[kMaxRows];
+          for (int r = 0; r < R; ++r) {
+            qs[r] = qp + (b * H + kvh * G + g0 + r) * D;
+            ss[r] = state + (g0 + r) * (D + 2);
+          }
+          rows_step(R, qs, kt, vb, n, D, scale, ss);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        finish_row(state + g * (D + 2), D, op + (b * H + kvh * G + g) * D, nullptr);
+    }
+  });
+}
+
+}  // namespace
+
+void set_attention_simd(bool enabled) { g_simd_enabled = enabled; }
+bool attention_simd_active() { return g_simd_enabled && cpu_has_avx512(); }
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+               const Tensor& out, const Tensor& lse, float scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), G = H / Hkv;
+  const std::vector<TileItem>& items = tile_items(read_cu_seqlens("attention", cu_seqlens, T), Hkv);
+  const float* qp = q.data_as<float>();
+  const float* kp = k.data_as<float>();
+  const float* vp = v.data_as<float>();
+  float* op = out.data_as<float>();
+  float* lp = lse.data_as<float>();
+  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
+    float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+    float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
+    // Rows of an item: tile, head of the group, query of the tile.
+    float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * (D + 2)));
+    for (int64_t w = begin; w < end; ++w) {
+      const TileItem& it = items[static_cast<size_t>(w)];
+      const int ntiles = it.tile_a == it.tile_b ? 1 : 2;
+      const int64_t tiles[2] = {it.tile_a, it.tile_b};
+      auto row_state = [&](int ti, int64_t g, int64_t i) {
+        return state + ((ti * G + g) * kBlk + (i - tiles[ti] * kBlk)) * (D + 2);
+      };
+      int64_t last = 0;
+      for (int ti = 0; ti < ntiles; ++ti) {
+        const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+        last = std::max(last, r1);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = r0; i < r1; ++i) init_row(row_state(ti, g, i), D);
+      }
+      for (int64_t k0 = 0; k0 < last; k0 += kBlk) {
+        const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+        const float* krows[kBlk];
+        const float* vrows[kBlk];
+        for (int j = 0; j < n; ++j) {
+          const int64_t off = ((it.start + k0 + j) * Hkv + it.kvh) * D;
+          krows[j] = kp + off;
+          vrows[j] = vp + off;
+        }
+        gather_block(krows, vrows, n, D, kt, vb);
+        // Rows that see the whole block go in groups of up to kMaxRows; the diagonal block's
+        // rows, each with its own count of visible keys, one by one.
+        const float* qs[kMaxRows];
+        float* ss[kMaxRows];
+        int R = 0;
+        for (int ti = 0; ti < ntiles; ++ti) {
+          const int64_t r0 = std::max(tiles[ti] * kBlk, k0);
+          const int64_t r1 = std::min(it.len, tiles[ti] * kBlk + kBlk);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = it.kvh * G + g;
+            for (int64_t i = r0; i < r1; ++i) {
+              const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
+              const float* qr = qp + ((it.start + i) * H + h) * D;
+              if (nv < n) {
+                float* st = row_state(ti, g, i);
+                rows_step(1, &qr, kt, vb, nv, D, scale, &st);
+                continue;
+              }
+              qs[R] = qr;
+              ss[R] = row_state(ti, g, i);
+              if (++R == kMaxRows) {
+                rows_step(R, qs, kt, vb, n, D, scale, ss);
+                R = 0;
+              }
+            }
+          }
+        }
+        if (R > 0) rows_step(R, qs, kt, vb, n, D, scale, ss);
+      }
+      for (int ti = 0; ti < ntiles; ++ti) {
+        const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = it.kvh * G + g;
+          for (int64_t i = r0; i < r1; ++i) {
+            const int64_t row = (it.start + i) * H + h;
+            finish_row(row_state(ti, g, i), D, op + row * D, lp + row);
+          }
+        }
+      }
+    }
+  });
+}
+
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const std::vector<TileItem>& items =
+      tile_items(read_cu_seqlens("attention_backward", cu_seqlens, T), Hkv);
+  // delta (T, H) = rowsum(dout * out), summed in order over d.
+  float* delta = scratch_floats(3, static_cast<size_t>(T * H));
+  const float* gp = dout.data_as<float>();
+  const float* op = out.data_as<float>();
+  parallel_for(
+      T * H,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          float s = 0.0f;
+          for (int64_t d = 0; d < D; ++d) s = s + gp[r * D + d] * op[r * D + d];
+          delta[r] = s;
+        }
+      },
+      64);
+  const BackwardArgs a{gp,
+                       q.data_as<float>(),
+                       k.data_as<float>(),
+                       v.data_as<float>(),
+                       lse.data_as<float>(),
+                       delta,
+                       dq.data_as<float>(),
+                       dk.data_as<float>(),
+                       dv.data_as<float>(),
+                       H,
+                       Hkv,
+                       D,
+                       scale};
+  const bool simd = attention_simd_active();
+  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      const TileItem& it = items[static_cast<size_t>(w)];
+      if (simd) {
+        dq_item_avx512(a, it);
+        dkdv_item_avx512(a, it);
+      } else {
+        dq_item_portable(a, it);
+        dkdv_item_portable(a, it);
+      }
+    }
+  });
+}
+
+void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                    const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int32_t* sm = slot_mapping.data_as<int32_t>();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TANDEM_CHECK(sm[t] >= 0 && sm[t] < slots,
+                 "kv_cache_write: slot_mapping[{}] = {} is outside the cache's {} slots {}", t,
+                 sm[t], slots, k_cache.shape().str());
+  if (k_cache.dtype() == DType::f32) return write_slots<float>(k, v, sm, k_cache, v_cache);
+  write_slots<bf16>(k, v, sm, k_cache, v_cache);
+}
+
+void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& kv_indptr, const Tensor& kv_indices,
+                            const Tensor& kv_last_len, const Tensor& out, float scale) {
+  const int64_t B = q.size(0), num_blocks = k_cache.size(0), P = k_cache.size(1);
+  const int32_t* indptr = kv_indptr.data_as<int32_t>();
+  const int32_t* indices = kv_indices.data_as<int32_t>();
+  const int32_t* last_len = kv_last_len.data_as<int32_t>();
+  constexpr const char* op = "paged_attention_decode";
+  TANDEM_CHECK(indptr[0] == 0, "{}: kv_indptr[0] = {}, expected 0", op, indptr[0]);
+  TANDEM_CHECK(indptr[B] <= kv_indices.numel(),
+               "{}: kv_indptr[{}] = {} but kv_indices {} holds fewer block ids", op, B, indptr[B],
+               kv_indices.shape().str());
+  for (int64_t b = 0; b < B; ++b) {
+    TANDEM_CHECK(indptr[b + 1] > indptr[b],
+                 "{}: sequence {} has no blocks (kv_indptr[{}] = {}, kv_indptr[{}] = {})", op, b, b,
+                 indptr[b], b + 1, indptr[b + 1]);
+    TANDEM_CHECK(last_len[b] >= 1 && last_len[b] <= P,
+                 "{}: kv_last_len[{}] = {} is outside 1..{} (the block size)", op, b, last_len[b],
+                 P);
+  }
+  for (int64_t i = 0; i < indptr[B]; ++i)
+    TANDEM_CHECK(indices[i] >= 0 && indices[i] < num_blocks,
+                 "{}: kv_indices[{}] = {} is outside the cache's {} blocks", op, i, indices[i],
+                 num_blocks);
+  if (k_cache.dtype() == DType::f32)
+    return decode_typed<float>(q, k_cache, v_cache, indptr, indices, last_len, out, scale);
+  decode_typed<bf16>(q, k_cache, v_cache, indptr, indices, last_len, out, scale);
+}
+
+}  // namespace tandem::ops::cpu
