@@ -59,7 +59,8 @@ void gather_block(const T* const* krows, const T* const* vrows, int n, int64_t D
 
 // ---------------------------------------------------------------------------------------------
 // The row step: one query row against one key block of n valid keys (1 <= n <= 16), updating
-// the row's state {m, l, acc[D]}. The arithmetic order, fixed here for both implementations:
+// the row's state {acc[D], m, l} (see RowState). The arithmetic order, fixed here for both
+// implementations:
 //   score_j = ((p0 + p1) + (p2 + p3)) * scale, p_r = fma chain over d = r, r+4, r+8, ...
 //   m' = max(m, max_j score_j); alpha = expf(m - m'); p_j = expf(score_j - m')
 //   l' = l * alpha + tree_sum(p)   (pairwise halving over the 16 lanes, masked lanes are 0)
@@ -93,8 +94,8 @@ void row_step_portable(const float* q, const float* kt, const float* vb, int n, 
   float s[kBlk], p[kBlk];
   for (int j = 0; j < kBlk; ++j)
     s[j] = j < n ? ((part[0][j] + part[1][j]) + (part[2][j] + part[3][j])) * scale : kNegInf;
-  const float alpha = softmax_update(s, n, &state[0], &state[1], p);
-  float* acc = state + 2;
+  const float alpha = softmax_update(s, n, &state[D], &state[D + 1], p);
+  float* acc = state;
   for (int64_t d = 0; d < D; ++d) {
     float a = acc[d] * alpha;
     for (int j = 0; j < n; ++j) a = std::fma(p[j], vb[j * D + d], a);
@@ -102,19 +103,26 @@ void row_step_portable(const float* q, const float* kt, const float* vb, int n, 
   }
 }
 
-// acc chunks of 16 lanes kept in registers across the j loop (NC = D / 16 chunks).
-template <int NC>
-__attribute__((target("avx512f,fma"), always_inline)) inline void pv_chunks_avx512(
-    float* acc, const float* p, const float* vb, int n, int64_t D, float alpha) {
-  __m512 a[NC];
-  const __m512 va = _mm512_set1_ps(alpha);
-  for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
-  for (int j = 0; j < n; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    const float* vr = vb + j * D;
-    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * c), a[c]);
+// The value update of R rows with acc chunks of 16 lanes kept in registers across the j loop
+// (NC = D / 16 chunks per row, R * NC <= 16), sharing the loads of vb.
+template <int R, int NC>
+__attribute__((target("avx512f,fma"), always_inline)) inline void pv_rows_avx512(
+    float* const* acc, const float (*p)[kBlk], const float* vb, int n, int64_t D,
+    const float* alpha) {
+  __m512 a[R][NC];
+  for (int r = 0; r < R; ++r) {
+    const __m512 va = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), va);
   }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  for (int j = 0; j < n; ++j) {
+    const float* vr = vb + j * D;
+    for (int c = 0; c < NC; ++c) {
+      const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
 }
 
 // The row step for R rows (R <= 4) that see the same key block with the same n: their score
@@ -148,17 +156,16 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
     _mm512_storeu_ps(s[r], sv);
     for (int j = n; j < kBlk; ++j) s[r][j] = kNegInf;
   }
-  for (int r = 0; r < R; ++r) alpha[r] = softmax_update(s[r], n, &state[r][0], &state[r][1], p[r]);
+  for (int r = 0; r < R; ++r)
+    alpha[r] = softmax_update(s[r], n, &state[r][D], &state[r][D + 1], p[r]);
+  if (D == 64) return pv_rows_avx512<R, 4>(state, p, vb, n, D, alpha);
+  if (D == 128) {
+    for (int r = 0; r + 1 < R; r += 2) pv_rows_avx512<2, 8>(state + r, p + r, vb, n, D, alpha + r);
+    if (R % 2 == 1) pv_rows_avx512<1, 8>(state + R - 1, p + R - 1, vb, n, D, alpha + R - 1);
+    return;
+  }
   for (int r = 0; r < R; ++r) {
-    float* acc = state[r] + 2;
-    if (D == 64) {
-      pv_chunks_avx512<4>(acc, p[r], vb, n, D, alpha[r]);
-      continue;
-    }
-    if (D == 128) {
-      pv_chunks_avx512<8>(acc, p[r], vb, n, D, alpha[r]);
-      continue;
-    }
+    float* acc = state[r];
     int64_t c = 0;
     for (; c + 16 <= D; c += 16) {
       __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(alpha[r]));
@@ -201,27 +208,28 @@ void rows_step(int R, const float* const* q, const float* kt, const float* vb, i
   }
 }
 
+// A row's state: acc (D), then m and l; rows are 16 floats apart so that acc stays aligned.
+inline int64_t state_stride(int64_t D) { return (D + 2 + 15) / 16 * 16; }
+
 inline void init_row(float* state, int64_t D) {
-  state[0] = kNegInf;
-  state[1] = 0.0f;
-  std::fill(state + 2, state + 2 + D, 0.0f);
+  std::fill(state, state + D, 0.0f);
+  state[D] = kNegInf;
+  state[D + 1] = 0.0f;
 }
 
 inline void finish_row(const float* state, int64_t D, float* out, float* lse) {
-  const float l = state[1];
-  for (int64_t d = 0; d < D; ++d) out[d] = state[2 + d] / l;
-  if (lse != nullptr) *lse = state[0] + logf(l);
+  const float l = state[D + 1];
+  for (int64_t d = 0; d < D; ++d) out[d] = state[d] / l;
+  if (lse != nullptr) *lse = state[D] + logf(l);
 }
 
-// Per-thread scratch that grows once to the largest shape seen.
-std::vector<float>& scratch(int slot) {
-  thread_local std::vector<float> bufs[4];
-  return bufs[slot];
-}
+// Per-thread scratch that grows once to the largest shape seen; 64-byte aligned.
 float* scratch_floats(int slot, size_t n) {
-  std::vector<float>& v = scratch(slot);
-  if (v.size() < n) v.resize(n);
-  return v.data();
+  thread_local std::vector<float> bufs[4];
+  std::vector<float>& v = bufs[slot];
+  if (v.size() < n + 16) v.resize(n + 16);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - at % 64) % 64) / sizeof(float);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -449,11 +457,11 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
   parallel_for(B * Hkv, [&](int64_t begin, int64_t end) {
     float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
     float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
-    float* state = scratch_floats(2, static_cast<size_t>(G * (D + 2)));
+    float* state = scratch_floats(2, static_cast<size_t>(G * state_stride(D)));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, kvh = item % Hkv;
       const int64_t len = (indptr[b + 1] - indptr[b] - 1) * P + last_len[b];
-      for (int64_t g = 0; g < G; ++g) init_row(state + g * (D + 2), D);
+      for (int64_t g = 0; g < G; ++g) init_row(state + g * state_stride(D), D);
       for (int64_t k0 = 0; k0 < len; k0 += kBlk) {
         const int n = static_cast<int>(std::min<int64_t>(kBlk, len - k0));
         const T* krows[kBlk];
@@ -472,13 +480,13 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
           float* ss[kMaxRows];
           for (int r = 0; r < R; ++r) {
             qs[r] = qp + (b * H + kvh * G + g0 + r) * D;
-            ss[r] = state + (g0 + r) * (D + 2);
+            ss[r] = state + (g0 + r) * state_stride(D);
           }
           rows_step(R, qs, kt, vb, n, D, scale, ss);
         }
       }
       for (int64_t g = 0; g < G; ++g)
-        finish_row(state + g * (D + 2), D, op + (b * H + kvh * G + g) * D, nullptr);
+        finish_row(state + g * state_stride(D), D, op + (b * H + kvh * G + g) * D, nullptr);
     }
   });
 }
@@ -501,13 +509,13 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
     float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
     float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
     // Rows of an item: tile, head of the group, query of the tile.
-    float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * (D + 2)));
+    float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * state_stride(D)));
     for (int64_t w = begin; w < end; ++w) {
       const TileItem& it = items[static_cast<size_t>(w)];
       const int ntiles = it.tile_a == it.tile_b ? 1 : 2;
       const int64_t tiles[2] = {it.tile_a, it.tile_b};
       auto row_state = [&](int ti, int64_t g, int64_t i) {
-        return state + ((ti * G + g) * kBlk + (i - tiles[ti] * kBlk)) * (D + 2);
+        return state + ((ti * G + g) * kBlk + (i - tiles[ti] * kBlk)) * state_stride(D);
       };
       int64_t last = 0;
       for (int ti = 0; ti < ntiles; ++ti) {
