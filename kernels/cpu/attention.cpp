@@ -62,25 +62,25 @@ void gather_block(const T* const* krows, const T* const* vrows, int n, int64_t D
 // the row's state {acc[D], m, l} (see RowState). The arithmetic order, fixed here for both
 // implementations:
 //   score_j = ((p0 + p1) + (p2 + p3)) * scale, p_r = fma chain over d = r, r+4, r+8, ...
-//   m' = max(m, max_j score_j); alpha = expf(m - m'); p_j = expf(score_j - m')
-//   l' = l * alpha + tree_sum(p)   (pairwise halving over the 16 lanes, masked lanes are 0)
+//   mb = tree_max(score) (pairwise halving over the 16 lanes, masked lanes -inf, max(a, b) =
+//        a > b ? a : b as MAXPS); m' = std::max(m, mb); alpha = expf(m - m')
+//   p_j = expf(score_j - m'); l' = l * alpha + tree_sum(p) (pairwise halving, masked lanes 0)
 //   acc'[d] = fma chain over j = 0..n-1 of p_j * v_j[d], starting from acc[d] * alpha.
 // The AVX-512 and portable versions perform these same IEEE operations lane by lane.
 
-// Softmax bookkeeping on the 16 scores (masked lanes hold -inf); writes p, returns alpha.
-inline float softmax_update(const float* s, int n, float* m, float* l, float* p) {
-  float mb = s[0];
-  for (int j = 1; j < n; ++j) mb = std::max(mb, s[j]);
-  const float m_new = std::max(*m, mb);
-  const float alpha = expf(*m - m_new);
-  for (int j = 0; j < kBlk; ++j) p[j] = j < n ? expf(s[j] - m_new) : 0.0f;
+inline float max_ps(float a, float b) { return a > b ? a : b; }
+
+// After the block max: the new running max, alpha, p from the shifted scores d = score - m'
+// (lanes >= n unused), the new running sum. Returns alpha.
+inline float softmax_update(const float* d, int n, float m_old, float m_new, float* l, float* p) {
+  const float alpha = expf(m_old - m_new);
+  for (int j = 0; j < kBlk; ++j) p[j] = j < n ? expf(d[j]) : 0.0f;
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
   for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
   for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
   const float sum = t[0] + t[1];
   *l = *l * alpha + sum;
-  *m = m_new;
   return alpha;
 }
 
@@ -91,10 +91,17 @@ void row_step_portable(const float* q, const float* kt, const float* vb, int n, 
     float* pr = part[d & 3];
     for (int j = 0; j < kBlk; ++j) pr[j] = std::fma(q[d], kt[d * kBlk + j], pr[j]);
   }
-  float s[kBlk], p[kBlk];
+  float s[kBlk], p[kBlk], t[8];
   for (int j = 0; j < kBlk; ++j)
     s[j] = j < n ? ((part[0][j] + part[1][j]) + (part[2][j] + part[3][j])) * scale : kNegInf;
-  const float alpha = softmax_update(s, n, &state[D], &state[D + 1], p);
+  for (int i = 0; i < 8; ++i) t[i] = max_ps(s[i], s[i + 8]);
+  for (int i = 0; i < 4; ++i) t[i] = max_ps(t[i], t[i + 4]);
+  for (int i = 0; i < 2; ++i) t[i] = max_ps(t[i], t[i + 2]);
+  const float mb = max_ps(t[0], t[1]);
+  const float m_old = state[D], m_new = std::max(m_old, mb);
+  for (int j = 0; j < kBlk; ++j) s[j] = s[j] - m_new;
+  const float alpha = softmax_update(s, n, m_old, m_new, &state[D + 1], p);
+  state[D] = m_new;
   float* acc = state;
   for (int64_t d = 0; d < D; ++d) {
     float a = acc[d] * alpha;
@@ -125,6 +132,10 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void pv_rows_avx512
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
 }
 
+// GCC 12 reports the "undefined" pass-through operand inside its own AVX-512 max and shuffle
+// intrinsics as used uninitialized (GCC bug 105593); the intrinsics are correct.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
 // The row step for R rows (R <= 4) that see the same key block with the same n: their score
 // chains are interleaved and share the loads of kt; each row's arithmetic is exactly the one of
 // a single-row step.
@@ -148,16 +159,28 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
     for (int r = 0; r < R; ++r)
       part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
   }
-  float s[R][kBlk], p[R][kBlk], alpha[R];
+  float s[R][kBlk], p[R][kBlk], alpha[R], m_old[R], m_new[R];
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
   for (int r = 0; r < R; ++r) {
-    const __m512 sv = _mm512_mul_ps(
-        _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3])),
-        _mm512_set1_ps(scale));
-    _mm512_storeu_ps(s[r], sv);
-    for (int j = n; j < kBlk; ++j) s[r][j] = kNegInf;
+    const __m512 sv =
+        _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid,
+                           _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                                       _mm512_add_ps(part[r][2], part[r][3])),
+                                         _mm512_set1_ps(scale)));
+    // tree_max: lanes i and i + 8, then i + 4, i + 2, i + 1, with MAXPS's a > b ? a : b.
+    __m512 x = _mm512_max_ps(sv, _mm512_shuffle_f32x4(sv, sv, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    const float mb = _mm512_cvtss_f32(x);
+    m_old[r] = state[r][D];
+    m_new[r] = std::max(m_old[r], mb);
+    _mm512_storeu_ps(s[r], _mm512_sub_ps(sv, _mm512_set1_ps(m_new[r])));
   }
-  for (int r = 0; r < R; ++r)
-    alpha[r] = softmax_update(s[r], n, &state[r][D], &state[r][D + 1], p[r]);
+  for (int r = 0; r < R; ++r) {
+    alpha[r] = softmax_update(s[r], n, m_old[r], m_new[r], &state[r][D + 1], p[r]);
+    state[r][D] = m_new[r];
+  }
   if (D == 64) return pv_rows_avx512<R, 4>(state, p, vb, n, D, alpha);
   if (D == 128) {
     for (int r = 0; r + 1 < R; r += 2) pv_rows_avx512<2, 8>(state + r, p + r, vb, n, D, alpha + r);
@@ -180,6 +203,8 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
     }
   }
 }
+
+#pragma GCC diagnostic pop
 
 constexpr int kMaxRows = 4;
 
