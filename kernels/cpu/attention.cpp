@@ -257,6 +257,18 @@ float* scratch_floats(int slot, size_t n) {
   return v.data() + ((64 - at % 64) % 64) / sizeof(float);
 }
 
+// Calls f(w, w + 1) for every work item w of [0, n), handing the items out one at a time from a
+// shared counter, so that a thread that loses its core delays one item rather than half of the
+// work. Every item is computed by one thread from its inputs alone: the results do not depend
+// on which thread takes which item, nor on the thread count.
+template <class F>
+void parallel_items(int64_t n, F&& f) {
+  std::atomic<int64_t> next{0};
+  parallel_for(std::min<int64_t>(n, num_threads()), [&](int64_t, int64_t) {
+    for (int64_t w = next.fetch_add(1); w < n; w = next.fetch_add(1)) f(w, w + 1);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sequences of a packed batch.
 
@@ -479,7 +491,7 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
   const T* vc = static_cast<const T*>(v_cache.data());
   const float* qp = q.data_as<float>();
   float* op = out.data_as<float>();
-  parallel_for(B * Hkv, [&](int64_t begin, int64_t end) {
+  parallel_items(B * Hkv, [&](int64_t begin, int64_t end) {
     float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
     float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
     float* state = scratch_floats(2, static_cast<size_t>(G * state_stride(D)));
@@ -530,7 +542,7 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
   const float* vp = v.data_as<float>();
   float* op = out.data_as<float>();
   float* lp = lse.data_as<float>();
-  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
     float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
     float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
     // Rows of an item: tile, head of the group, query of the tile.
@@ -636,7 +648,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                        D,
                        scale};
   const bool simd = attention_simd_active();
-  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t b, int64_t e) {
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const TileItem& it = items[static_cast<size_t>(w)];
       if (simd) {
