@@ -257,14 +257,19 @@ float* scratch_floats(int slot, size_t n) {
   return v.data() + ((64 - at % 64) % 64) / sizeof(float);
 }
 
+// Multiply-adds below which a call runs on one thread: waking the pool costs more than it saves.
+constexpr double kMinMacsPerThread = 1 << 20;
+
 // Calls f(w, w + 1) for every work item w of [0, n), handing the items out one at a time from a
 // shared counter, so that a thread that loses its core delays one item rather than half of the
 // work. Every item is computed by one thread from its inputs alone: the results do not depend
-// on which thread takes which item, nor on the thread count.
+// on which thread takes which item, nor on the thread count. macs: the call's work, roughly.
 template <class F>
-void parallel_items(int64_t n, F&& f) {
+void parallel_items(int64_t n, double macs, F&& f) {
+  const int64_t by_work = static_cast<int64_t>(macs / kMinMacsPerThread) + 1;
+  const int64_t threads = std::min({n, by_work, static_cast<int64_t>(num_threads())});
   std::atomic<int64_t> next{0};
-  parallel_for(std::min<int64_t>(n, num_threads()), [&](int64_t, int64_t) {
+  parallel_for(threads, [&](int64_t, int64_t) {
     for (int64_t w = next.fetch_add(1); w < n; w = next.fetch_add(1)) f(w, w + 1);
   });
 }
@@ -308,6 +313,14 @@ const std::vector<TileItem>& tile_items(const std::vector<int64_t>& starts, int6
         items.push_back({starts[b], len, kvh, p, tiles - 1 - p});
   }
   return items;
+}
+
+// Multiply-adds of the forward over the items' sequences: 2 * len^2 / 2 * H * D each.
+double causal_macs(const std::vector<TileItem>& items, int64_t H, int64_t D) {
+  double macs = 0;
+  for (const TileItem& it : items)
+    if (it.kvh == 0 && it.tile_a == 0) macs += static_cast<double>(it.len) * it.len;
+  return macs * static_cast<double>(H * D);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -491,7 +504,10 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
   const T* vc = static_cast<const T*>(v_cache.data());
   const float* qp = q.data_as<float>();
   float* op = out.data_as<float>();
-  parallel_items(B * Hkv, [&](int64_t begin, int64_t end) {
+  double macs = 0;
+  for (int64_t b = 0; b < B; ++b) macs += static_cast<double>(indptr[b + 1] - indptr[b]) * P;
+  macs *= 2.0 * static_cast<double>(H * D);
+  parallel_items(B * Hkv, macs, [&](int64_t begin, int64_t end) {
     float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
     float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
     float* state = scratch_floats(2, static_cast<size_t>(G * state_stride(D)));
@@ -542,76 +558,78 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
   const float* vp = v.data_as<float>();
   float* op = out.data_as<float>();
   float* lp = lse.data_as<float>();
-  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
-    float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
-    float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
-    // Rows of an item: tile, head of the group, query of the tile.
-    float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * state_stride(D)));
-    for (int64_t w = begin; w < end; ++w) {
-      const TileItem& it = items[static_cast<size_t>(w)];
-      const int ntiles = it.tile_a == it.tile_b ? 1 : 2;
-      const int64_t tiles[2] = {it.tile_a, it.tile_b};
-      auto row_state = [&](int ti, int64_t g, int64_t i) {
-        return state + ((ti * G + g) * kBlk + (i - tiles[ti] * kBlk)) * state_stride(D);
-      };
-      int64_t last = 0;
-      for (int ti = 0; ti < ntiles; ++ti) {
-        const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
-        last = std::max(last, r1);
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = r0; i < r1; ++i) init_row(row_state(ti, g, i), D);
-      }
-      for (int64_t k0 = 0; k0 < last; k0 += kBlk) {
-        const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-        const float* krows[kBlk];
-        const float* vrows[kBlk];
-        for (int j = 0; j < n; ++j) {
-          const int64_t off = ((it.start + k0 + j) * Hkv + it.kvh) * D;
-          krows[j] = kp + off;
-          vrows[j] = vp + off;
-        }
-        gather_block(krows, vrows, n, D, kt, vb);
-        // Rows that see the whole block go in groups of up to kMaxRows; the diagonal block's
-        // rows, each with its own count of visible keys, one by one.
-        const float* qs[kMaxRows];
-        float* ss[kMaxRows];
-        int R = 0;
-        for (int ti = 0; ti < ntiles; ++ti) {
-          const int64_t r0 = std::max(tiles[ti] * kBlk, k0);
-          const int64_t r1 = std::min(it.len, tiles[ti] * kBlk + kBlk);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t h = it.kvh * G + g;
-            for (int64_t i = r0; i < r1; ++i) {
-              const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
-              const float* qr = qp + ((it.start + i) * H + h) * D;
-              if (nv < n) {
-                float* st = row_state(ti, g, i);
-                rows_step(1, &qr, kt, vb, nv, D, scale, &st);
-                continue;
+  parallel_items(
+      static_cast<int64_t>(items.size()), causal_macs(items, H, D),
+      [&](int64_t begin, int64_t end) {
+        float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+        float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
+        // Rows of an item: tile, head of the group, query of the tile.
+        float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * state_stride(D)));
+        for (int64_t w = begin; w < end; ++w) {
+          const TileItem& it = items[static_cast<size_t>(w)];
+          const int ntiles = it.tile_a == it.tile_b ? 1 : 2;
+          const int64_t tiles[2] = {it.tile_a, it.tile_b};
+          auto row_state = [&](int ti, int64_t g, int64_t i) {
+            return state + ((ti * G + g) * kBlk + (i - tiles[ti] * kBlk)) * state_stride(D);
+          };
+          int64_t last = 0;
+          for (int ti = 0; ti < ntiles; ++ti) {
+            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+            last = std::max(last, r1);
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t i = r0; i < r1; ++i) init_row(row_state(ti, g, i), D);
+          }
+          for (int64_t k0 = 0; k0 < last; k0 += kBlk) {
+            const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+            const float* krows[kBlk];
+            const float* vrows[kBlk];
+            for (int j = 0; j < n; ++j) {
+              const int64_t off = ((it.start + k0 + j) * Hkv + it.kvh) * D;
+              krows[j] = kp + off;
+              vrows[j] = vp + off;
+            }
+            gather_block(krows, vrows, n, D, kt, vb);
+            // Rows that see the whole block go in groups of up to kMaxRows; the diagonal block's
+            // rows, each with its own count of visible keys, one by one.
+            const float* qs[kMaxRows];
+            float* ss[kMaxRows];
+            int R = 0;
+            for (int ti = 0; ti < ntiles; ++ti) {
+              const int64_t r0 = std::max(tiles[ti] * kBlk, k0);
+              const int64_t r1 = std::min(it.len, tiles[ti] * kBlk + kBlk);
+              for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = it.kvh * G + g;
+                for (int64_t i = r0; i < r1; ++i) {
+                  const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
+                  const float* qr = qp + ((it.start + i) * H + h) * D;
+                  if (nv < n) {
+                    float* st = row_state(ti, g, i);
+                    rows_step(1, &qr, kt, vb, nv, D, scale, &st);
+                    continue;
+                  }
+                  qs[R] = qr;
+                  ss[R] = row_state(ti, g, i);
+                  if (++R == kMaxRows) {
+                    rows_step(R, qs, kt, vb, n, D, scale, ss);
+                    R = 0;
+                  }
+                }
               }
-              qs[R] = qr;
-              ss[R] = row_state(ti, g, i);
-              if (++R == kMaxRows) {
-                rows_step(R, qs, kt, vb, n, D, scale, ss);
-                R = 0;
+            }
+            if (R > 0) rows_step(R, qs, kt, vb, n, D, scale, ss);
+          }
+          for (int ti = 0; ti < ntiles; ++ti) {
+            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = it.kvh * G + g;
+              for (int64_t i = r0; i < r1; ++i) {
+                const int64_t row = (it.start + i) * H + h;
+                finish_row(row_state(ti, g, i), D, op + row * D, lp + row);
               }
             }
           }
         }
-        if (R > 0) rows_step(R, qs, kt, vb, n, D, scale, ss);
-      }
-      for (int ti = 0; ti < ntiles; ++ti) {
-        const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = it.kvh * G + g;
-          for (int64_t i = r0; i < r1; ++i) {
-            const int64_t row = (it.start + i) * H + h;
-            finish_row(row_state(ti, g, i), D, op + row * D, lp + row);
-          }
-        }
-      }
-    }
-  });
+      });
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -648,18 +666,19 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                        D,
                        scale};
   const bool simd = attention_simd_active();
-  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t b, int64_t e) {
-    for (int64_t w = b; w < e; ++w) {
-      const TileItem& it = items[static_cast<size_t>(w)];
-      if (simd) {
-        dq_item_avx512(a, it);
-        dkdv_item_avx512(a, it);
-      } else {
-        dq_item_portable(a, it);
-        dkdv_item_portable(a, it);
-      }
-    }
-  });
+  parallel_items(static_cast<int64_t>(items.size()), 4 * causal_macs(items, H, D),
+                 [&](int64_t b, int64_t e) {
+                   for (int64_t w = b; w < e; ++w) {
+                     const TileItem& it = items[static_cast<size_t>(w)];
+                     if (simd) {
+                       dq_item_avx512(a, it);
+                       dkdv_item_avx512(a, it);
+                     } else {
+                       dq_item_portable(a, it);
+                       dkdv_item_portable(a, it);
+                     }
+                   }
+                 });
 }
 
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
