@@ -324,17 +324,91 @@ double causal_macs(const std::vector<TileItem>& items, int64_t H, int64_t D) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward helpers: plain loops, compiled once for AVX-512 and once portably.
+// Backward, FlashAttention-2 style: scores and dP of a (query tile, key block) from tile_dots,
+// the gradient sums from axpys, each in an AVX-512 and a portable version that do the same IEEE
+// operations in the same order, so they agree bitwise.
 
-// out[j] = sum over d of x[d] * xt[d * 16 + j] in 4 partial sums (fixed order).
-__attribute__((always_inline)) inline void block_dots(const float* x, const float* xt, int64_t D,
-                                                      float* out) {
-  float part[4][kBlk] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    float* pr = part[d & 3];
-    for (int j = 0; j < kBlk; ++j) pr[j] = pr[j] + x[d] * xt[d * kBlk + j];
+// out[i * 16 + j] = sum over d of x[i * xs + d] * xt[d * 16 + j] for rows i < rows, in 4
+// partial sums over d = r (mod 4) combined as (p0 + p1) + (p2 + p3); multiply, then add.
+void tile_dots_portable(const float* x, int64_t xs, int64_t rows, const float* xt, int64_t D,
+                        float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float part[4][kBlk] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      float* pr = part[d & 3];
+      for (int j = 0; j < kBlk; ++j) pr[j] = pr[j] + x[i * xs + d] * xt[d * kBlk + j];
+    }
+    for (int j = 0; j < kBlk; ++j)
+      out[i * kBlk + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
   }
-  for (int j = 0; j < kBlk; ++j) out[j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+}
+
+template <int R>
+__attribute__((target("avx512f"), always_inline)) inline void tile_dots_rows_avx512(
+    const float* x, int64_t xs, const float* xt, int64_t D, float* out) {
+  __m512 part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kv = _mm512_loadu_ps(xt + d * kBlk);
+    for (int r = 0; r < R; ++r)
+      part[r][d & 3] =
+          _mm512_add_ps(part[r][d & 3], _mm512_mul_ps(_mm512_set1_ps(x[r * xs + d]), kv));
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * kBlk, _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                                   _mm512_add_ps(part[r][2], part[r][3])));
+}
+
+__attribute__((target("avx512f"))) void tile_dots_avx512(const float* x, int64_t xs, int64_t rows,
+                                                         const float* xt, int64_t D, float* out) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) tile_dots_rows_avx512<4>(x + i * xs, xs, xt, D, out + i * kBlk);
+  for (; i < rows; ++i) tile_dots_rows_avx512<1>(x + i * xs, xs, xt, D, out + i * kBlk);
+}
+
+// acc[d] = acc[d] + c[t * cs] * x[t * xs + d], for t = 0..count-1 in order (multiply, then add).
+void axpys_portable(float* acc, const float* c, int64_t cs, const float* x, int64_t xs, int count,
+                    int64_t D) {
+  for (int64_t d = 0; d < D; ++d) {
+    float v = acc[d];
+    for (int t = 0; t < count; ++t) v = v + c[t * cs] * x[t * xs + d];
+    acc[d] = v;
+  }
+}
+
+__attribute__((target("avx512f"))) void axpys_avx512(float* acc, const float* c, int64_t cs,
+                                                     const float* x, int64_t xs, int count,
+                                                     int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m512 v0 = _mm512_loadu_ps(acc + d), v1 = _mm512_loadu_ps(acc + d + 16);
+    __m512 v2 = _mm512_loadu_ps(acc + d + 32), v3 = _mm512_loadu_ps(acc + d + 48);
+    for (int t = 0; t < count; ++t) {
+      const __m512 ct = _mm512_set1_ps(c[t * cs]);
+      const float* xr = x + t * xs + d;
+      v0 = _mm512_add_ps(v0, _mm512_mul_ps(ct, _mm512_loadu_ps(xr)));
+      v1 = _mm512_add_ps(v1, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 16)));
+      v2 = _mm512_add_ps(v2, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 32)));
+      v3 = _mm512_add_ps(v3, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 48)));
+    }
+    _mm512_storeu_ps(acc + d, v0);
+    _mm512_storeu_ps(acc + d + 16, v1);
+    _mm512_storeu_ps(acc + d + 32, v2);
+    _mm512_storeu_ps(acc + d + 48, v3);
+  }
+  for (; d + 16 <= D; d += 16) {
+    __m512 v = _mm512_loadu_ps(acc + d);
+    for (int t = 0; t < count; ++t)
+      v = _mm512_add_ps(v,
+                        _mm512_mul_ps(_mm512_set1_ps(c[t * cs]), _mm512_loadu_ps(x + t * xs + d)));
+    _mm512_storeu_ps(acc + d, v);
+  }
+  for (; d < D; ++d) {
+    float v = acc[d];
+    for (int t = 0; t < count; ++t) v = v + c[t * cs] * x[t * xs + d];
+    acc[d] = v;
+  }
 }
 
 struct BackwardArgs {
@@ -344,101 +418,126 @@ struct BackwardArgs {
   float scale;
 };
 
-// dq rows of one item's query tiles: dq_i = scale * sum_j P_ij (dP_ij - delta_i) k_j.
+// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero.
+__attribute__((always_inline)) inline void gather_kv_transposed(const BackwardArgs& a,
+                                                                const TileItem& it, int64_t k0,
+                                                                int n, float* kt, float* vt) {
+  const int64_t D = a.D;
+  for (int j = 0; j < kBlk; ++j) {
+    if (j < n) {
+      const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+      const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kBlk + j] = kr[d];
+        vt[d * kBlk + j] = vr[d];
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = vt[d * kBlk + j] = 0.0f;
+    }
+  }
+}
+
+// P (16, 16) and dS (16, 16) of query rows [q0, q0 + rows) of head h against the key block at
+// k0 with n keys (kt, vt gathered): P_ij = exp(scale * q_i.k_j - lse_i), dS_ij = P_ij (dP_ij -
+// delta_i), dP_ij = dout_i.v_j; zero where the key is masked. S holds (16, 16) scratch.
+template <bool kSimd>
+__attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, const TileItem& it,
+                                                      int64_t h, int64_t q0, int64_t rows,
+                                                      int64_t k0, int n, const float* kt,
+                                                      const float* vt, float* S, float* P,
+                                                      float* dS) {
+  const int64_t first = (it.start + q0) * a.H + h, D = a.D;
+  if constexpr (kSimd) {
+    tile_dots_avx512(a.q + first * D, a.H * D, rows, kt, D, S);
+    tile_dots_avx512(a.dout + first * D, a.H * D, rows, vt, D, dS);
+  } else {
+    tile_dots_portable(a.q + first * D, a.H * D, rows, kt, D, S);
+    tile_dots_portable(a.dout + first * D, a.H * D, rows, vt, D, dS);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = first + i * a.H;
+    const int64_t nv = std::min<int64_t>(n, q0 + i - k0 + 1);
+    for (int j = 0; j < kBlk; ++j) {
+      const float p = j < nv ? expf(S[i * kBlk + j] * a.scale - a.lse[row]) : 0.0f;
+      P[i * kBlk + j] = p;
+      dS[i * kBlk + j] = p * (dS[i * kBlk + j] - a.delta[row]);
+    }
+  }
+}
+
+// dq rows of one item's query tiles: dq_i = scale * sum_j dS_ij k_j, key blocks in order.
+template <bool kSimd>
 __attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const TileItem& it) {
   const int64_t D = a.D, G = a.H / a.Hkv;
   float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
   float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
-  float* kb = scratch_floats(2, static_cast<size_t>(D * kBlk));
+  float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk));
+  float* P = S + kBlk * kBlk;
+  float* dS = P + kBlk * kBlk;
   const int64_t tiles[2] = {it.tile_a, it.tile_b};
   for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
-    const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t h = it.kvh * G + g;
-      for (int64_t i = r0; i < r1; ++i) {
-        const int64_t t = it.start + i;
-        float* dq = a.dq + (t * a.H + h) * D;
+    const int64_t q0 = tiles[ti] * kBlk, rows = std::min<int64_t>(kBlk, it.len - q0);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < rows; ++i) {
+        float* dq = a.dq + ((it.start + q0 + i) * a.H + it.kvh * G + g) * D;
         std::fill(dq, dq + D, 0.0f);
       }
-    }
-    for (int64_t k0 = 0; k0 <= r1 - 1; k0 += kBlk) {
+    for (int64_t k0 = 0; k0 < q0 + rows; k0 += kBlk) {
       const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-      for (int j = 0; j < kBlk; ++j) {
-        const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-        const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          kt[d * kBlk + j] = j < n ? kr[d] : 0.0f;
-          vt[d * kBlk + j] = j < n ? vr[d] : 0.0f;
-          kb[j * D + d] = j < n ? kr[d] : 0.0f;
-        }
-      }
+      gather_kv_transposed(a, it, k0, n, kt, vt);
+      const float* kb = a.k + ((it.start + k0) * a.Hkv + it.kvh) * D;  // rows Hkv * D apart
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = it.kvh * G + g;
-        for (int64_t i = std::max(r0, k0); i < r1; ++i) {
-          const int64_t t = it.start + i, row = t * a.H + h;
-          const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
-          float s[kBlk], dp[kBlk], ds[kBlk];
-          block_dots(a.q + row * D, kt, D, s);
-          block_dots(a.dout + row * D, vt, D, dp);
-          for (int j = 0; j < kBlk; ++j) {
-            const float p = j < nv ? expf(s[j] * a.scale - a.lse[row]) : 0.0f;
-            ds[j] = p * (dp[j] - a.delta[row]);
+        tile_probs<kSimd>(a, it, h, q0, rows, k0, n, kt, vt, S, P, dS);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* dq = a.dq + ((it.start + q0 + i) * a.H + h) * D;
+          if constexpr (kSimd) {
+            axpys_avx512(dq, dS + i * kBlk, 1, kb, a.Hkv * D, n, D);
+          } else {
+            axpys_portable(dq, dS + i * kBlk, 1, kb, a.Hkv * D, n, D);
           }
-          float* dq = a.dq + row * D;
-          for (int j = 0; j < nv; ++j)
-            for (int64_t d = 0; d < D; ++d) dq[d] = dq[d] + ds[j] * kb[j * D + d];
         }
       }
     }
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = r0; i < r1; ++i) {
-        float* dq = a.dq + ((it.start + i) * a.H + it.kvh * G + g) * D;
+      for (int64_t i = 0; i < rows; ++i) {
+        float* dq = a.dq + ((it.start + q0 + i) * a.H + it.kvh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dq[d] = dq[d] * a.scale;
       }
   }
 }
 
 // dk, dv rows of one item's key tiles, summed over the group's heads, then the queries, in order.
+template <bool kSimd>
 __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, const TileItem& it) {
   const int64_t D = a.D, G = a.H / a.Hkv;
   float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
   float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
-  float* acc = scratch_floats(2, static_cast<size_t>(2 * D * kBlk));  // dk (16, D), dv (16, D)
+  float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk + 2 * kBlk * D));
+  float* P = S + kBlk * kBlk;
+  float* dS = P + kBlk * kBlk;
+  float* dk = dS + kBlk * kBlk;  // (16, D)
+  float* dv = dk + kBlk * D;     // (16, D)
   const int64_t tiles[2] = {it.tile_a, it.tile_b};
   for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
     const int64_t k0 = tiles[ti] * kBlk;
     const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-    for (int j = 0; j < kBlk; ++j) {
-      const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-      const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * kBlk + j] = j < n ? kr[d] : 0.0f;
-        vt[d * kBlk + j] = j < n ? vr[d] : 0.0f;
-      }
-    }
-    float* dk = acc;
-    float* dv = acc + D * kBlk;
-    std::fill(acc, acc + 2 * D * kBlk, 0.0f);
+    gather_kv_transposed(a, it, k0, n, kt, vt);
+    std::fill(dk, dk + 2 * kBlk * D, 0.0f);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = it.kvh * G + g;
-      for (int64_t i = k0; i < it.len; ++i) {
-        const int64_t row = (it.start + i) * a.H + h;
-        const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
-        float s[kBlk], dp[kBlk], p[kBlk], ds[kBlk];
-        const float* qr = a.q + row * D;
-        const float* gr = a.dout + row * D;
-        block_dots(qr, kt, D, s);
-        block_dots(gr, vt, D, dp);
-        for (int j = 0; j < kBlk; ++j) {
-          p[j] = j < nv ? expf(s[j] * a.scale - a.lse[row]) : 0.0f;
-          ds[j] = p[j] * (dp[j] - a.delta[row]);
-        }
-        for (int j = 0; j < nv; ++j) {
-          float* dkj = dk + j * D;
-          float* dvj = dv + j * D;
-          for (int64_t d = 0; d < D; ++d) {
-            dvj[d] = dvj[d] + p[j] * gr[d];
-            dkj[d] = dkj[d] + ds[j] * qr[d];
+      for (int64_t q0 = k0; q0 < it.len; q0 += kBlk) {
+        const int64_t rows = std::min<int64_t>(kBlk, it.len - q0);
+        tile_probs<kSimd>(a, it, h, q0, rows, k0, n, kt, vt, S, P, dS);
+        const float* qr = a.q + ((it.start + q0) * a.H + h) * D;  // rows H * D apart
+        const float* gr = a.dout + ((it.start + q0) * a.H + h) * D;
+        for (int j = 0; j < n; ++j) {
+          if constexpr (kSimd) {
+            axpys_avx512(dv + j * D, P + j, kBlk, gr, a.H * D, static_cast<int>(rows), D);
+            axpys_avx512(dk + j * D, dS + j, kBlk, qr, a.H * D, static_cast<int>(rows), D);
+          } else {
+            axpys_portable(dv + j * D, P + j, kBlk, gr, a.H * D, static_cast<int>(rows), D);
+            axpys_portable(dk + j * D, dS + j, kBlk, qr, a.H * D, static_cast<int>(rows), D);
           }
         }
       }
@@ -453,16 +552,15 @@ __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, cons
   }
 }
 
-__attribute__((target("avx512f,fma"))) void dq_item_avx512(const BackwardArgs& a,
-                                                           const TileItem& it) {
-  dq_item(a, it);
+__attribute__((target("avx512f"))) void dq_item_avx512(const BackwardArgs& a, const TileItem& it) {
+  dq_item<true>(a, it);
 }
-void dq_item_portable(const BackwardArgs& a, const TileItem& it) { dq_item(a, it); }
-__attribute__((target("avx512f,fma"))) void dkdv_item_avx512(const BackwardArgs& a,
-                                                             const TileItem& it) {
-  dkdv_item(a, it);
+void dq_item_portable(const BackwardArgs& a, const TileItem& it) { dq_item<false>(a, it); }
+__attribute__((target("avx512f"))) void dkdv_item_avx512(const BackwardArgs& a,
+                                                         const TileItem& it) {
+  dkdv_item<true>(a, it);
 }
-void dkdv_item_portable(const BackwardArgs& a, const TileItem& it) { dkdv_item(a, it); }
+void dkdv_item_portable(const BackwardArgs& a, const TileItem& it) { dkdv_item<false>(a, it); }
 
 // ---------------------------------------------------------------------------------------------
 // Paged cache helpers.
