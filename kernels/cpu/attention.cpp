@@ -73,7 +73,8 @@ inline float max_ps(float a, float b) { return a > b ? a : b; }
 // After the block max: the new running max, alpha, p from the shifted scores d = score - m'
 // (lanes >= n unused), the new running sum. Returns alpha.
 inline float softmax_update(const float* d, int n, float m_old, float m_new, float* l, float* p) {
-  const float alpha = expf(m_old - m_new);
+  // expf(0) is exactly 1: skip the call when the running max did not move.
+  const float alpha = m_old == m_new ? 1.0f : expf(m_old - m_new);
   for (int j = 0; j < kBlk; ++j) p[j] = j < n ? expf(d[j]) : 0.0f;
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
