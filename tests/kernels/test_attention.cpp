@@ -286,6 +286,8 @@ TEST_CASE("paged decode matches packed attention bitwise for ragged batches", "[
     Packed smol = make_packed({40, 7, 50, 33}, 9, 3, 64, 43);
     check_decode_matches_packed(smol, P, 1, DType::f32);
   }
+  Packed qwen = make_packed({40, 7, 50, 1}, 12, 2, 128, 45);
+  check_decode_matches_packed(qwen, 16, 2, DType::f32);
   Packed bf = make_packed({33, 7, 1, 16, 50}, 9, 3, 64, 47);
   check_decode_matches_packed(bf, 16, 1, DType::bf16);
 }
