@@ -1,0 +1,824 @@
+// CPU attention: packed causal forward and paged decode around ONE shared online-softmax row step
+// (so a token's output is bitwise the same either way), the backward, and kv_cache_write.
+#include "kernels/cpu/attention.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "core/parallel.h"
+#include "kernels/ops.h"
+
+// GCC contracts a * b + c into an FMA in C++ even under -std=c++20 once a function's target has
+// FMA; the AVX-512 and portable paths must round the same way, so fused multiply-adds are only
+// those written as such (std::fma, _mm512_fmadd_ps).
+#pragma GCC optimize("fp-contract=off")
+
+namespace tandem::ops::cpu {
+namespace {
+
+constexpr int kBlk = static_cast<int>(kAttentionKeyBlock);
+static_assert(kBlk == 16, "the row step keeps one key block in one 16-lane register");
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+std::atomic<bool> g_simd_enabled{true};
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") != 0;
+  return has;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key blocks. Keys are gathered transposed, kt (D, 16), so that the 16 scores of a block come
+// out of one vector loop; values row-major, vb (16, D). Lanes >= n are zero in kt; vb rows >= n
+// are never read. Both the packed and the paged path gather with this one function.
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return static_cast<float>(x); }
+
+template <class T>
+void gather_block(const T* const* krows, const T* const* vrows, int n, int64_t D, float* kt,
+                  float* vb) {
+  for (int j = 0; j < kBlk; ++j) {
+    if (j < n) {
+      const T* kr = krows[j];
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = widen(kr[d]);
+      const T* vr = vrows[j];
+      for (int64_t d = 0; d < D; ++d) vb[j * D + d] = widen(vr[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = 0.0f;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row step: one query row against one key block of n valid keys (1 <= n <= 16), updating
+// the row's state {acc[D], m, l} (see RowState). The arithmetic order, fixed here for both
+// implementations:
+//   score_j = ((p0 + p1) + (p2 + p3)) * scale, p_r = fma chain over d = r, r+4, r+8, ...
+//   mb = tree_max(score) (pairwise halving over the 16 lanes, masked lanes -inf, max(a, b) =
+//        a > b ? a : b as MAXPS); m' = std::max(m, mb); alpha = expf(m - m')
+//   p_j = expf(score_j - m'); l' = l * alpha + tree_sum(p) (pairwise halving, masked lanes 0)
+//   acc'[d] = fma chain over j = 0..n-1 of p_j * v_j[d], starting from acc[d] * alpha.
+// The AVX-512 and portable versions perform these same IEEE operations lane by lane.
+
+inline float max_ps(float a, float b) { return a > b ? a : b; }
+
+// After the block max: the new running max, alpha, p from the shifted scores d = score - m'
+// (lanes >= n unused), the new running sum. Returns alpha.
+inline float softmax_update(const float* d, int n, float m_old, float m_new, float* l, float* p) {
+  // expf(0) is exactly 1: skip the call when the running max did not move.
+  const float alpha = m_old == m_new ? 1.0f : expf(m_old - m_new);
+  for (int j = 0; j < kBlk; ++j) p[j] = j < n ? expf(d[j]) : 0.0f;
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  const float sum = t[0] + t[1];
+  *l = *l * alpha + sum;
+  return alpha;
+}
+
+void row_step_portable(const float* q, const float* kt, const float* vb, int n, int64_t D,
+                       float scale, float* state) {
+  float part[4][kBlk] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    float* pr = part[d & 3];
+    for (int j = 0; j < kBlk; ++j) pr[j] = std::fma(q[d], kt[d * kBlk + j], pr[j]);
+  }
+  float s[kBlk], p[kBlk], t[8];
+  for (int j = 0; j < kBlk; ++j)
+    s[j] = j < n ? ((part[0][j] + part[1][j]) + (part[2][j] + part[3][j])) * scale : kNegInf;
+  for (int i = 0; i < 8; ++i) t[i] = max_ps(s[i], s[i + 8]);
+  for (int i = 0; i < 4; ++i) t[i] = max_ps(t[i], t[i + 4]);
+  for (int i = 0; i < 2; ++i) t[i] = max_ps(t[i], t[i + 2]);
+  const float mb = max_ps(t[0], t[1]);
+  const float m_old = state[D], m_new = std::max(m_old, mb);
+  for (int j = 0; j < kBlk; ++j) s[j] = s[j] - m_new;
+  const float alpha = softmax_update(s, n, m_old, m_new, &state[D + 1], p);
+  state[D] = m_new;
+  float* acc = state;
+  for (int64_t d = 0; d < D; ++d) {
+    float a = acc[d] * alpha;
+    for (int j = 0; j < n; ++j) a = std::fma(p[j], vb[j * D + d], a);
+    acc[d] = a;
+  }
+}
+
+// The value update of R rows with acc chunks of 16 lanes kept in registers across the j loop
+// (NC = D / 16 chunks per row, R * NC <= 16), sharing the loads of vb.
+template <int R, int NC>
+__attribute__((target("avx512f,fma"), always_inline)) inline void pv_rows_avx512(
+    float* const* acc, const float (*p)[kBlk], const float* vb, int n, int64_t D,
+    const float* alpha) {
+  __m512 a[R][NC];
+  for (int r = 0; r < R; ++r) {
+    const __m512 va = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), va);
+  }
+  for (int j = 0; j < n; ++j) {
+    const float* vr = vb + j * D;
+    for (int c = 0; c < NC; ++c) {
+      const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
+}
+
+// GCC 12 reports the "undefined" pass-through operand inside its own AVX-512 max and shuffle
+// intrinsics as used uninitialized (GCC bug 105593); the intrinsics are correct.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// The row step for R rows (R <= 4) that see the same key block with the same n: their score
+// chains are interleaved and share the loads of kt; each row's arithmetic is exactly the one of
+// a single-row step.
+template <int R>
+__attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const* q, const float* kt,
+                                                             const float* vb, int n, int64_t D,
+                                                             float scale, float* const* state) {
+  __m512 part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 4 <= D; d += 4) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kBlk);
+      for (int r = 0; r < R; ++r)
+        part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
+    }
+  }
+  for (int c = 0; d + c < D; ++c) {
+    const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kBlk);
+    for (int r = 0; r < R; ++r)
+      part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
+  }
+  float s[R][kBlk], p[R][kBlk], alpha[R], m_old[R], m_new[R];
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  for (int r = 0; r < R; ++r) {
+    const __m512 sv =
+        _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid,
+                           _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                                       _mm512_add_ps(part[r][2], part[r][3])),
+                                         _mm512_set1_ps(scale)));
+    // tree_max: lanes i and i + 8, then i + 4, i + 2, i + 1, with MAXPS's a > b ? a : b.
+    __m512 x = _mm512_max_ps(sv, _mm512_shuffle_f32x4(sv, sv, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    const float mb = _mm512_cvtss_f32(x);
+    m_old[r] = state[r][D];
+    m_new[r] = std::max(m_old[r], mb);
+    _mm512_storeu_ps(s[r], _mm512_sub_ps(sv, _mm512_set1_ps(m_new[r])));
+  }
+  for (int r = 0; r < R; ++r) {
+    alpha[r] = softmax_update(s[r], n, m_old[r], m_new[r], &state[r][D + 1], p[r]);
+    state[r][D] = m_new[r];
+  }
+  if (D == 64) return pv_rows_avx512<R, 4>(state, p, vb, n, D, alpha);
+  if (D == 128) {
+    for (int r = 0; r + 1 < R; r += 2) pv_rows_avx512<2, 8>(state + r, p + r, vb, n, D, alpha + r);
+    if (R % 2 == 1) pv_rows_avx512<1, 8>(state + R - 1, p + R - 1, vb, n, D, alpha + R - 1);
+    return;
+  }
+  for (int r = 0; r < R; ++r) {
+    float* acc = state[r];
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(alpha[r]));
+      for (int j = 0; j < n; ++j)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), _mm512_loadu_ps(vb + j * D + c), a);
+      _mm512_storeu_ps(acc + c, a);
+    }
+    for (; c < D; ++c) {
+      float a = acc[c] * alpha[r];
+      for (int j = 0; j < n; ++j) a = std::fma(p[r][j], vb[j * D + c], a);
+      acc[c] = a;
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+constexpr int kMaxRows = 4;
+
+// R rows (any R) against one key block, each with n valid keys.
+void rows_step(int R, const float* const* q, const float* kt, const float* vb, int n, int64_t D,
+               float scale, float* const* state) {
+  if (!attention_simd_active()) {
+    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, vb, n, D, scale, state[r]);
+    return;
+  }
+  for (int r0 = 0; r0 < R; r0 += kMaxRows) {
+    switch (std::min(kMaxRows, R - r0)) {
+      case 1:
+        rows_step_avx512<1>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+      case 2:
+        rows_step_avx512<2>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+      case 3:
+        rows_step_avx512<3>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+      default:
+        rows_step_avx512<4>(q + r0, kt, vb, n, D, scale, state + r0);
+        break;
+    }
+  }
+}
+
+// A row's state: acc (D), then m and l; rows are 16 floats apart so that acc stays aligned.
+inline int64_t state_stride(int64_t D) { return (D + 2 + 15) / 16 * 16; }
+
+inline void init_row(float* state, int64_t D) {
+  std::fill(state, state + D, 0.0f);
+  state[D] = kNegInf;
+  state[D + 1] = 0.0f;
+}
+
+inline void finish_row(const float* state, int64_t D, float* out, float* lse) {
+  const float l = state[D + 1];
+  for (int64_t d = 0; d < D; ++d) out[d] = state[d] / l;
+  if (lse != nullptr) *lse = state[D] + logf(l);
+}
+
+// Per-thread scratch that grows once to the largest shape seen; 64-byte aligned.
+float* scratch_floats(int slot, size_t n) {
+  thread_local std::vector<float> bufs[4];
+  std::vector<float>& v = bufs[slot];
+  if (v.size() < n + 16) v.resize(n + 16);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - at % 64) % 64) / sizeof(float);
+}
+
+// Multiply-adds below which a call runs on one thread: waking the pool costs more than it saves.
+constexpr double kMinMacsPerThread = 1 << 20;
+
+// Calls f(w, w + 1) for every work item w of [0, n), handing the items out one at a time from a
+// shared counter, so that a thread that loses its core delays one item rather than half of the
+// work. Every item is computed by one thread from its inputs alone: the results do not depend
+// on which thread takes which item, nor on the thread count. macs: the call's work, roughly.
+template <class F>
+void parallel_items(int64_t n, double macs, F&& f) {
+  const int64_t by_work = static_cast<int64_t>(macs / kMinMacsPerThread) + 1;
+  const int64_t threads = std::min({n, by_work, static_cast<int64_t>(num_threads())});
+  std::atomic<int64_t> next{0};
+  parallel_for(threads, [&](int64_t, int64_t) {
+    for (int64_t w = next.fetch_add(1); w < n; w = next.fetch_add(1)) f(w, w + 1);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequences of a packed batch.
+
+// The starts of the sequences and T at the end, checked; reuses the calling thread's buffer.
+const std::vector<int64_t>& read_cu_seqlens(const char* op, const Tensor& cu_seqlens, int64_t T) {
+  const int32_t* cu = cu_seqlens.data_as<int32_t>();
+  const int64_t n = cu_seqlens.numel();
+  TANDEM_CHECK(n >= 1 && cu[0] == 0, "{}: cu_seqlens {} must start with 0", op,
+               cu_seqlens.shape().str());
+  thread_local std::vector<int64_t> starts;
+  starts.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    TANDEM_CHECK(i == 0 || cu[i] >= cu[i - 1],
+                 "{}: cu_seqlens must not decrease, but cu_seqlens[{}] = {} < cu_seqlens[{}] = {}",
+                 op, i, cu[i], i - 1, cu[i - 1]);
+    starts[static_cast<size_t>(i)] = cu[i];
+  }
+  TANDEM_CHECK(cu[n - 1] == T, "{}: cu_seqlens ends with {} but there are {} tokens", op, cu[n - 1],
+               T);
+  return starts;
+}
+
+// Work items of the packed kernels: (sequence, kv head, pair of query tiles). Tile p is paired
+// with tile (tiles - 1 - p) so that every item costs about the same under the causal mask.
+struct TileItem {
+  int64_t start, len, kvh, tile_a, tile_b;  // tile_b == tile_a: one tile only
+};
+
+const std::vector<TileItem>& tile_items(const std::vector<int64_t>& starts, int64_t Hkv) {
+  thread_local std::vector<TileItem> items;
+  items.clear();
+  for (size_t b = 0; b + 1 < starts.size(); ++b) {
+    const int64_t len = starts[b + 1] - starts[b];
+    const int64_t tiles = (len + kBlk - 1) / kBlk;
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int64_t p = 0; p < (tiles + 1) / 2; ++p)
+        items.push_back({starts[b], len, kvh, p, tiles - 1 - p});
+  }
+  return items;
+}
+
+// Multiply-adds of the forward over the items' sequences: 2 * len^2 / 2 * H * D each.
+double causal_macs(const std::vector<TileItem>& items, int64_t H, int64_t D) {
+  double macs = 0;
+  for (const TileItem& it : items)
+    if (it.kvh == 0 && it.tile_a == 0) macs += static_cast<double>(it.len) * it.len;
+  return macs * static_cast<double>(H * D);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, FlashAttention-2 style: scores and dP of a (query tile, key block) from tile_dots,
+// the gradient sums from axpys, each in an AVX-512 and a portable version that do the same IEEE
+// operations in the same order, so they agree bitwise.
+
+// out[i * 16 + j] = sum over d of x[i * xs + d] * xt[d * 16 + j] for rows i < rows, in 4
+// partial sums over d = r (mod 4) combined as (p0 + p1) + (p2 + p3); multiply, then add.
+void tile_dots_portable(const float* x, int64_t xs, int64_t rows, const float* xt, int64_t D,
+                        float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float part[4][kBlk] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      float* pr = part[d & 3];
+      for (int j = 0; j < kBlk; ++j) pr[j] = pr[j] + x[i * xs + d] * xt[d * kBlk + j];
+    }
+    for (int j = 0; j < kBlk; ++j)
+      out[i * kBlk + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f"), always_inline)) inline void tile_dots_rows_avx512(
+    const float* x, int64_t xs, const float* xt, int64_t D, float* out) {
+  __m512 part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kv = _mm512_loadu_ps(xt + d * kBlk);
+    for (int r = 0; r < R; ++r)
+      part[r][d & 3] =
+          _mm512_add_ps(part[r][d & 3], _mm512_mul_ps(_mm512_set1_ps(x[r * xs + d]), kv));
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * kBlk, _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                                   _mm512_add_ps(part[r][2], part[r][3])));
+}
+
+__attribute__((target("avx512f"))) void tile_dots_avx512(const float* x, int64_t xs, int64_t rows,
+                                                         const float* xt, int64_t D, float* out) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) tile_dots_rows_avx512<4>(x + i * xs, xs, xt, D, out + i * kBlk);
+  for (; i < rows; ++i) tile_dots_rows_avx512<1>(x + i * xs, xs, xt, D, out + i * kBlk);
+}
+
+// acc[d] = acc[d] + c[t * cs] * x[t * xs + d], for t = 0..count-1 in order (multiply, then add).
+void axpys_portable(float* acc, const float* c, int64_t cs, const float* x, int64_t xs, int count,
+                    int64_t D) {
+  for (int64_t d = 0; d < D; ++d) {
+    float v = acc[d];
+    for (int t = 0; t < count; ++t) v = v + c[t * cs] * x[t * xs + d];
+    acc[d] = v;
+  }
+}
+
+__attribute__((target("avx512f"))) void axpys_avx512(float* acc, const float* c, int64_t cs,
+                                                     const float* x, int64_t xs, int count,
+                                                     int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m512 v0 = _mm512_loadu_ps(acc + d), v1 = _mm512_loadu_ps(acc + d + 16);
+    __m512 v2 = _mm512_loadu_ps(acc + d + 32), v3 = _mm512_loadu_ps(acc + d + 48);
+    for (int t = 0; t < count; ++t) {
+      const __m512 ct = _mm512_set1_ps(c[t * cs]);
+      const float* xr = x + t * xs + d;
+      v0 = _mm512_add_ps(v0, _mm512_mul_ps(ct, _mm512_loadu_ps(xr)));
+      v1 = _mm512_add_ps(v1, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 16)));
+      v2 = _mm512_add_ps(v2, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 32)));
+      v3 = _mm512_add_ps(v3, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 48)));
+    }
+    _mm512_storeu_ps(acc + d, v0);
+    _mm512_storeu_ps(acc + d + 16, v1);
+    _mm512_storeu_ps(acc + d + 32, v2);
+    _mm512_storeu_ps(acc + d + 48, v3);
+  }
+  for (; d + 16 <= D; d += 16) {
+    __m512 v = _mm512_loadu_ps(acc + d);
+    for (int t = 0; t < count; ++t)
+      v = _mm512_add_ps(v,
+                        _mm512_mul_ps(_mm512_set1_ps(c[t * cs]), _mm512_loadu_ps(x + t * xs + d)));
+    _mm512_storeu_ps(acc + d, v);
+  }
+  for (; d < D; ++d) {
+    float v = acc[d];
+    for (int t = 0; t < count; ++t) v = v + c[t * cs] * x[t * xs + d];
+    acc[d] = v;
+  }
+}
+
+struct BackwardArgs {
+  const float *dout, *q, *k, *v, *lse, *delta;  // delta (T, H) = rowsum(dout * out)
+  float *dq, *dk, *dv;
+  int64_t H, Hkv, D;
+  float scale;
+};
+
+// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero.
+__attribute__((always_inline)) inline void gather_kv_transposed(const BackwardArgs& a,
+                                                                const TileItem& it, int64_t k0,
+                                                                int n, float* kt, float* vt) {
+  const int64_t D = a.D;
+  for (int j = 0; j < kBlk; ++j) {
+    if (j < n) {
+      const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+      const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kBlk + j] = kr[d];
+        vt[d * kBlk + j] = vr[d];
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = vt[d * kBlk + j] = 0.0f;
+    }
+  }
+}
+
+// P (16, 16) and dS (16, 16) of query rows [q0, q0 + rows) of head h against the key block at
+// k0 with n keys (kt, vt gathered): P_ij = exp(scale * q_i.k_j - lse_i), dS_ij = P_ij (dP_ij -
+// delta_i), dP_ij = dout_i.v_j; zero where the key is masked. S holds (16, 16) scratch.
+template <bool kSimd>
+__attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, const TileItem& it,
+                                                      int64_t h, int64_t q0, int64_t rows,
+                                                      int64_t k0, int n, const float* kt,
+                                                      const float* vt, float* S, float* P,
+                                                      float* dS) {
+  const int64_t first = (it.start + q0) * a.H + h, D = a.D;
+  if constexpr (kSimd) {
+    tile_dots_avx512(a.q + first * D, a.H * D, rows, kt, D, S);
+    tile_dots_avx512(a.dout + first * D, a.H * D, rows, vt, D, dS);
+  } else {
+    tile_dots_portable(a.q + first * D, a.H * D, rows, kt, D, S);
+    tile_dots_portable(a.dout + first * D, a.H * D, rows, vt, D, dS);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = first + i * a.H;
+    const int64_t nv = std::min<int64_t>(n, q0 + i - k0 + 1);
+    for (int j = 0; j < kBlk; ++j) {
+      const float p = j < nv ? expf(S[i * kBlk + j] * a.scale - a.lse[row]) : 0.0f;
+      P[i * kBlk + j] = p;
+      dS[i * kBlk + j] = p * (dS[i * kBlk + j] - a.delta[row]);
+    }
+  }
+}
+
+// dq rows of one item's query tiles: dq_i = scale * sum_j dS_ij k_j, key blocks in order.
+template <bool kSimd>
+__attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const TileItem& it) {
+  const int64_t D = a.D, G = a.H / a.Hkv;
+  float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+  float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
+  float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk));
+  float* P = S + kBlk * kBlk;
+  float* dS = P + kBlk * kBlk;
+  const int64_t tiles[2] = {it.tile_a, it.tile_b};
+  for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
+    const int64_t q0 = tiles[ti] * kBlk, rows = std::min<int64_t>(kBlk, it.len - q0);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < rows; ++i) {
+        float* dq = a.dq + ((it.start + q0 + i) * a.H + it.kvh * G + g) * D;
+        std::fill(dq, dq + D, 0.0f);
+      }
+    for (int64_t k0 = 0; k0 < q0 + rows; k0 += kBlk) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+      gather_kv_transposed(a, it, k0, n, kt, vt);
+      const float* kb = a.k + ((it.start + k0) * a.Hkv + it.kvh) * D;  // rows Hkv * D apart
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = it.kvh * G + g;
+        tile_probs<kSimd>(a, it, h, q0, rows, k0, n, kt, vt, S, P, dS);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* dq = a.dq + ((it.start + q0 + i) * a.H + h) * D;
+          if constexpr (kSimd) {
+            axpys_avx512(dq, dS + i * kBlk, 1, kb, a.Hkv * D, n, D);
+          } else {
+            axpys_portable(dq, dS + i * kBlk, 1, kb, a.Hkv * D, n, D);
+          }
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < rows; ++i) {
+        float* dq = a.dq + ((it.start + q0 + i) * a.H + it.kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dq[d] = dq[d] * a.scale;
+      }
+  }
+}
+
+// dk, dv rows of one item's key tiles, summed over the group's heads, then the queries, in order.
+template <bool kSimd>
+__attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, const TileItem& it) {
+  const int64_t D = a.D, G = a.H / a.Hkv;
+  float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+  float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
+  float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk + 2 * kBlk * D));
+  float* P = S + kBlk * kBlk;
+  float* dS = P + kBlk * kBlk;
+  float* dk = dS + kBlk * kBlk;  // (16, D)
+  float* dv = dk + kBlk * D;     // (16, D)
+  const int64_t tiles[2] = {it.tile_a, it.tile_b};
+  for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
+    const int64_t k0 = tiles[ti] * kBlk;
+    const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+    gather_kv_transposed(a, it, k0, n, kt, vt);
+    std::fill(dk, dk + 2 * kBlk * D, 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = it.kvh * G + g;
+      for (int64_t q0 = k0; q0 < it.len; q0 += kBlk) {
+        const int64_t rows = std::min<int64_t>(kBlk, it.len - q0);
+        tile_probs<kSimd>(a, it, h, q0, rows, k0, n, kt, vt, S, P, dS);
+        const float* qr = a.q + ((it.start + q0) * a.H + h) * D;  // rows H * D apart
+        const float* gr = a.dout + ((it.start + q0) * a.H + h) * D;
+        for (int j = 0; j < n; ++j) {
+          if constexpr (kSimd) {
+            axpys_avx512(dv + j * D, P + j, kBlk, gr, a.H * D, static_cast<int>(rows), D);
+            axpys_avx512(dk + j * D, dS + j, kBlk, qr, a.H * D, static_cast<int>(rows), D);
+          } else {
+            axpys_portable(dv + j * D, P + j, kBlk, gr, a.H * D, static_cast<int>(rows), D);
+            axpys_portable(dk + j * D, dS + j, kBlk, qr, a.H * D, static_cast<int>(rows), D);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const int64_t row = (it.start + k0 + j) * a.Hkv + it.kvh;
+      for (int64_t d = 0; d < D; ++d) {
+        a.dk[row * D + d] = dk[j * D + d] * a.scale;
+        a.dv[row * D + d] = dv[j * D + d];
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void dq_item_avx512(const BackwardArgs& a, const TileItem& it) {
+  dq_item<true>(a, it);
+}
+void dq_item_portable(const BackwardArgs& a, const TileItem& it) { dq_item<false>(a, it); }
+__attribute__((target("avx512f"))) void dkdv_item_avx512(const BackwardArgs& a,
+                                                         const TileItem& it) {
+  dkdv_item<true>(a, it);
+}
+void dkdv_item_portable(const BackwardArgs& a, const TileItem& it) { dkdv_item<false>(a, it); }
+
+// ---------------------------------------------------------------------------------------------
+// Paged cache helpers.
+
+template <class T>
+void write_slots(const Tensor& k, const Tensor& v, const int32_t* slots, const Tensor& k_cache,
+                 const Tensor& v_cache) {
+  const int64_t T_ = k.size(0), row = k.size(1) * k.size(2);
+  const float* ks = k.data_as<float>();
+  const float* vs = v.data_as<float>();
+  T* kc = static_cast<T*>(k_cache.data());
+  T* vc = static_cast<T*>(v_cache.data());
+  parallel_for(
+      T_,
+      [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          const int64_t s = slots[t];
+          for (int64_t i = 0; i < row; ++i) {
+            if constexpr (std::is_same_v<T, float>) {
+              kc[s * row + i] = ks[t * row + i];
+              vc[s * row + i] = vs[t * row + i];
+            } else {
+              kc[s * row + i] = T(ks[t * row + i]);
+              vc[s * row + i] = T(vs[t * row + i]);
+            }
+          }
+        }
+      },
+      16);
+}
+
+template <class T>
+void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                  const int32_t* indptr, const int32_t* indices, const int32_t* last_len,
+                  const Tensor& out, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+  const T* kc = static_cast<const T*>(k_cache.data());
+  const T* vc = static_cast<const T*>(v_cache.data());
+  const float* qp = q.data_as<float>();
+  float* op = out.data_as<float>();
+  double macs = 0;
+  for (int64_t b = 0; b < B; ++b) macs += static_cast<double>(indptr[b + 1] - indptr[b]) * P;
+  macs *= 2.0 * static_cast<double>(H * D);
+  parallel_items(B * Hkv, macs, [&](int64_t begin, int64_t end) {
+    float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+    float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
+    float* state = scratch_floats(2, static_cast<size_t>(G * state_stride(D)));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, kvh = item % Hkv;
+      const int64_t len = (indptr[b + 1] - indptr[b] - 1) * P + last_len[b];
+      for (int64_t g = 0; g < G; ++g) init_row(state + g * state_stride(D), D);
+      for (int64_t k0 = 0; k0 < len; k0 += kBlk) {
+        const int n = static_cast<int>(std::min<int64_t>(kBlk, len - k0));
+        const T* krows[kBlk];
+        const T* vrows[kBlk];
+        for (int j = 0; j < n; ++j) {
+          const int64_t pos = k0 + j;
+          const int64_t blk = indices[indptr[b] + pos / P];
+          const int64_t off = ((blk * P + pos % P) * Hkv + kvh) * D;
+          krows[j] = kc + off;
+          vrows[j] = vc + off;
+        }
+        gather_block(krows, vrows, n, D, kt, vb);
+        for (int64_t g0 = 0; g0 < G; g0 += kMaxRows) {
+          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, G - g0));
+          const float* qs[kMaxRows];
+          float* ss[kMaxRows];
+          for (int r = 0; r < R; ++r) {
+            qs[r] = qp + (b * H + kvh * G + g0 + r) * D;
+            ss[r] = state + (g0 + r) * state_stride(D);
+          }
+          rows_step(R, qs, kt, vb, n, D, scale, ss);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        finish_row(state + g * state_stride(D), D, op + (b * H + kvh * G + g) * D, nullptr);
+    }
+  });
+}
+
+}  // namespace
+
+void set_attention_simd(bool enabled) { g_simd_enabled = enabled; }
+bool attention_simd_active() { return g_simd_enabled && cpu_has_avx512(); }
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+               const Tensor& out, const Tensor& lse, float scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), G = H / Hkv;
+  const std::vector<TileItem>& items = tile_items(read_cu_seqlens("attention", cu_seqlens, T), Hkv);
+  const float* qp = q.data_as<float>();
+  const float* kp = k.data_as<float>();
+  const float* vp = v.data_as<float>();
+  float* op = out.data_as<float>();
+  float* lp = lse.data_as<float>();
+  parallel_items(
+      static_cast<int64_t>(items.size()), causal_macs(items, H, D),
+      [&](int64_t begin, int64_t end) {
+        float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+        float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
+        // Rows of an item: tile, head of the group, query of the tile.
+        float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * state_stride(D)));
+        for (int64_t w = begin; w < end; ++w) {
+          const TileItem& it = items[static_cast<size_t>(w)];
+          const int ntiles = it.tile_a == it.tile_b ? 1 : 2;
+          const int64_t tiles[2] = {it.tile_a, it.tile_b};
+          auto row_state = [&](int ti, int64_t g, int64_t i) {
+            return state + ((ti * G + g) * kBlk + (i - tiles[ti] * kBlk)) * state_stride(D);
+          };
+          int64_t last = 0;
+          for (int ti = 0; ti < ntiles; ++ti) {
+            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+            last = std::max(last, r1);
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t i = r0; i < r1; ++i) init_row(row_state(ti, g, i), D);
+          }
+          for (int64_t k0 = 0; k0 < last; k0 += kBlk) {
+            const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+            const float* krows[kBlk];
+            const float* vrows[kBlk];
+            for (int j = 0; j < n; ++j) {
+              const int64_t off = ((it.start + k0 + j) * Hkv + it.kvh) * D;
+              krows[j] = kp + off;
+              vrows[j] = vp + off;
+            }
+            gather_block(krows, vrows, n, D, kt, vb);
+            // Rows that see the whole block go in groups of up to kMaxRows; the diagonal block's
+            // rows, each with its own count of visible keys, one by one.
+            const float* qs[kMaxRows];
+            float* ss[kMaxRows];
+            int R = 0;
+            for (int ti = 0; ti < ntiles; ++ti) {
+              const int64_t r0 = std::max(tiles[ti] * kBlk, k0);
+              const int64_t r1 = std::min(it.len, tiles[ti] * kBlk + kBlk);
+              for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = it.kvh * G + g;
+                for (int64_t i = r0; i < r1; ++i) {
+                  const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
+                  const float* qr = qp + ((it.start + i) * H + h) * D;
+                  if (nv < n) {
+                    float* st = row_state(ti, g, i);
+                    rows_step(1, &qr, kt, vb, nv, D, scale, &st);
+                    continue;
+                  }
+                  qs[R] = qr;
+                  ss[R] = row_state(ti, g, i);
+                  if (++R == kMaxRows) {
+                    rows_step(R, qs, kt, vb, n, D, scale, ss);
+                    R = 0;
+                  }
+                }
+              }
+            }
+            if (R > 0) rows_step(R, qs, kt, vb, n, D, scale, ss);
+          }
+          for (int ti = 0; ti < ntiles; ++ti) {
+            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = it.kvh * G + g;
+              for (int64_t i = r0; i < r1; ++i) {
+                const int64_t row = (it.start + i) * H + h;
+                finish_row(row_state(ti, g, i), D, op + row * D, lp + row);
+              }
+            }
+          }
+        }
+      });
+}
+
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const std::vector<TileItem>& items =
+      tile_items(read_cu_seqlens("attention_backward", cu_seqlens, T), Hkv);
+  // delta (T, H) = rowsum(dout * out), summed in order over d.
+  float* delta = scratch_floats(3, static_cast<size_t>(T * H));
+  const float* gp = dout.data_as<float>();
+  const float* op = out.data_as<float>();
+  parallel_for(
+      T * H,
+      [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          float s = 0.0f;
+          for (int64_t d = 0; d < D; ++d) s = s + gp[r * D + d] * op[r * D + d];
+          delta[r] = s;
+        }
+      },
+      64);
+  const BackwardArgs a{gp,
+                       q.data_as<float>(),
+                       k.data_as<float>(),
+                       v.data_as<float>(),
+                       lse.data_as<float>(),
+                       delta,
+                       dq.data_as<float>(),
+                       dk.data_as<float>(),
+                       dv.data_as<float>(),
+                       H,
+                       Hkv,
+                       D,
+                       scale};
+  const bool simd = attention_simd_active();
+  parallel_items(static_cast<int64_t>(items.size()), 4 * causal_macs(items, H, D),
+                 [&](int64_t b, int64_t e) {
+                   for (int64_t w = b; w < e; ++w) {
+                     const TileItem& it = items[static_cast<size_t>(w)];
+                     if (simd) {
+                       dq_item_avx512(a, it);
+                       dkdv_item_avx512(a, it);
+                     } else {
+                       dq_item_portable(a, it);
+                       dkdv_item_portable(a, it);
+                     }
+                   }
+                 });
+}
+
+void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                    const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int32_t* sm = slot_mapping.data_as<int32_t>();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TANDEM_CHECK(sm[t] >= 0 && sm[t] < slots,
+                 "kv_cache_write: slot_mapping[{}] = {} is outside the cache's {} slots {}", t,
+                 sm[t], slots, k_cache.shape().str());
+  if (k_cache.dtype() == DType::f32) return write_slots<float>(k, v, sm, k_cache, v_cache);
+  write_slots<bf16>(k, v, sm, k_cache, v_cache);
+}
+
+void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& kv_indptr, const Tensor& kv_indices,
+                            const Tensor& kv_last_len, const Tensor& out, float scale) {
+  const int64_t B = q.size(0), num_blocks = k_cache.size(0), P = k_cache.size(1);
+  const int32_t* indptr = kv_indptr.data_as<int32_t>();
+  const int32_t* indices = kv_indices.data_as<int32_t>();
+  const int32_t* last_len = kv_last_len.data_as<int32_t>();
+  constexpr const char* op = "paged_attention_decode";
+  TANDEM_CHECK(indptr[0] == 0, "{}: kv_indptr[0] = {}, expected 0", op, indptr[0]);
+  TANDEM_CHECK(indptr[B] <= kv_indices.numel(),
+               "{}: kv_indptr[{}] = {} but kv_indices {} holds fewer block ids", op, B, indptr[B],
+               kv_indices.shape().str());
+  for (int64_t b = 0; b < B; ++b) {
+    TANDEM_CHECK(indptr[b + 1] > indptr[b],
+                 "{}: sequence {} has no blocks (kv_indptr[{}] = {}, kv_indptr[{}] = {})", op, b, b,
+                 indptr[b], b + 1, indptr[b + 1]);
+    TANDEM_CHECK(last_len[b] >= 1 && last_len[b] <= P,
+                 "{}: kv_last_len[{}] = {} is outside 1..{} (the block size)", op, b, last_len[b],
+                 P);
+  }
+  for (int64_t i = 0; i < indptr[B]; ++i)
+    TANDEM_CHECK(indices[i] >= 0 && indices[i] < num_blocks,
+                 "{}: kv_indices[{}] = {} is outside the cache's {} blocks", op, i, indices[i],
+                 num_blocks);
+  if (k_cache.dtype() == DType::f32)
+    return decode_typed<float>(q, k_cache, v_cache, indptr, indices, last_len, out, scale);
+  decode_typed<bf16>(q, k_cache, v_cache, indptr, indices, last_len, out, scale);
+}
+
+}  // namespace tandem::ops::cpu
