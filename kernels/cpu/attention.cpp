@@ -15,11 +15,6 @@
 #include "core/parallel.h"
 #include "kernels/ops.h"
 
-// GCC contracts a * b + c into an FMA in C++ even under -std=c++20 once a function's target has
-// FMA; the AVX-512 and portable paths must round the same way, so fused multiply-adds are only
-// those written as such (std::fma, _mm512_fmadd_ps).
-#pragma GCC optimize("fp-contract=off")
-
 namespace tandem::ops::cpu {
 namespace {
 
