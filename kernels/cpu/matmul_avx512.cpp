@@ -2,6 +2,8 @@
 // zmm accumulator of kLanes lanes per output element, reduced by the fixed halving tree.
 #include <immintrin.h>
 
+#include <algorithm>
+
 // GCC 12's shuffle intrinsics pass _mm512_undefined_ps() as the unused merge source, which its
 // -Wuninitialized reports once inlined.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -42,15 +44,15 @@ TANDEM_AVX512 inline __m256 reduce8(const __m512 v[8]) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, d));
 }
 
-// y[r][c] (r < MR, c < NR) [+]= dot(x_r, w_c) over K.
+// y[r][c] (r < MR, c < NR) = [y[r][c] +] the chunk partial of x row r against w row c.
 template <int MR, int NR>
 TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                               int64_t ldy, int64_t K, bool accumulate) {
+                               int64_t ldy, int64_t kc, bool add) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
+  for (; k + kLanes <= kc; k += kLanes) {
     __m512 a[MR];
     for (int r = 0; r < MR; ++r) a[r] = _mm512_loadu_ps(x + r * ldx + k);
     for (int c = 0; c < NR; ++c) {
@@ -58,9 +60,9 @@ TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int6
       for (int r = 0; r < MR; ++r) acc[r][c] = _mm512_fmadd_ps(a[r], b, acc[r][c]);
     }
   }
-  if (k < K) {
-    // Only the first K - k lanes take the last partial chunk; the others keep their value.
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1u);
+  if (k < kc) {
+    // Only the first kc - k lanes take the last partial step; the others keep their value.
+    const __mmask16 m = static_cast<__mmask16>((1u << (kc - k)) - 1u);
     __m512 a[MR];
     for (int r = 0; r < MR; ++r) a[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + k);
     for (int c = 0; c < NR; ++c) {
@@ -72,46 +74,63 @@ TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int6
   for (int r = 0; r < MR; ++r) {
     __m512 v[8];
     for (int c = 0; c < 8; ++c) v[c] = acc[r][c < NR ? c : NR - 1];
-    __m256 s = reduce8(v);
+    __m256 t = reduce8(v);
     float* yr = y + r * ldy;
-    if (accumulate) s = _mm256_add_ps(_mm256_maskz_loadu_ps(out, yr), s);
-    _mm256_mask_storeu_ps(yr, out, s);
+    if (add) t = _mm256_add_ps(_mm256_maskz_loadu_ps(out, yr), t);
+    _mm256_mask_storeu_ps(yr, out, t);
   }
 }
 
 template <int MR, int NR = kTileCols>
 TANDEM_AVX512 inline void tile_cols(const float* x, int64_t ldx, const float* w, int64_t ldw,
-                                    float* y, int64_t ldy, int64_t K, bool accumulate,
-                                    int64_t cols) {
+                                    float* y, int64_t ldy, int64_t kc, bool add, int64_t cols) {
   if constexpr (NR > 1) {
-    if (cols < NR) return tile_cols<MR, NR - 1>(x, ldx, w, ldw, y, ldy, K, accumulate, cols);
+    if (cols < NR) return tile_cols<MR, NR - 1>(x, ldx, w, ldw, y, ldy, kc, add, cols);
   }
-  tile<MR, NR>(x, ldx, w, ldw, y, ldy, K, accumulate);
+  tile<MR, NR>(x, ldx, w, ldw, y, ldy, kc, add);
 }
 
 template <int MR = kTileRows - 1>
 TANDEM_AVX512 inline void tile_rows(const float* x, int64_t ldx, const float* w, int64_t ldw,
-                                    float* y, int64_t ldy, int64_t K, bool accumulate, int64_t rows,
+                                    float* y, int64_t ldy, int64_t kc, bool add, int64_t rows,
                                     int64_t cols) {
   if constexpr (MR > 1) {
-    if (rows < MR) return tile_rows<MR - 1>(x, ldx, w, ldw, y, ldy, K, accumulate, rows, cols);
+    if (rows < MR) return tile_rows<MR - 1>(x, ldx, w, ldw, y, ldy, kc, add, rows, cols);
   }
-  tile_cols<MR>(x, ldx, w, ldw, y, ldy, K, accumulate, cols);
+  tile_cols<MR>(x, ldx, w, ldw, y, ldy, kc, add, cols);
 }
 
 }  // namespace
 
-TANDEM_AVX512 void tiles_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                                int64_t ldy, int64_t M, int64_t N, int64_t K, bool accumulate) {
+TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                                int64_t ldy, int64_t rows, int64_t cols, int64_t kc, bool add,
+                                const Prefetch& next) {
   static_assert(kTileCols <= 8, "reduce8 reduces up to 8 accumulators of a row");
-  for (int64_t j = 0; j < N; j += kTileCols) {
-    const int64_t cols = N - j < kTileCols ? N - j : kTileCols;
+  // The next panel's lines are requested into L2 a few per tile, so that it is there when its
+  // first tile starts (w streams from memory once per block of x rows).
+  const int64_t lines_per_row = (next.row_bytes + 63) / 64;
+  const int64_t lines = next.base != nullptr ? next.rows * lines_per_row : 0;
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows * ((cols + kTileCols - 1) / kTileCols);
+  const int64_t per_tile = (lines + tiles - 1) / tiles;
+  int64_t line = 0;
+  const auto prefetch_some = [&] {
+    for (int64_t e = std::min(lines, line + per_tile); line < e; ++line)
+      _mm_prefetch(
+          next.base + (line / lines_per_row) * next.stride_bytes + (line % lines_per_row) * 64,
+          _MM_HINT_T1);
+  };
+  for (int64_t j = 0; j < cols; j += kTileCols) {
+    const int64_t nc = cols - j < kTileCols ? cols - j : kTileCols;
     const float* wj = w + j * ldw;
     int64_t i = 0;
-    for (; i + kTileRows <= M; i += kTileRows)
-      tile_cols<kTileRows>(x + i * ldx, ldx, wj, ldw, y + i * ldy + j, ldy, K, accumulate, cols);
-    if (i < M)
-      tile_rows(x + i * ldx, ldx, wj, ldw, y + i * ldy + j, ldy, K, accumulate, M - i, cols);
+    for (; i + kTileRows <= rows; i += kTileRows) {
+      prefetch_some();
+      tile_cols<kTileRows>(x + i * ldx, ldx, wj, ldw, y + i * ldy + j, ldy, kc, add, nc);
+    }
+    if (i < rows) {
+      prefetch_some();
+      tile_rows(x + i * ldx, ldx, wj, ldw, y + i * ldy + j, ldy, kc, add, rows - i, nc);
+    }
   }
 }
 
