@@ -63,8 +63,8 @@ bool cpu_has_avx512() {
 
 bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512(); }
 
-// Bytes of packed x one block holds: the block stays in a core's L2 while every w panel of the
-// thread's share of N passes over it.
+// Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
+// of the thread's share of N passes over it.
 constexpr int64_t kXBlockBytes = int64_t{1} << 20;
 // Smallest work (multiply-adds) worth a thread of its own.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
@@ -82,11 +82,6 @@ struct Rows {
   const void* data;
   bool bf16;
 };
-
-inline float element(Rows r, int64_t i) {
-  return r.bf16 ? bf16_bits_to_f32(static_cast<const uint16_t*>(r.data)[i])
-                : static_cast<const float*>(r.data)[i];
-}
 
 // dst (rows, kc) f32 = columns [k0, k0 + kc) of src rows [i0, i0 + rows) (leading dimension
 // ld), widened.
