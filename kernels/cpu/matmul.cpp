@@ -170,9 +170,11 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
       min_panels);
 }
 
-// dst (cols, rows) f32 = src (rows, cols)^T, f32 or bf16, in 32 x 32 blocks.
+// dst (cols, rows) f32 = src (rows, cols)^T, f32 or bf16, in 16 x 16 blocks (with AVX-512 for
+// whole f32 blocks).
 void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
-  constexpr int64_t kB = 32;
+  constexpr int64_t kB = 16;
+  const bool avx512 = cpu_has_avx512() && !src.bf16;
   const int64_t col_blocks = (cols + kB - 1) / kB;
   parallel_for(
       col_blocks,
@@ -181,6 +183,11 @@ void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
           const int64_t c1 = std::min(cols, c0 + kB);
           for (int64_t r0 = 0; r0 < rows; r0 += kB) {
             const int64_t r1 = std::min(rows, r0 + kB);
+            if (avx512 && c1 - c0 == kB && r1 - r0 == kB) {
+              detail::transpose16_avx512(static_cast<const float*>(src.data) + r0 * cols + c0, cols,
+                                         dst + c0 * rows + r0, rows);
+              continue;
+            }
             for (int64_t c = c0; c < c1; ++c) {
               float* d = dst + c * rows;
               if (src.bf16) {

@@ -51,5 +51,9 @@ struct Prefetch {
 void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
                   int64_t rows, int64_t cols, int64_t kc, bool add, const Prefetch& next);
 
+// dst (16 x 16, leading dimension ldd) = src (16 x 16, leading dimension lds)^T, with AVX-512
+// (a copy: the same bits as any other transpose).
+void transpose16_avx512(const float* src, int64_t lds, float* dst, int64_t ldd);
+
 }  // namespace detail
 }  // namespace tandem::ops::cpu
