@@ -72,15 +72,21 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 // Grow-only per-thread buffers: the widened x block, the f32 copy of a bf16 w panel,
 // and the transposes of the backward products. They grow to the largest shape seen and are
 // never freed, so the steady state allocates nothing.
+// The returned pointer is 64-byte aligned: with rows a multiple of 16 floats long, no vector
+// load then straddles two cache lines.
 float* grow(std::vector<float>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
-  return buf.data();
+  constexpr int64_t kAlign = 16;  // floats
+  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
+  const auto address = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + (kAlign - static_cast<int64_t>(address / sizeof(float) % kAlign)) % kAlign;
 }
 
-// One operand of the forward product: rows of K elements, f32 or bf16.
+// One operand of the forward product: rows of K elements, f32 or bf16, `ld` elements apart
+// (0: K).
 struct Rows {
   const void* data;
   bool bf16;
+  int64_t ld = 0;
 };
 
 // dst (rows, kc) f32 = columns [k0, k0 + kc) of src rows [i0, i0 + rows) (leading dimension
@@ -105,6 +111,7 @@ void copy_rows(Rows src, int64_t ld, int64_t i0, int64_t rows, int64_t k0, int64
 void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (M == 0 || N == 0) return;
   const bool avx512 = use_avx512();
+  const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
   const int64_t panels = (N + kTileCols - 1) / kTileCols;
   const int64_t kc_max = std::min(K, kChunk);
   const int64_t row_bytes = 4 * std::max<int64_t>(1, kc_max);
@@ -128,36 +135,37 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
             const int64_t kc = std::min(kChunk, K - k0);
             const bool add = accumulate || k0 > 0;
             const float* xb;
-            int64_t ldx = K;
+            int64_t ldx = ldx_src;
             if (x.bf16) {
               float* d = grow(x_scratch, rows * kc);
-              copy_rows(x, K, i0, rows, k0, kc, d);
+              copy_rows(x, ldx_src, i0, rows, k0, kc, d);
               xb = d;
               ldx = kc;
             } else {
-              xb = static_cast<const float*>(x.data) + i0 * K + k0;
+              xb = static_cast<const float*>(x.data) + i0 * ldx_src + k0;
             }
             for (int64_t j = j0; j < j1; j += kTileCols) {
               const int64_t cols = std::min<int64_t>(kTileCols, N - j);
               const float* wp;
-              int64_t ldw = K;
+              int64_t ldw = ldw_src;
               if (w.bf16) {
                 float* d = grow(w_scratch, cols * kc);
-                copy_rows(w, K, j, cols, k0, kc, d);
+                copy_rows(w, ldw_src, j, cols, k0, kc, d);
                 wp = d;
                 ldw = kc;
               } else {
-                wp = static_cast<const float*>(w.data) + j * K + k0;
+                wp = static_cast<const float*>(w.data) + j * ldw_src + k0;
               }
               float* yb = y + i0 * N + j;
               if (avx512) {
                 detail::Prefetch next;
                 if (j + kTileCols < j1) {
                   const int64_t esize = w.bf16 ? 2 : 4;
-                  next.base = static_cast<const char*>(w.data) + ((j + kTileCols) * K + k0) * esize;
+                  next.base =
+                      static_cast<const char*>(w.data) + ((j + kTileCols) * ldw_src + k0) * esize;
                   next.rows = std::min<int64_t>(kTileCols, j1 - j - kTileCols);
                   next.row_bytes = kc * esize;
-                  next.stride_bytes = K * esize;
+                  next.stride_bytes = ldw_src * esize;
                 }
                 detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
               } else {
@@ -170,9 +178,9 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
       min_panels);
 }
 
-// dst (cols, rows) f32 = src (rows, cols)^T, f32 or bf16, in 16 x 16 blocks (with AVX-512 for
-// whole f32 blocks).
-void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
+// dst (cols, rows; leading dimension ldd) f32 = src (rows, cols)^T, f32 or bf16, in 16 x 16
+// blocks (with AVX-512 for whole f32 blocks).
+void transpose(Rows src, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   constexpr int64_t kB = 16;
   const bool avx512 = cpu_has_avx512() && !src.bf16;
   const int64_t col_blocks = (cols + kB - 1) / kB;
@@ -185,11 +193,11 @@ void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
             const int64_t r1 = std::min(rows, r0 + kB);
             if (avx512 && c1 - c0 == kB && r1 - r0 == kB) {
               detail::transpose16_avx512(static_cast<const float*>(src.data) + r0 * cols + c0, cols,
-                                         dst + c0 * rows + r0, rows);
+                                         dst + c0 * ldd + r0, ldd);
               continue;
             }
             for (int64_t c = c0; c < c1; ++c) {
-              float* d = dst + c * rows;
+              float* d = dst + c * ldd;
               if (src.bf16) {
                 const uint16_t* s = static_cast<const uint16_t*>(src.data);
                 for (int64_t r = r0; r < r1; ++r) d[r] = bf16_bits_to_f32(s[r * cols + c]);
@@ -206,6 +214,10 @@ void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
 
 Rows rows_of(const Tensor& t) { return {t.data(), t.dtype() == DType::bf16}; }
 
+// The leading dimension of a transposed scratch of rows of n: rows that are a multiple of 1 KiB
+// apart would fall into the same few L1 sets, so every row is padded by one cache line.
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16 + 16; }
+
 }  // namespace
 
 void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
@@ -218,21 +230,23 @@ void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) 
 void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate) {
   // dx (M, K) = dy (M, N) · w (N, K) = dy · (w^T (K, N))^T: the forward product against w^T.
   const int64_t N = w.size(0), K = w.size(1);
-  thread_local std::vector<float> w_t;  // (K, N)
-  float* wt = grow(w_t, K * N);
-  transpose(rows_of(w), N, K, wt);
-  forward(rows_of(dy), {wt, false}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
+  const int64_t ld = padded(N);
+  thread_local std::vector<float> w_t;  // (K, N), leading dimension ld
+  float* wt = grow(w_t, K * ld);
+  transpose(rows_of(w), N, K, wt, ld);
+  forward(rows_of(dy), {wt, false, ld}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
 }
 
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate) {
   // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
-  thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M)
-  float* dyt = grow(dy_t, N * M);
-  float* xt = grow(x_t, K * M);
-  transpose(rows_of(dy), M, N, dyt);
-  transpose(rows_of(x), M, K, xt);
-  forward({dyt, false}, {xt, false}, dw.data_as<float>(), N, K, M, accumulate);
+  const int64_t ld = padded(M);
+  thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M), leading dimension ld
+  float* dyt = grow(dy_t, N * ld);
+  float* xt = grow(x_t, K * ld);
+  transpose(rows_of(dy), M, N, dyt, ld);
+  transpose(rows_of(x), M, K, xt, ld);
+  forward({dyt, false, ld}, {xt, false, ld}, dw.data_as<float>(), N, K, M, accumulate);
 }
 
 }  // namespace tandem::ops::cpu
