@@ -65,7 +65,7 @@ bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512
 
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
 // of the thread's share of N passes over it.
-constexpr int64_t kXBlockBytes = int64_t{1} << 20;
+constexpr int64_t kXBlockBytes = int64_t{512} << 10;
 // Smallest work (multiply-adds) worth a thread of its own.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 
