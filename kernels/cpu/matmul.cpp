@@ -66,6 +66,8 @@ bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
 // of the thread's share of N passes over it.
 constexpr int64_t kXBlockBytes = int64_t{512} << 10;
+// Smallest w (bytes) whose panels are prefetched ahead (a core's L2).
+constexpr int64_t kPrefetchMinBytes = int64_t{2} << 20;
 // Smallest work (multiply-adds) worth a thread of its own.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 
@@ -112,6 +114,8 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
   if (M == 0 || N == 0) return;
   const bool avx512 = use_avx512();
   const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
+  // Software prefetch of the next w panel pays only when w does not stay in a core's L2.
+  const bool prefetch_w = N * K * (w.bf16 ? 2 : 4) > kPrefetchMinBytes;
   const int64_t panels = (N + kTileCols - 1) / kTileCols;
   const int64_t kc_max = std::min(K, kChunk);
   const int64_t row_bytes = 4 * std::max<int64_t>(1, kc_max);
@@ -159,7 +163,7 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
               float* yb = y + i0 * N + j;
               if (avx512) {
                 detail::Prefetch next;
-                if (j + kTileCols < j1) {
+                if (prefetch_w && j + kTileCols < j1) {
                   const int64_t esize = w.bf16 ? 2 : 4;
                   next.base =
                       static_cast<const char*>(w.data) + ((j + kTileCols) * ldw_src + k0) * esize;

@@ -18,6 +18,9 @@ namespace {
 
 static_assert(kLanes == 16, "one zmm register holds the 16 lanes of an output element");
 
+// Most cache lines of the next w panel requested per tile.
+constexpr int64_t kMaxPrefetchPerTile = 32;
+
 // The halving tree of up to 8 accumulators at once: lane c of the result is the sum of v[c].
 // Every add below is one level of the tree for each accumulator (the same pairs as the
 // portable kernel adds; a + b == b + a bitwise).
@@ -172,7 +175,10 @@ TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const float* w, int
   const int64_t lines_per_row = (next.row_bytes + 63) / 64;
   const int64_t lines = next.base != nullptr ? next.rows * lines_per_row : 0;
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows * ((cols + kTileCols - 1) / kTileCols);
-  const int64_t per_tile = (lines + tiles - 1) / tiles;
+  int64_t per_tile = (lines + tiles - 1) / tiles;
+  // With few tiles (small M: decode) the bursts of prefetches cost more than they save (the
+  // hardware prefetcher follows w, which is read once); only spread-out prefetches pay.
+  if (per_tile > kMaxPrefetchPerTile) per_tile = 0;
   int64_t line = 0;
   const auto prefetch_some = [&] {
     for (int64_t e = std::min(lines, line + per_tile); line < e; ++line)
