@@ -99,7 +99,11 @@ void copy_rows(Rows src, int64_t ld, int64_t i0, int64_t rows, int64_t k0, int64
     float* d = dst + r * kc;
     if (src.bf16) {
       const uint16_t* s = static_cast<const uint16_t*>(src.data) + base;
-      for (int64_t c = 0; c < kc; ++c) d[c] = bf16_bits_to_f32(s[c]);
+      if (cpu_has_avx512()) {
+        detail::widen_bf16_avx512(s, d, kc);
+      } else {
+        for (int64_t c = 0; c < kc; ++c) d[c] = bf16_bits_to_f32(s[c]);
+      }
     } else {
       std::memcpy(d, static_cast<const float*>(src.data) + base,
                   static_cast<size_t>(kc) * sizeof(float));

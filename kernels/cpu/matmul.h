@@ -54,6 +54,8 @@ void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, floa
 // dst (16 x 16, leading dimension ldd) = src (16 x 16, leading dimension lds)^T, with AVX-512
 // (a copy: the same bits as any other transpose).
 void transpose16_avx512(const float* src, int64_t lds, float* dst, int64_t ldd);
+// dst[i] = the f32 value of the bf16 bits src[i] (exact), i < n, with AVX-512.
+void widen_bf16_avx512(const uint16_t* src, float* dst, int64_t n);
 
 }  // namespace detail
 }  // namespace tandem::ops::cpu
