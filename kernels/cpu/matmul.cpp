@@ -25,20 +25,20 @@ float tree_sum(const float (&a)[kLanes]) {
 
 }  // namespace
 
-void tiles_portable(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
-                    int64_t M, int64_t N, int64_t K, bool accumulate) {
-  for (int64_t i = 0; i < M; ++i) {
+void chunk_portable(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+                    int64_t rows, int64_t cols, int64_t kc, bool add) {
+  for (int64_t i = 0; i < rows; ++i) {
     const float* xi = x + i * ldx;
-    for (int64_t j = 0; j < N; ++j) {
+    for (int64_t j = 0; j < cols; ++j) {
       const float* wj = w + j * ldw;
       float acc[kLanes] = {};
       int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes)
+      for (; k + kLanes <= kc; k += kLanes)
         for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(xi[k + l], wj[k + l], acc[l]);
-      for (int l = 0; k + l < K; ++l) acc[l] = std::fma(xi[k + l], wj[k + l], acc[l]);
-      const float s = tree_sum(acc);
+      for (int l = 0; k + l < kc; ++l) acc[l] = std::fma(xi[k + l], wj[k + l], acc[l]);
+      const float t = tree_sum(acc);
       float& out = y[i * ldy + j];
-      out = accumulate ? out + s : s;
+      out = add ? out + t : t;
     }
   }
 }
@@ -47,6 +47,8 @@ void tiles_portable(const float* x, int64_t ldx, const float* w, int64_t ldw, fl
 
 namespace {
 
+using detail::kChunk;
+using detail::kLanes;
 using detail::kTileCols;
 using detail::kTileRows;
 
@@ -59,55 +61,69 @@ bool cpu_has_avx512() {
   return has;
 }
 
-using TilesFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                         int64_t, int64_t, bool);
+bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512(); }
 
-TilesFn tiles_fn() {
-  if (g_kernel == MatmulKernel::automatic && cpu_has_avx512()) return detail::tiles_avx512;
-  return detail::tiles_portable;
-}
-
-// Bytes of x rows one block holds: the block stays in a core's L2 while every w panel of the
-// thread's share of N passes over it.
-constexpr int64_t kXBlockBytes = int64_t{1} << 20;
+// Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
+// of the thread's share of N passes over it.
+constexpr int64_t kXBlockBytes = int64_t{512} << 10;
+// Smallest w (bytes) whose panels are prefetched ahead (a core's L2).
+constexpr int64_t kPrefetchMinBytes = int64_t{2} << 20;
 // Smallest work (multiply-adds) worth a thread of its own.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 
-// Grow-only per-thread buffers: the f32 copies of bf16 operands (a panel of w rows, a block of
-// x rows) and the transposes of the backward products. They grow to the largest shape seen and
-// are never freed, so the steady state allocates nothing.
+// Grow-only per-thread buffers: the widened x block, the f32 copy of a bf16 w panel,
+// and the transposes of the backward products. They grow to the largest shape seen and are
+// never freed, so the steady state allocates nothing.
+// The returned pointer is 64-byte aligned: with rows a multiple of 16 floats long, no vector
+// load then straddles two cache lines.
 float* grow(std::vector<float>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
-  return buf.data();
+  constexpr int64_t kAlign = 16;  // floats
+  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
+  const auto address = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + (kAlign - static_cast<int64_t>(address / sizeof(float) % kAlign)) % kAlign;
 }
 
-// dst (rows, cols) f32 = src rows (leading dimension ld) widened (bf16 -> f32 is exact).
-void widen_rows(const uint16_t* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+// One operand of the forward product: rows of K elements, f32 or bf16, `ld` elements apart
+// (0: K).
+struct Rows {
+  const void* data;
+  bool bf16;
+  int64_t ld = 0;
+};
+
+// dst (rows, kc) f32 = columns [k0, k0 + kc) of src rows [i0, i0 + rows) (leading dimension
+// ld), widened.
+void copy_rows(Rows src, int64_t ld, int64_t i0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* s = src + r * ld;
-    float* d = dst + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint32_t bits = static_cast<uint32_t>(s[c]) << 16;
-      std::memcpy(d + c, &bits, sizeof bits);
+    const int64_t base = (i0 + r) * ld + k0;
+    float* d = dst + r * kc;
+    if (src.bf16) {
+      const uint16_t* s = static_cast<const uint16_t*>(src.data) + base;
+      if (cpu_has_avx512()) {
+        detail::widen_bf16_avx512(s, d, kc);
+      } else {
+        for (int64_t c = 0; c < kc; ++c) d[c] = bf16_bits_to_f32(s[c]);
+      }
+    } else {
+      std::memcpy(d, static_cast<const float*>(src.data) + base,
+                  static_cast<size_t>(kc) * sizeof(float));
     }
   }
 }
 
-// One operand of the forward product: rows of K elements, f32 or bf16.
-struct Rows {
-  const void* data;
-  bool bf16;
-};
-
-// y (M, N) [+]= x (M, K) · w (N, K)^T. Threads take contiguous ranges of NR-row panels of w and
-// never split K, so every element's arithmetic is the kernel's, whatever M, N and the thread
-// count are.
+// y (M, N) [+]= x (M, K) · w (N, K)^T. Threads take contiguous ranges of kTileCols-row panels
+// of w and never split K; blocks of x rows and chunks of K are visited in a fixed order, so
+// every element's arithmetic is the one of detail::kChunk, whatever M, N and the thread count.
 void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (M == 0 || N == 0) return;
-  const TilesFn tiles = tiles_fn();
+  const bool avx512 = use_avx512();
+  const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
+  // Software prefetch of the next w panel pays only when w does not stay in a core's L2.
+  const bool prefetch_w = N * K * (w.bf16 ? 2 : 4) > kPrefetchMinBytes;
   const int64_t panels = (N + kTileCols - 1) / kTileCols;
-  const int64_t max_block =
-      std::max<int64_t>(kTileRows, kXBlockBytes / (4 * std::max<int64_t>(K, 1)));
+  const int64_t kc_max = std::min(K, kChunk);
+  const int64_t row_bytes = 4 * std::max<int64_t>(1, kc_max);
+  const int64_t max_block = std::max<int64_t>(kTileRows, kXBlockBytes / row_bytes);
   const int64_t blocks = (M + max_block - 1) / max_block;
   const int64_t block_rows = ((M + blocks - 1) / blocks + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t panel_work = std::max<int64_t>(1, M * kTileCols * K);
@@ -116,37 +132,65 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
       panels,
       [&](int64_t p0, int64_t p1) {
         thread_local std::vector<float> x_scratch, w_scratch;
+        const int64_t j0 = p0 * kTileCols, j1 = std::min(N, p1 * kTileCols);
         for (int64_t i0 = 0; i0 < M; i0 += block_rows) {
           const int64_t rows = std::min(block_rows, M - i0);
-          const float* xb;
-          if (x.bf16) {
-            float* d = grow(x_scratch, rows * K);
-            widen_rows(static_cast<const uint16_t*>(x.data) + i0 * K, K, rows, K, d);
-            xb = d;
-          } else {
-            xb = static_cast<const float*>(x.data) + i0 * K;
-          }
-          for (int64_t p = p0; p < p1; ++p) {
-            const int64_t j0 = p * kTileCols;
-            const int64_t cols = std::min<int64_t>(kTileCols, N - j0);
-            const float* wp;
-            if (w.bf16) {
-              float* d = grow(w_scratch, cols * K);
-              widen_rows(static_cast<const uint16_t*>(w.data) + j0 * K, K, cols, K, d);
-              wp = d;
+          // K = 0: every chunk loop below is empty; y is an empty sum.
+          if (K == 0 && !accumulate)
+            for (int64_t i = i0; i < i0 + rows; ++i)
+              std::fill(y + i * N + j0, y + i * N + j1, 0.0f);
+          for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+            const int64_t kc = std::min(kChunk, K - k0);
+            const bool add = accumulate || k0 > 0;
+            const float* xb;
+            int64_t ldx = ldx_src;
+            if (x.bf16) {
+              float* d = grow(x_scratch, rows * kc);
+              copy_rows(x, ldx_src, i0, rows, k0, kc, d);
+              xb = d;
+              ldx = kc;
             } else {
-              wp = static_cast<const float*>(w.data) + j0 * K;
+              xb = static_cast<const float*>(x.data) + i0 * ldx_src + k0;
             }
-            tiles(xb, K, wp, K, y + i0 * N + j0, N, rows, cols, K, accumulate);
+            for (int64_t j = j0; j < j1; j += kTileCols) {
+              const int64_t cols = std::min<int64_t>(kTileCols, N - j);
+              const float* wp;
+              int64_t ldw = ldw_src;
+              if (w.bf16) {
+                float* d = grow(w_scratch, cols * kc);
+                copy_rows(w, ldw_src, j, cols, k0, kc, d);
+                wp = d;
+                ldw = kc;
+              } else {
+                wp = static_cast<const float*>(w.data) + j * ldw_src + k0;
+              }
+              float* yb = y + i0 * N + j;
+              if (avx512) {
+                detail::Prefetch next;
+                if (prefetch_w && j + kTileCols < j1) {
+                  const int64_t esize = w.bf16 ? 2 : 4;
+                  next.base =
+                      static_cast<const char*>(w.data) + ((j + kTileCols) * ldw_src + k0) * esize;
+                  next.rows = std::min<int64_t>(kTileCols, j1 - j - kTileCols);
+                  next.row_bytes = kc * esize;
+                  next.stride_bytes = ldw_src * esize;
+                }
+                detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
+              } else {
+                detail::chunk_portable(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add);
+              }
+            }
           }
         }
       },
       min_panels);
 }
 
-// dst (cols, rows) f32 = src (rows, cols)^T, f32 or bf16, in 32 x 32 blocks.
-void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
-  constexpr int64_t kB = 32;
+// dst (cols, rows; leading dimension ldd) f32 = src (rows, cols)^T, f32 or bf16, in 16 x 16
+// blocks (with AVX-512 for whole f32 blocks).
+void transpose(Rows src, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  constexpr int64_t kB = 16;
+  const bool avx512 = cpu_has_avx512() && !src.bf16;
   const int64_t col_blocks = (cols + kB - 1) / kB;
   parallel_for(
       col_blocks,
@@ -155,8 +199,13 @@ void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
           const int64_t c1 = std::min(cols, c0 + kB);
           for (int64_t r0 = 0; r0 < rows; r0 += kB) {
             const int64_t r1 = std::min(rows, r0 + kB);
+            if (avx512 && c1 - c0 == kB && r1 - r0 == kB) {
+              detail::transpose16_avx512(static_cast<const float*>(src.data) + r0 * cols + c0, cols,
+                                         dst + c0 * ldd + r0, ldd);
+              continue;
+            }
             for (int64_t c = c0; c < c1; ++c) {
-              float* d = dst + c * rows;
+              float* d = dst + c * ldd;
               if (src.bf16) {
                 const uint16_t* s = static_cast<const uint16_t*>(src.data);
                 for (int64_t r = r0; r < r1; ++r) d[r] = bf16_bits_to_f32(s[r * cols + c]);
@@ -173,6 +222,10 @@ void transpose(Rows src, int64_t rows, int64_t cols, float* dst) {
 
 Rows rows_of(const Tensor& t) { return {t.data(), t.dtype() == DType::bf16}; }
 
+// The leading dimension of a transposed scratch of rows of n: rows that are a multiple of 1 KiB
+// apart would fall into the same few L1 sets, so every row is padded by one cache line.
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16 + 16; }
+
 }  // namespace
 
 void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
@@ -185,21 +238,23 @@ void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) 
 void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate) {
   // dx (M, K) = dy (M, N) · w (N, K) = dy · (w^T (K, N))^T: the forward product against w^T.
   const int64_t N = w.size(0), K = w.size(1);
-  thread_local std::vector<float> w_t;  // (K, N)
-  float* wt = grow(w_t, K * N);
-  transpose(rows_of(w), N, K, wt);
-  forward(rows_of(dy), {wt, false}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
+  const int64_t ld = padded(N);
+  thread_local std::vector<float> w_t;  // (K, N), leading dimension ld
+  float* wt = grow(w_t, K * ld);
+  transpose(rows_of(w), N, K, wt, ld);
+  forward(rows_of(dy), {wt, false, ld}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
 }
 
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate) {
   // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
-  thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M)
-  float* dyt = grow(dy_t, N * M);
-  float* xt = grow(x_t, K * M);
-  transpose(rows_of(dy), M, N, dyt);
-  transpose(rows_of(x), M, K, xt);
-  forward({dyt, false}, {xt, false}, dw.data_as<float>(), N, K, M, accumulate);
+  const int64_t ld = padded(M);
+  thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M), leading dimension ld
+  float* dyt = grow(dy_t, N * ld);
+  float* xt = grow(x_t, K * ld);
+  transpose(rows_of(dy), M, N, dyt, ld);
+  transpose(rows_of(x), M, K, xt, ld);
+  forward({dyt, false, ld}, {xt, false, ld}, dw.data_as<float>(), N, K, M, accumulate);
 }
 
 }  // namespace tandem::ops::cpu

@@ -93,7 +93,9 @@ void check_op(Op op, int64_t M, int64_t N, int64_t K, DType a_type, DType b_type
 struct Dims {
   int64_t M, N, K;
 };
-constexpr Dims kOddShapes[] = {{7, 13, 37}, {65, 33, 577}, {1, 5, 16}, {3, 7, 1}, {9, 6, 48}};
+// K = 1601 spans three chunks of the CPU kernel (ops::cpu::detail::kChunk).
+constexpr Dims kOddShapes[] = {{7, 13, 37}, {65, 33, 577}, {1, 5, 16},
+                               {3, 7, 1},   {9, 6, 48},    {5, 9, 1601}};
 
 // y rows [first, first + rows) of x against w, as a fresh (rows, N) tensor.
 Tensor forward_rows(const Tensor& x, const Tensor& w, int64_t first, int64_t rows) {
@@ -217,7 +219,7 @@ TEST_CASE("the AVX-512 matmul kernel and the portable kernel agree bit for bit",
   for (const Case& c :
        {Case{7, 13, 37, DType::f32, DType::f32}, Case{65, 33, 577, DType::bf16, DType::f32},
         Case{33, 576, 576, DType::f32, DType::bf16}, Case{5, 11, 1536, DType::f32, DType::f32},
-        Case{2, 3, 5, DType::f32, DType::f32}}) {
+        Case{6, 7, 1601, DType::bf16, DType::bf16}, Case{2, 3, 5, DType::f32, DType::f32}}) {
     INFO("M=" << c.M << " N=" << c.N << " K=" << c.K);
     // Large, mixed-sign values so that cancellation exercises the reduction order.
     const Tensor x = random_tensor({c.M, c.K}, c.xt, 601, -100.0, 100.0);
@@ -332,5 +334,30 @@ TANDEM_PARITY_CASES(matmul) {
     add_matmul_cases("odd", 65, 33, 577, t, true);
     add_matmul_cases("smollm2 q_proj", 64, 576, 576, t, false);
     add_matmul_cases("smollm2 down_proj", 33, 576, 1536, t, true);
+  }
+}
+
+TEST_CASE("CUDA matmul rows are bitwise the same alone and inside batches of any size", "[gpu]") {
+  skip_without_gpu();
+  const Device gpu = Device::cuda();
+  for (DType wt : {DType::bf16, DType::f32}) {
+    for (const auto& [N, K] : {std::pair<int64_t, int64_t>{576, 576}, {1536, 576}, {576, 1536}}) {
+      INFO("N=" << N << " K=" << K << " w " << dtype_name(wt));
+      const int64_t big = 300;
+      const Tensor x = random_tensor({big, K}, DType::f32, 701).to(gpu);
+      const Tensor w = random_tensor({N, K}, wt, 702).to(gpu);
+      Tensor alone = Tensor::empty({big, N}, DType::f32, gpu);
+      for (int64_t i = 0; i < big; ++i) ops::matmul(x.narrow(i, 1), w, alone.narrow(i, 1));
+      const Tensor alone_cpu = alone.to(Device::cpu());
+      int bad = 0;
+      for (int64_t m : {int64_t{2}, int64_t{7}, int64_t{32}, int64_t{33}, int64_t{64}, big}) {
+        const int64_t first = (m * 37) % (big - m + 1);
+        Tensor y = Tensor::empty({m, N}, DType::f32, gpu);
+        ops::matmul(x.narrow(first, m), w, y);
+        const Tensor y_cpu = y.to(Device::cpu());
+        for (int64_t i = 0; i < m; ++i) bad += !rows_equal(y_cpu, i, alone_cpu, first + i);
+      }
+      CHECK(bad == 0);
+    }
   }
 }
