@@ -48,7 +48,6 @@ void chunk_portable(const float* x, int64_t ldx, const float* w, int64_t ldw, fl
 namespace {
 
 using detail::kChunk;
-using detail::kLanes;
 using detail::kTileCols;
 using detail::kTileRows;
 

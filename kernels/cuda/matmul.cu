@@ -96,7 +96,7 @@ __global__ void f32_to_bf16_kernel(const float* src, bf16* dst, int64_t n) {
 // The operand as bf16: itself, or a rounded copy in the device's scratch slot.
 const void* as_bf16(DeviceState& s, int slot, const void* p, DType t, int64_t n,
                     cudaStream_t stream) {
-  if (t == DType::bf16) return p;
+  if (t == DType::bf16 || n == 0) return p;
   bf16* d = static_cast<bf16*>(grow_scratch(s, slot, static_cast<size_t>(n) * sizeof(bf16)));
   constexpr int kThreads = 256;
   f32_to_bf16_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(static_cast<const float*>(p),
@@ -199,6 +199,12 @@ void gemm(const GemmShape& g, const GemmShape& query, const void* A, const void*
                               s.workspace, kWorkspaceBytes, stream));
 }
 
+// An empty sum (the inner dimension is 0): out = 0, or unchanged when accumulating.
+void zero_unless(bool accumulate, float* out, int64_t n, cudaStream_t stream) {
+  if (!accumulate && n > 0)
+    CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(n) * sizeof(float), stream));
+}
+
 cudaDataType_t compute_type(DType a, DType b) {
   return a == DType::f32 && b == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
 }
@@ -211,6 +217,7 @@ void matmul(const void* x, DType x_type, const void* w, DType w_type, float* y, 
   const cudaStream_t st = native(stream);
   DeviceState& s = device_state();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (K == 0) return zero_unless(accumulate, y, M * N, st);
   const cudaDataType_t ab = compute_type(x_type, w_type);
   if (ab == CUDA_R_16BF) {
     x = as_bf16(s, 0, x, x_type, M * K, st);
@@ -228,6 +235,7 @@ void matmul_backward_input(const float* dy, const void* w, DType w_type, float* 
   const cudaStream_t st = native(stream);
   DeviceState& s = device_state();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (N == 0) return zero_unless(accumulate, dx, M * K, st);
   const cudaDataType_t ab = compute_type(DType::f32, w_type);
   const void* b = ab == CUDA_R_16BF ? as_bf16(s, 0, dy, DType::f32, M * N, st) : dy;
   const GemmShape g{CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, K, N, K, ab};
@@ -240,13 +248,9 @@ void matmul_backward_weight(const float* dy, const void* x, DType x_type, float*
   const cudaStream_t st = native(stream);
   DeviceState& s = device_state();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (M == 0) return zero_unless(accumulate, dw, N * K, st);
   const cudaDataType_t ab = compute_type(DType::f32, x_type);
   const void* b = ab == CUDA_R_16BF ? as_bf16(s, 0, dy, DType::f32, M * N, st) : dy;
-  if (M == 0) {
-    // An empty sum: dw = 0 (or unchanged when accumulating).
-    if (!accumulate) CUDA_CHECK(cudaMemsetAsync(dw, 0, static_cast<size_t>(N * K) * 4, st));
-    return;
-  }
   const GemmShape g{CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, K, N, K, ab};
   gemm(g, g, x, b, dw, accumulate, st, s);
 }

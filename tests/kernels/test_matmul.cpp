@@ -157,13 +157,16 @@ TEST_CASE("matmul rows are bitwise the same alone and inside batches of any size
   const int threads = num_threads();
   struct Case {
     int64_t N, K;
-    DType wt;
+    DType xt, wt;
     int64_t big;  // one larger batch besides 1..64
   };
-  for (const Case& c : {Case{576, 576, DType::f32, 2048}, Case{1536, 576, DType::f32, 300},
-                        Case{576, 576, DType::bf16, 300}, Case{13, 37, DType::f32, 300}}) {
-    INFO("N=" << c.N << " K=" << c.K << " w " << dtype_name(c.wt));
-    const Tensor x = random_tensor({c.big, c.K}, DType::f32, 401);
+  // K = 1536 runs two chunks of the CPU kernel.
+  for (const Case& c :
+       {Case{576, 576, DType::f32, DType::f32, 2048}, Case{1536, 576, DType::f32, DType::f32, 300},
+        Case{576, 576, DType::bf16, DType::bf16, 300}, Case{576, 1536, DType::f32, DType::f32, 300},
+        Case{13, 37, DType::f32, DType::f32, 300}}) {
+    INFO("N=" << c.N << " K=" << c.K << " x " << dtype_name(c.xt) << " w " << dtype_name(c.wt));
+    const Tensor x = random_tensor({c.big, c.K}, c.xt, 401);
     const Tensor w = random_tensor({c.N, c.K}, c.wt, 402);
     // Every row alone, on one thread.
     set_num_threads(1);
