@@ -120,12 +120,22 @@ void Runner::measure(const std::string& op, const std::string& case_name, double
                      double bytes, const std::function<void()>& fn, const std::string& peer,
                      const std::function<void()>& peer_fn) {
   if (!wants(op, case_name)) return;
-  Measurement m{"kernels", op, case_name, time(fn), flops, bytes, std::nullopt, 0};
-  if (peer_fn) {
-    m.peer = peer;
-    m.peer_seconds = time(peer_fn);
+  try {
+    Measurement m{"kernels", op, case_name, time(fn), flops, bytes, std::nullopt, 0};
+    if (peer_fn) {
+      m.peer = peer;
+      m.peer_seconds = time(peer_fn);
+    }
+    emit(m);
+  } catch (const Error& e) {  // report the case and go on with the others
+    ++errors_;
+    nlohmann::ordered_json j;
+    j["bench"] = "kernels";
+    j["case"] = fmt::format("{} {}", op, case_name);
+    j["device"] = opt_.device.str();
+    j["error"] = e.what();
+    std::printf("%s\n", j.dump().c_str());
   }
-  emit(m);
 }
 
 void Runner::emit(const Measurement& m) {
@@ -217,7 +227,7 @@ int run_kernel_benches(const Options& opt) {
   std::sort(benches.begin(), benches.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (auto& [family, fn] : benches) fn(runner);
-  return runner.emitted() > 0 ? 0 : 1;
+  return runner.emitted() > 0 && runner.errors() == 0 ? 0 : 1;
 }
 
 }  // namespace tandem::bench

@@ -56,11 +56,13 @@ class Runner {
                const std::function<void()>& peer_fn = {});
   void emit(const Measurement& m);
   int emitted() const { return emitted_; }
+  int errors() const { return errors_; }
 
  private:
   Options opt_;
   Ceilings ceilings_;
   int emitted_ = 0;
+  int errors_ = 0;
 };
 
 // The kernel benchmarks of one op family; registered with TANDEM_KERNEL_BENCH.

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "kernels/cuda/common.cuh"
@@ -58,7 +59,8 @@ struct DeviceState {
   std::mutex mu;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
-  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+  // nullopt: cuBLASLt offers no deterministic algorithm for the shape; the fallback kernel runs.
+  std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algos;
   void* scratch[2] = {nullptr, nullptr};
   size_t scratch_bytes[2] = {0, 0};
 };
@@ -137,10 +139,11 @@ struct Layouts {
   }
 };
 
-// The algorithm for a shape: the heuristic's best without split-K (split-K sums partial
-// products in an order that depends on the split, and some reduction schemes use atomics).
-// `query` is the shape the heuristic sees (the forward product's with kPinnedRows rows).
-cublasLtMatmulAlgo_t pick_algo(DeviceState& s, const GemmShape& query, const AlgoKey& key) {
+// The algorithm for a shape: the heuristic's best that is deterministic. Split-K is allowed only
+// with an out-of-place reduction (a fixed number of splits summed by a separate kernel); the
+// in-place scheme adds the splits in the order they finish. `query` is the shape the heuristic
+// sees (the forward product's with kPinnedRows rows).
+std::optional<cublasLtMatmulAlgo_t> pick_algo(DeviceState& s, const GemmShape& query, const AlgoKey& key) {
   const auto found = s.algos.find(key);
   if (found != s.algos.end()) return found->second;
   const Layouts l(query);
@@ -149,6 +152,11 @@ cublasLtMatmulAlgo_t pick_algo(DeviceState& s, const GemmShape& query, const Alg
   const uint64_t ws = kWorkspaceBytes;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &ws, sizeof ws));
+  // Split-K only with a deterministic (out-of-place) reduction.
+  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                           CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
   const uint32_t aligns[3] = {key.align_a, key.align_b, key.align_c};
   const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -169,12 +177,63 @@ cublasLtMatmulAlgo_t pick_algo(DeviceState& s, const GemmShape& query, const Alg
     size_t written = 0;
     CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(
         &results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits, &written));
-    if (splits > 1) continue;
+    if (splits > 1) {
+      uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_INPLACE;
+      CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo,
+                                                        CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                                        &scheme, sizeof scheme, &written));
+      if (scheme == CUBLASLT_REDUCTION_SCHEME_INPLACE || scheme == CUBLASLT_REDUCTION_SCHEME_NONE)
+        continue;
+    }
     s.algos.emplace(key, results[i].algo);
     return results[i].algo;
   }
-  CUBLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED);  // no algorithm without split-K: throws
-  return {};
+  s.algos.emplace(key, std::nullopt);
+  return std::nullopt;
+}
+
+// The same product when cuBLASLt has no deterministic algorithm (odd leading dimensions of bf16
+// operands, say): 16x16 output tiles, each element summed over k in increasing order.
+template <class T>
+__global__ void fallback_gemm_kernel(bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                                     const T* A, int64_t lda, const T* B, int64_t ldb, float* C,
+                                     int64_t ldc, bool accumulate) {
+  __shared__ float as[16][17], bs[16][17];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t i = blockIdx.x * int64_t{16} + tx, j = blockIdx.y * int64_t{16} + ty;
+  float acc = 0.0f;
+  for (int64_t k0 = 0; k0 < k; k0 += 16) {
+    const int64_t ak = k0 + ty, bk = k0 + tx;
+    as[tx][ty] = i < m && ak < k ? to_f32(A[ta ? ak + i * lda : i + ak * lda]) : 0.0f;
+    const int64_t bj = blockIdx.y * int64_t{16} + ty;
+    bs[tx][ty] = bk < k && bj < n ? to_f32(B[tb ? bj + bk * ldb : bk + bj * ldb]) : 0.0f;
+    __syncthreads();
+    for (int kk = 0; kk < 16; ++kk) acc = fmaf(as[tx][kk], bs[kk][ty], acc);
+    __syncthreads();
+  }
+  if (i < m && j < n) {
+    float* c = C + i + j * ldc;
+    *c = accumulate ? *c + acc : acc;
+  }
+}
+
+void fallback_gemm(const GemmShape& g, const void* A, const void* B, float* C, bool accumulate,
+                   cudaStream_t stream) {
+  const dim3 block(16, 16);
+  const dim3 grid(static_cast<unsigned>((g.m + 15) / 16), static_cast<unsigned>((g.n + 15) / 16));
+  const bool ta = g.ta == CUBLAS_OP_T, tb = g.tb == CUBLAS_OP_T;
+  if (g.ab == CUDA_R_16BF) {
+    fallback_gemm_kernel<<<grid, block, 0, stream>>>(ta, tb, g.m, g.n, g.k,
+                                                     static_cast<const bf16*>(A), g.lda,
+                                                     static_cast<const bf16*>(B), g.ldb, C, g.ldc,
+                                                     accumulate);
+  } else {
+    fallback_gemm_kernel<<<grid, block, 0, stream>>>(ta, tb, g.m, g.n, g.k,
+                                                     static_cast<const float*>(A), g.lda,
+                                                     static_cast<const float*>(B), g.ldb, C,
+                                                     g.ldc, accumulate);
+  }
+  CUDA_CHECK_LAUNCH();
 }
 
 void gemm(const GemmShape& g, const GemmShape& query, const void* A, const void* B, float* C,
@@ -192,11 +251,12 @@ void gemm(const GemmShape& g, const GemmShape& query, const void* A, const void*
                     alignment_of(A),
                     alignment_of(B),
                     alignment_of(C)};
-  const cublasLtMatmulAlgo_t algo = pick_algo(s, query, key);
+  const std::optional<cublasLtMatmulAlgo_t> algo = pick_algo(s, query, key);
+  if (!algo) return fallback_gemm(g, A, B, C, accumulate, stream);
   const Layouts l(g);
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(s.handle, l.op, &alpha, A, l.a, B, l.b, &beta, C, l.c, C, l.c, &algo,
-                              s.workspace, kWorkspaceBytes, stream));
+  CUBLAS_CHECK(cublasLtMatmul(s.handle, l.op, &alpha, A, l.a, B, l.b, &beta, C, l.c, C, l.c,
+                              &*algo, s.workspace, kWorkspaceBytes, stream));
 }
 
 // An empty sum (the inner dimension is 0): out = 0, or unchanged when accumulating.
