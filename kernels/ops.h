@@ -4,8 +4,11 @@
 //   T tokens (packed: the sequences of a batch laid end to end, no padding), B sequences,
 //   C model width, H query heads, Hkv key/value heads, D head size, F MLP width, V vocabulary.
 // - Tensors are row-major and contiguous. Outputs are passed in, allocated by the caller (an
-//   arena), and never reallocated: no op allocates on a hot path except the CPU matmul backward
-//   scratch, which grows once to the largest shape seen.
+//   arena), and never reallocated. Scratch that an op needs (CPU: per-thread buffers of matmul,
+//   attention, rmsnorm_backward and sample; CUDA: matmul's bf16 copies) only grows, to the
+//   largest shape seen, so steady-state calls allocate nothing. Three CUDA ops still take small
+//   stream-ordered allocations per call (cudaMallocAsync: sum_squares, rmsnorm_backward,
+//   embedding's id check) and embedding waits for its stream: not yet capturable in a graph.
 // - All tensors of one call live on the same device; the op runs there (CPU, or CUDA on
 //   `stream`). A mismatch of shape, dtype or device throws tandem::Error naming the op and the
 //   shapes; nothing broadcasts. Token ids out of range throw, they are never read out of bounds.
