@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "core/parallel.h"
+#include "kernels/exp.h"
 #include "kernels/ops.h"
 
 namespace tandem::ops::cpu {
@@ -58,8 +59,10 @@ void gather_block(const T* const* krows, const T* const* vrows, int n, int64_t D
 // implementations:
 //   score_j = ((p0 + p1) + (p2 + p3)) * scale, p_r = fma chain over d = r, r+4, r+8, ...
 //   mb = tree_max(score) (pairwise halving over the 16 lanes, masked lanes -inf, max(a, b) =
-//        a > b ? a : b as MAXPS); m' = std::max(m, mb); alpha = expf(m - m')
-//   p_j = expf(score_j - m'); l' = l * alpha + tree_sum(p) (pairwise halving, masked lanes 0)
+//        a > b ? a : b as MAXPS); m' = std::max(m, mb); alpha = exp(m - m')
+//   p_j = exp(score_j - m'); l' = l * alpha + tree_sum(p) (pairwise halving, masked lanes 0)
+// with exp = softmax_exp (kernels/exp.h): branch-free, so the 16 lanes vectorise, and the same
+// bits as the CUDA kernels.
 //   acc'[d] = fma chain over j = 0..n-1 of p_j * v_j[d], starting from acc[d] * alpha.
 // The AVX-512 and portable versions perform these same IEEE operations lane by lane.
 
@@ -68,9 +71,8 @@ inline float max_ps(float a, float b) { return a > b ? a : b; }
 // After the block max: the new running max, alpha, p from the shifted scores d = score - m'
 // (lanes >= n unused), the new running sum. Returns alpha.
 inline float softmax_update(const float* d, int n, float m_old, float m_new, float* l, float* p) {
-  // expf(0) is exactly 1: skip the call when the running max did not move.
-  const float alpha = m_old == m_new ? 1.0f : expf(m_old - m_new);
-  for (int j = 0; j < kBlk; ++j) p[j] = j < n ? expf(d[j]) : 0.0f;
+  const float alpha = softmax_exp(m_old - m_new);  // exactly 1 when the max did not move
+  for (int j = 0; j < kBlk; ++j) p[j] = softmax_exp(j < n ? d[j] : kNegInf);  // exp(-inf) = 0
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
   for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
@@ -454,7 +456,7 @@ __attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, con
     const int64_t row = first + i * a.H;
     const int64_t nv = std::min<int64_t>(n, q0 + i - k0 + 1);
     for (int j = 0; j < kBlk; ++j) {
-      const float p = j < nv ? expf(S[i * kBlk + j] * a.scale - a.lse[row]) : 0.0f;
+      const float p = softmax_exp(j < nv ? S[i * kBlk + j] * a.scale - a.lse[row] : kNegInf);
       P[i * kBlk + j] = p;
       dS[i * kBlk + j] = p * (dS[i * kBlk + j] - a.delta[row]);
     }

@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/exp.h"
 
 namespace tandem::ops::cuda {
 namespace {
@@ -86,10 +87,10 @@ __global__ void attention_forward_kernel(const float* q, const float* k, const f
       float mb = -CUDART_INF_F;
       for (int j = 0; j < kTile; ++j) mb = fmaxf(mb, s[r * kTile + j]);
       const float m_new = fmaxf(m[r], mb);
-      const float a = expf(m[r] - m_new);
+      const float a = softmax_exp(m[r] - m_new);
       float sum = 0.0f;
       for (int j = 0; j < kTile; ++j) {
-        const float p = j < n ? expf(s[r * kTile + j] - m_new) : 0.0f;
+        const float p = j < n ? softmax_exp(s[r * kTile + j] - m_new) : 0.0f;
         s[r * kTile + j] = p;
         sum += p;
       }
@@ -162,7 +163,7 @@ __global__ void attention_dq_kernel(const float* dout, const float* q, const flo
       const int r = i / kTile, j = i % kTile;
       float g = 0.0f;
       if (r < rows && j < n && k0 + j <= q0 + r) {
-        const float p = expf(dot(qs + r * D, ks + j * D, D) * scale - row_lse[r]);
+        const float p = softmax_exp(dot(qs + r * D, ks + j * D, D) * scale - row_lse[r]);
         g = p * (dot(gs + r * D, vs + j * D, D) - delta[r]);
       }
       ds[i] = g;
@@ -223,7 +224,7 @@ __global__ void attention_dkdv_kernel(const float* dout, const float* q, const f
         const int r = i / kTile, j = i % kTile;
         float pv = 0.0f, g2 = 0.0f;
         if (r < rows && j < n && k0 + j <= q0 + r) {
-          pv = expf(dot(qs + r * D, ks + j * D, D) * scale - row_lse[r]);
+          pv = softmax_exp(dot(qs + r * D, ks + j * D, D) * scale - row_lse[r]);
           g2 = pv * (dot(gs + r * D, vs + j * D, D) - delta[r]);
         }
         p[i] = pv;
@@ -328,10 +329,10 @@ __global__ void paged_decode_kernel(const float* q, const T* kc, const T* vc, in
       float mb = -CUDART_INF_F;
       for (int j = 0; j < kTile; ++j) mb = fmaxf(mb, s[j]);
       const float m_new = fmaxf(m, mb);
-      const float a = expf(m - m_new);
+      const float a = softmax_exp(m - m_new);
       float sum = 0.0f;
       for (int j = 0; j < kTile; ++j) {
-        const float p = j < n ? expf(s[j] - m_new) : 0.0f;
+        const float p = j < n ? softmax_exp(s[j] - m_new) : 0.0f;
         s[j] = p;
         sum += p;
       }
