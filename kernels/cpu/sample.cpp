@@ -27,6 +27,7 @@
 #include "core/parallel.h"
 #include "core/philox.h"
 #include "kernels/cpu/logprob.h"
+#include "kernels/float_order.h"
 
 namespace tandem::ops::cpu {
 namespace {
@@ -58,29 +59,6 @@ Scratch& scratch_for(int64_t V) {
     s.kept_id.resize(n);
   }
   return s;
-}
-
-// Float bit patterns mapped to integers in the order of their values (NaN aside).
-uint32_t ordered_key(float f) {
-  const uint32_t b = float_bits(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-float key_value(uint32_t k) { return bits_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
-
-// The largest float t in [lo, hi] with pred(t), for pred true at lo and monotone (true up to
-// some value): a binary search over the ordered bit patterns, at most 32 steps.
-template <class Pred>
-float largest_value_where(float lo, float hi, Pred pred) {
-  uint32_t a = ordered_key(lo), b = ordered_key(hi);
-  while (a < b) {
-    const uint32_t mid = a + (b - a) / 2 + 1;
-    if (pred(key_value(mid))) {
-      a = mid;
-    } else {
-      b = mid - 1;
-    }
-  }
-  return key_value(a);
 }
 
 TANDEM_ROW_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {

@@ -7,6 +7,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/logprob.h"
 #include "kernels/cuda/sample.h"
+#include "kernels/float_order.h"
 
 namespace tandem::ops::cuda {
 namespace {
@@ -24,30 +25,6 @@ struct MaxIndexOp {
 struct ArgmaxValueOp {
   __device__ float operator()(float a, float b) const { return a > b ? a : b; }
 };
-
-__device__ uint32_t ordered_key(float f) {
-  const uint32_t b = __float_as_uint(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-__device__ float key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// The largest float t in [lo, hi] with pred(t) (true at lo, monotone); every thread runs the same
-// steps, as pred is a block reduction.
-template <class Pred>
-__device__ float largest_value_where(float lo, float hi, Pred pred) {
-  uint32_t a = ordered_key(lo), b = ordered_key(hi);
-  while (a < b) {
-    const uint32_t mid = a + (b - a) / 2 + 1;
-    if (pred(key_value(mid))) {
-      a = mid;
-    } else {
-      b = mid - 1;
-    }
-  }
-  return key_value(a);
-}
 
 // How many v in [0, V) satisfy keep(v), over the block.
 template <class Keep>
