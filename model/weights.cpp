@@ -1,0 +1,146 @@
+// Weights: one arena, fused storage, HF-named views.
+#include "model/weights.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/ops.h"
+
+namespace tandem::model {
+namespace {
+
+size_t padded_bytes(const Shape& s, DType dtype) {
+  size_t n = static_cast<size_t>(s.numel()) * dtype_size(dtype);
+  return (n + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+}
+
+}  // namespace
+
+Weights::Weights(const ModelConfig& config, DType dtype, Device device, ArenaClass cls)
+    : config_(config), dtype_(dtype), device_(device) {
+  config_.validate();
+  TANDEM_CHECK(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
+               "weights: dtype must be f32, bf16 or f16, got {}", dtype);
+  const int64_t V = config.vocab_size, C = config.hidden_size, F = config.intermediate_size;
+  const int64_t D = config.head_dim, H = config.num_heads, Hkv = config.num_kv_heads;
+  const int64_t QKV = (H + 2 * Hkv) * D;
+
+  // Plan the arena first: one allocation for everything.
+  std::vector<Shape> plan = {{V, C}, {C}};
+  if (!config.tie_word_embeddings) plan.push_back({V, C});
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    plan.insert(plan.end(), {{C}, {QKV, C}, {C, H * D}, {C}, {2 * F, C}, {C, F}});
+    if (config.attention_bias) plan.push_back({QKV});
+    if (config.qk_norm) plan.insert(plan.end(), {{D}, {D}});
+  }
+  size_t bytes = 0;
+  for (const Shape& s : plan) bytes += padded_bytes(s, dtype);
+  arena_ = std::make_unique<Arena>(cls, device, bytes);
+
+  auto add_storage = [&](std::string name, const Shape& shape) {
+    Tensor t = arena_->alloc(shape, dtype);
+    storage_.push_back({std::move(name), t});
+    return t;
+  };
+  auto add_named = [&](std::string name, const Tensor& t) {
+    index_.emplace(name, named_.size());
+    named_.push_back({std::move(name), t});
+  };
+
+  embed = add_storage("model.embed_tokens.weight", {V, C});
+  add_named("model.embed_tokens.weight", embed);
+  layers.resize(static_cast<size_t>(config.num_layers));
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    LayerWeights& w = layers[static_cast<size_t>(l)];
+    const std::string p = hf_layer_prefix(l);
+    w.input_norm = add_storage(p + "input_layernorm.weight", {C});
+    w.qkv = add_storage(p + "self_attn.qkv_proj.weight", {QKV, C});
+    w.q = w.qkv.narrow(0, H * D);
+    w.k = w.qkv.narrow(H * D, Hkv * D);
+    w.v = w.qkv.narrow((H + Hkv) * D, Hkv * D);
+    if (config.attention_bias) {
+      w.qkv_bias = add_storage(p + "self_attn.qkv_proj.bias", {QKV});
+      w.q_bias = w.qkv_bias.narrow(0, H * D);
+      w.k_bias = w.qkv_bias.narrow(H * D, Hkv * D);
+      w.v_bias = w.qkv_bias.narrow((H + Hkv) * D, Hkv * D);
+    }
+    if (config.qk_norm) {
+      w.q_norm = add_storage(p + "self_attn.q_norm.weight", {D});
+      w.k_norm = add_storage(p + "self_attn.k_norm.weight", {D});
+    }
+    w.o = add_storage(p + "self_attn.o_proj.weight", {C, H * D});
+    w.post_norm = add_storage(p + "post_attention_layernorm.weight", {C});
+    w.gate_up = add_storage(p + "mlp.gate_up_proj.weight", {2 * F, C});
+    w.gate = w.gate_up.narrow(0, F);
+    w.up = w.gate_up.narrow(F, F);
+    w.down = add_storage(p + "mlp.down_proj.weight", {C, F});
+
+    // HF state-dict order within a layer.
+    add_named(p + "input_layernorm.weight", w.input_norm);
+    add_named(p + "self_attn.q_proj.weight", w.q);
+    if (config.attention_bias) add_named(p + "self_attn.q_proj.bias", w.q_bias);
+    add_named(p + "self_attn.k_proj.weight", w.k);
+    if (config.attention_bias) add_named(p + "self_attn.k_proj.bias", w.k_bias);
+    add_named(p + "self_attn.v_proj.weight", w.v);
+    if (config.attention_bias) add_named(p + "self_attn.v_proj.bias", w.v_bias);
+    add_named(p + "self_attn.o_proj.weight", w.o);
+    if (config.qk_norm) {
+      add_named(p + "self_attn.q_norm.weight", w.q_norm);
+      add_named(p + "self_attn.k_norm.weight", w.k_norm);
+    }
+    add_named(p + "mlp.gate_proj.weight", w.gate);
+    add_named(p + "mlp.up_proj.weight", w.up);
+    add_named(p + "mlp.down_proj.weight", w.down);
+    add_named(p + "post_attention_layernorm.weight", w.post_norm);
+  }
+  final_norm = add_storage("model.norm.weight", {C});
+  add_named("model.norm.weight", final_norm);
+  if (config.tie_word_embeddings) {
+    lm_head = embed;
+  } else {
+    lm_head = add_storage("lm_head.weight", {V, C});
+    add_named("lm_head.weight", lm_head);
+  }
+}
+
+const Tensor* Weights::find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  return it == index_.end() ? nullptr : &named_[it->second].tensor;
+}
+
+const Tensor& Weights::at(std::string_view name) const {
+  const Tensor* t = find(name);
+  TANDEM_CHECK(t != nullptr, "weights: the {} model has no parameter named '{}'",
+               architecture_name(config_.arch), name);
+  return *t;
+}
+
+void Weights::zero() {
+  for (const NamedTensor& s : storage_) s.tensor.zero();
+}
+
+void Weights::copy_from(const Weights& other) {
+  TANDEM_CHECK(other.storage_.size() == storage_.size(),
+               "weights: copy between different models ({} and {} tensors)", other.storage_.size(),
+               storage_.size());
+  for (size_t i = 0; i < storage_.size(); ++i) {
+    const Tensor& src = other.storage_[i].tensor;
+    const Tensor& dst = storage_[i].tensor;
+    TANDEM_CHECK(src.shape() == dst.shape(), "weights: {} is {} here and {} in the source",
+                 storage_[i].name, dst.shape(), src.shape());
+    if (src.dtype() == dst.dtype()) {
+      dst.copy_from(src);
+    } else {
+      TANDEM_CHECK(src.device() == dst.device(), "weights: a casting copy needs one device");
+      ops::cast(src, dst);
+    }
+  }
+}
+
+int64_t Weights::num_parameters() const {
+  int64_t n = 0;
+  for (const NamedTensor& s : storage_) n += s.tensor.numel();
+  return n;
+}
+
+}  // namespace tandem::model

@@ -1,0 +1,87 @@
+// Weights: every parameter of a decoder in one arena, with a table of views under their Hugging
+// Face names. Loaders fill the views by name; the decoder reads the per-layer structs.
+//
+// Storage is fused where the math wants it: q, k and v projections are rows of one
+// ((H + 2 Hkv) D, C) tensor (one matmul), gate and up projections rows of one (2F, C) tensor (the
+// layout swiglu reads). The HF names are views into those. The same class holds gradients (f32,
+// ArenaClass::gradients) with the same layout, so an optimizer can walk both tables in step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace tandem::model {
+
+struct NamedTensor {
+  std::string name;  // HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Tensor tensor;
+};
+
+struct LayerWeights {
+  Tensor input_norm;  // (C)
+  Tensor qkv;         // ((H + 2 Hkv) D, C): q rows, then k rows, then v rows
+  Tensor q, k, v;     // views of qkv: (H D, C), (Hkv D, C), (Hkv D, C)
+  Tensor qkv_bias;    // ((H + 2 Hkv) D) when config.attention_bias, else undefined
+  Tensor q_bias, k_bias, v_bias;  // views of qkv_bias
+  Tensor q_norm, k_norm;          // (D) when config.qk_norm, else undefined
+  Tensor o;                       // (C, H D)
+  Tensor post_norm;               // (C)
+  Tensor gate_up;                 // (2F, C): gate rows, then up rows
+  Tensor gate, up;                // views of gate_up: (F, C) each
+  Tensor down;                    // (C, F)
+};
+
+class Weights {
+ public:
+  // Allocates (uninitialised) every parameter the config describes, in dtype f32/bf16/f16.
+  Weights(const ModelConfig& config, DType dtype, Device device = Device::cpu(),
+          ArenaClass cls = ArenaClass::parameters);
+  Weights(const Weights&) = delete;
+  Weights& operator=(const Weights&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  Tensor embed;  // (V, C)
+  std::vector<LayerWeights> layers;
+  Tensor final_norm;  // (C)
+  Tensor lm_head;     // (V, C); the same tensor as embed when config.tie_word_embeddings
+
+  // Every HF-named tensor, in a fixed order (the order of a HF checkpoint's state dict);
+  // lm_head.weight is absent when tied.
+  std::span<const NamedTensor> named() const { return named_; }
+  // The view with this HF name, or nullptr.
+  const Tensor* find(std::string_view name) const;
+  // The view with this HF name; throws tandem::Error naming it when there is none.
+  const Tensor& at(std::string_view name) const;
+  // The fused tensors (qkv, qkv_bias, gate_up and the rest), each once, covering all storage:
+  // what an optimizer or a copy walks.
+  std::span<const NamedTensor> storage() const { return storage_; }
+
+  void zero();
+  // Copies every tensor from other (same config; dtypes may differ: cast).
+  void copy_from(const Weights& other);
+  size_t nbytes() const { return arena_->used(); }
+  int64_t num_parameters() const;
+
+ private:
+  ModelConfig config_;
+  DType dtype_;
+  Device device_;
+  std::unique_ptr<Arena> arena_;
+  std::vector<NamedTensor> named_;
+  std::vector<NamedTensor> storage_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+}  // namespace tandem::model
