@@ -116,7 +116,7 @@ const Tensor& Weights::at(std::string_view name) const {
 }
 
 void Weights::zero() {
-  for (const NamedTensor& s : storage_) s.tensor.zero();
+  for (NamedTensor& s : storage_) s.tensor.zero();
 }
 
 void Weights::copy_from(const Weights& other) {
@@ -125,7 +125,7 @@ void Weights::copy_from(const Weights& other) {
                storage_.size());
   for (size_t i = 0; i < storage_.size(); ++i) {
     const Tensor& src = other.storage_[i].tensor;
-    const Tensor& dst = storage_[i].tensor;
+    Tensor& dst = storage_[i].tensor;
     TANDEM_CHECK(src.shape() == dst.shape(), "weights: {} is {} here and {} in the source",
                  storage_[i].name, dst.shape(), src.shape());
     if (src.dtype() == dst.dtype()) {
