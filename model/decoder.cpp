@@ -339,6 +339,7 @@ struct Decoder::Impl {
                    "decoder: a call of {} tokens needs {} bytes of activations, the arena planned "
                    "for max_tokens = {} holds {}: raise DecoderOptions::max_tokens",
                    T, count.bytes(), options.max_tokens, arena->capacity());
+      arena.reset();  // give the old memory back first
       arena = std::make_unique<Arena>(
           ArenaClass::activations, device,
           std::max(count.bytes(), Decoder::plan_bytes(c, T, options.recompute)));

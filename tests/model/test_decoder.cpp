@@ -77,7 +77,6 @@ ModelConfig tiny_config(Kind kind) {
 
 // Norm weights near 1, biases small, matrices scaled so activations stay O(1).
 void fill_random(Weights& w, uint64_t seed) {
-  const int64_t C = w.config().hidden_size;
   for (const NamedTensor& s : w.storage()) {
     ++seed;
     double lo = -1.0, hi = 1.0;
@@ -89,7 +88,6 @@ void fill_random(Weights& w, uint64_t seed) {
       const double a = 1.7 / std::sqrt(static_cast<double>(s.tensor.size(1)));
       lo = -a, hi = a;
     }
-    (void)C;
     const Tensor r = test::random_tensor(s.tensor.shape(), s.tensor.dtype(), seed, lo, hi);
     Tensor t = s.tensor;
     t.copy_from(r);
