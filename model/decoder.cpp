@@ -1,0 +1,594 @@
+// Decoder: the layer functions (forward, backward) shared by training and inference, the head,
+// the activation plan, and the entry points that run them.
+#include "model/decoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "core/error.h"
+#include "kernels/ops.h"
+
+namespace tandem::model {
+namespace {
+
+// Hands out tensors from an arena, or (without one) only counts the bytes they would take, so
+// that the plan and the allocation are one piece of code.
+class Planner {
+ public:
+  explicit Planner(Arena* arena) : arena_(arena) {}
+  Tensor take(const Shape& shape, DType dtype = DType::f32) {
+    const size_t n = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+    bytes_ += (n + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+    return arena_ ? arena_->alloc(shape, dtype) : Tensor();
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Arena* arena_;
+  size_t bytes_ = 0;
+};
+
+// One layer's activations: everything its backward reads.
+struct LayerActs {
+  Tensor x1, rstd1;         // (T, C), (T): input rmsnorm
+  Tensor q_raw, k_raw;      // (T, H D), (T, Hkv D): projections before the q/k norm (qk_norm only)
+  Tensor rstd_q, rstd_k;    // (T H), (T Hkv): q/k norm (qk_norm only)
+  Tensor q, k, v;           // (T, H, D), (T, Hkv, D), (T, Hkv, D): attention inputs (q, k roped)
+  Tensor att, lse;          // (T, H, D), (T, H)
+  Tensor o_out;             // (T, C): att · o^T
+  Tensor h_mid, x2, rstd2;  // (T, C), (T, C), (T): h + o_out and its rmsnorm
+  Tensor gate_up, act;      // (T, 2F), (T, F)
+};
+
+// Gradient scratch of one layer's backward, reused by every layer.
+struct LayerGrads {
+  Tensor dh, dx;          // (T, C): the residual stream's gradient, a normed input's gradient
+  Tensor d_act, d_gu;     // (T, F), (T, 2F)
+  Tensor d_att;           // (T, H D)
+  Tensor dq, dk, dv;      // (T, H, D), (T, Hkv, D), (T, Hkv, D)
+  Tensor dq_raw, dk_raw;  // (T, H D), (T, Hkv D) (qk_norm only)
+};
+
+enum class Mode { training, logits, inference };
+
+struct Buffers {
+  int64_t T = 0;
+  Tensor tokens, positions, cu_seqlens, targets;  // i32 (T), (T), (B + 1), (T)
+  Tensor ones;                                    // (T, 1) f32 of ones (biases only)
+  std::vector<Tensor> resid;    // (T, C) each: L + 1 layer inputs (training), or 2 (ping-pong)
+  std::vector<LayerActs> acts;  // L (training, no recompute) or 1
+  Tensor xf, rstdf;             // (T, C), (T): final rmsnorm
+  Tensor logits, lse;           // (T, V), (T) (training)
+  Tensor dlogits;               // (T, V) (training)
+  LayerGrads grads;             // (training)
+};
+
+LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
+  const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  const int64_t F = c.intermediate_size;
+  LayerActs a;
+  a.x1 = p.take({T, C});
+  a.rstd1 = p.take({T});
+  if (c.qk_norm) {
+    a.q_raw = p.take({T, H * D});
+    a.k_raw = p.take({T, Hkv * D});
+    a.rstd_q = p.take({T * H});
+    a.rstd_k = p.take({T * Hkv});
+  }
+  a.q = p.take({T, H, D});
+  a.k = p.take({T, Hkv, D});
+  a.v = p.take({T, Hkv, D});
+  a.att = p.take({T, H, D});
+  a.lse = p.take({T, H});
+  a.o_out = p.take({T, C});
+  a.h_mid = p.take({T, C});
+  a.x2 = p.take({T, C});
+  a.rstd2 = p.take({T});
+  a.gate_up = p.take({T, 2 * F});
+  a.act = p.take({T, F});
+  return a;
+}
+
+// B sequences, T tokens (T rows of logits in training; in inference the head reads B rows).
+Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute) {
+  const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  const int64_t F = c.intermediate_size, V = c.vocab_size, L = c.num_layers;
+  Buffers b;
+  b.T = T;
+  b.tokens = p.take({T}, DType::i32);
+  b.positions = p.take({T}, DType::i32);
+  b.cu_seqlens = p.take({B + 1}, DType::i32);
+  if (mode == Mode::training) b.targets = p.take({T}, DType::i32);
+  if (c.attention_bias) b.ones = p.take({T, 1});
+  const bool keep_all = mode == Mode::training;
+  b.resid.resize(static_cast<size_t>(keep_all ? L + 1 : 2));
+  for (Tensor& r : b.resid) r = p.take({T, C});
+  const int64_t sets = mode == Mode::training && !recompute ? L : 1;
+  for (int64_t l = 0; l < sets; ++l) b.acts.push_back(plan_layer(p, c, T));
+  const int64_t R = mode == Mode::inference ? B : T;  // rows of the head
+  b.xf = p.take({R, C});
+  b.rstdf = p.take({R});
+  if (mode == Mode::training) {
+    b.logits = p.take({T, V});
+    b.lse = p.take({T});
+    b.dlogits = p.take({T, V});
+    LayerGrads& g = b.grads;
+    g.dh = p.take({T, C});
+    g.dx = p.take({T, C});
+    g.d_act = p.take({T, F});
+    g.d_gu = p.take({T, 2 * F});
+    g.d_att = p.take({T, H * D});
+    g.dq = p.take({T, H, D});
+    g.dk = p.take({T, Hkv, D});
+    g.dv = p.take({T, Hkv, D});
+    if (c.qk_norm) {
+      g.dq_raw = p.take({T, H * D});
+      g.dk_raw = p.take({T, Hkv * D});
+    }
+  }
+  return b;
+}
+
+// What a layer's attention reads besides its own q, k, v.
+struct AttentionInputs {
+  Tensor positions;                 // (T) i32
+  Tensor cu_seqlens;                // (B + 1) i32: packed causal attention over this call's tokens
+  const KvCacheView* kv = nullptr;  // inference: write this call's K/V into the cache
+  // Defined: paged attention, one query row each, against these block lists (T + 1, ..., T).
+  Tensor indptr, indices, last_len;
+  Tensor ones;  // (T, 1) for the bias adds
+};
+
+class Net {
+ public:
+  explicit Net(const Weights& w) : w_(w), c_(w.config()), s_{w.device(), nullptr} {}
+
+  // h_out = layer l (h_in). One code path for training, prefill and decode.
+  void layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tensor& h_out,
+                     const AttentionInputs& in) const {
+    const LayerWeights& w = w_.layers[static_cast<size_t>(l)];
+    const int64_t T = h_in.size(0), H = c_.num_heads, Hkv = c_.num_kv_heads, D = c_.head_dim;
+    const float eps = c_.rms_norm_eps;
+    ops::rmsnorm(h_in, w.input_norm, a.x1, a.rstd1, eps, s_);
+    // Projections: q and k straight into the attention inputs unless a q/k norm comes first.
+    const Tensor q_lin = c_.qk_norm ? a.q_raw : a.q.view({T, H * D});
+    const Tensor k_lin = c_.qk_norm ? a.k_raw : a.k.view({T, Hkv * D});
+    const Tensor v_lin = a.v.view({T, Hkv * D});
+    ops::matmul(a.x1, w.q, q_lin, false, s_);
+    ops::matmul(a.x1, w.k, k_lin, false, s_);
+    ops::matmul(a.x1, w.v, v_lin, false, s_);
+    if (c_.attention_bias) {
+      // y += ones (T, 1) · bias (N, 1)^T: a bias add with the ops at hand, on any device.
+      ops::matmul(in.ones, w.q_bias.view({H * D, 1}), q_lin, true, s_);
+      ops::matmul(in.ones, w.k_bias.view({Hkv * D, 1}), k_lin, true, s_);
+      ops::matmul(in.ones, w.v_bias.view({Hkv * D, 1}), v_lin, true, s_);
+    }
+    if (c_.qk_norm) {
+      ops::rmsnorm(a.q_raw.view({T * H, D}), w.q_norm, a.q.view({T * H, D}), a.rstd_q, eps, s_);
+      ops::rmsnorm(a.k_raw.view({T * Hkv, D}), w.k_norm, a.k.view({T * Hkv, D}), a.rstd_k, eps, s_);
+    }
+    ops::rope(a.q, in.positions, a.q, c_.rope, s_);
+    ops::rope(a.k, in.positions, a.k, c_.rope, s_);
+    if (in.kv != nullptr) {
+      ops::kv_cache_write(a.k, a.v, in.kv->slot_mapping, in.kv->k_cache[static_cast<size_t>(l)],
+                          in.kv->v_cache[static_cast<size_t>(l)], s_);
+    }
+    if (in.indptr.defined()) {
+      ops::paged_attention_decode(a.q, in.kv->k_cache[static_cast<size_t>(l)],
+                                  in.kv->v_cache[static_cast<size_t>(l)], in.indptr, in.indices,
+                                  in.last_len, a.att, scale(), s_);
+    } else {
+      ops::attention(a.q, a.k, a.v, in.cu_seqlens, a.att, a.lse, scale(), s_);
+    }
+    ops::matmul(a.att.view({T, H * D}), w.o, a.o_out, false, s_);
+    ops::add_rmsnorm(h_in, a.o_out, w.post_norm, a.h_mid, a.x2, a.rstd2, eps, s_);
+    ops::matmul(a.x2, w.gate_up, a.gate_up, false, s_);
+    ops::swiglu(a.gate_up, a.act, s_);
+    Tensor(h_out).copy_from(a.h_mid);
+    ops::matmul(a.act, w.down, h_out, true, s_);
+  }
+
+  // On entry g.dh = dL/dh_out; on exit g.dh = dL/dh_in. Parameter gradients accumulate into gw.
+  void layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in, const AttentionInputs& in,
+                      LayerGrads& g, const LayerWeights& gw) const {
+    const LayerWeights& w = w_.layers[static_cast<size_t>(l)];
+    const int64_t T = h_in.size(0), H = c_.num_heads, Hkv = c_.num_kv_heads, D = c_.head_dim;
+    // MLP branch.
+    ops::matmul_backward_input(g.dh, w.down, g.d_act, false, s_);
+    ops::matmul_backward_weight(g.dh, a.act, gw.down, true, s_);
+    ops::swiglu_backward(g.d_act, a.gate_up, g.d_gu, s_);
+    ops::matmul_backward_input(g.d_gu, w.gate_up, g.dx, false, s_);
+    ops::matmul_backward_weight(g.d_gu, a.x2, gw.gate_up, true, s_);
+    ops::rmsnorm_backward(g.dx, a.h_mid, w.post_norm, a.rstd2, g.dh, gw.post_norm, true, true, s_);
+    // Attention branch (g.dh is now dL/dh_mid).
+    ops::matmul_backward_input(g.dh, w.o, g.d_att, false, s_);
+    ops::matmul_backward_weight(g.dh, a.att.view({T, H * D}), gw.o, true, s_);
+    ops::attention_backward(g.d_att.view({T, H, D}), a.q, a.k, a.v, a.att, a.lse, in.cu_seqlens,
+                            g.dq, g.dk, g.dv, scale(), s_);
+    ops::rope_backward(g.dq, in.positions, g.dq, c_.rope, s_);
+    ops::rope_backward(g.dk, in.positions, g.dk, c_.rope, s_);
+    Tensor dq_lin = g.dq.view({T, H * D}), dk_lin = g.dk.view({T, Hkv * D});
+    const Tensor dv_lin = g.dv.view({T, Hkv * D});
+    if (c_.qk_norm) {
+      ops::rmsnorm_backward(g.dq.view({T * H, D}), a.q_raw.view({T * H, D}), w.q_norm, a.rstd_q,
+                            g.dq_raw.view({T * H, D}), gw.q_norm, false, true, s_);
+      ops::rmsnorm_backward(g.dk.view({T * Hkv, D}), a.k_raw.view({T * Hkv, D}), w.k_norm, a.rstd_k,
+                            g.dk_raw.view({T * Hkv, D}), gw.k_norm, false, true, s_);
+      dq_lin = g.dq_raw;
+      dk_lin = g.dk_raw;
+    }
+    if (c_.attention_bias) {
+      // dbias (N, 1) += dy^T · ones: the column sums of dy.
+      ops::matmul_backward_weight(dq_lin, in.ones, gw.q_bias.view({H * D, 1}), true, s_);
+      ops::matmul_backward_weight(dk_lin, in.ones, gw.k_bias.view({Hkv * D, 1}), true, s_);
+      ops::matmul_backward_weight(dv_lin, in.ones, gw.v_bias.view({Hkv * D, 1}), true, s_);
+    }
+    ops::matmul_backward_weight(dq_lin, a.x1, gw.q, true, s_);
+    ops::matmul_backward_weight(dk_lin, a.x1, gw.k, true, s_);
+    ops::matmul_backward_weight(dv_lin, a.x1, gw.v, true, s_);
+    ops::matmul_backward_input(dq_lin, w.q, g.dx, false, s_);
+    ops::matmul_backward_input(dk_lin, w.k, g.dx, true, s_);
+    ops::matmul_backward_input(dv_lin, w.v, g.dx, true, s_);
+    ops::rmsnorm_backward(g.dx, h_in, w.input_norm, a.rstd1, g.dh, gw.input_norm, true, true, s_);
+  }
+
+  // xf = final rmsnorm(h), logits = xf · lm_head^T. Row-wise, so B gathered rows give the same
+  // bits as the same rows of a packed batch.
+  void head(const Tensor& h, const Tensor& xf, const Tensor& rstdf, const Tensor& logits) const {
+    ops::rmsnorm(h, w_.final_norm, xf, rstdf, c_.rms_norm_eps, s_);
+    ops::matmul(xf, w_.lm_head, logits, false, s_);
+  }
+
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_.head_dim)); }
+  const Stream& stream() const { return s_; }
+
+ private:
+  const Weights& w_;
+  const ModelConfig& c_;
+  Stream s_;
+};
+
+void upload(Tensor dst, std::span<const int32_t> src) {
+  dst.copy_from(Tensor::wrap(const_cast<int32_t*>(src.data()), dst.shape(), DType::i32));
+}
+
+void fill_ones(Tensor t) {
+  std::vector<float> ones(static_cast<size_t>(t.numel()), 1.0f);
+  t.copy_from(Tensor::wrap(ones.data(), t.shape(), DType::f32));
+}
+
+std::vector<int32_t> to_host(const Tensor& t, const char* what) {
+  TANDEM_CHECK(t.defined() && t.dtype() == DType::i32 && t.ndim() == 1,
+               "decoder: kv cache view's {} must be an i32 vector, got {}", what,
+               t.defined() ? t.str() : std::string("an undefined tensor"));
+  const Tensor h = t.to(Device::cpu());
+  const int32_t* p = h.data_as<int32_t>();
+  return std::vector<int32_t>(p, p + h.numel());
+}
+
+void check_output(const Tensor& t, const Shape& shape, Device device, const char* what) {
+  TANDEM_CHECK(t.defined() && t.dtype() == DType::f32 && t.shape() == shape && t.device() == device,
+               "decoder: {} must be f32{}@{}, got {}", what, shape.str(), device.str(),
+               t.defined() ? t.str() : std::string("an undefined tensor"));
+}
+
+// Host-side checks of packed ids: one message naming the field and the first bad entry.
+void check_packed(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                  std::span<const int32_t> cu_seqlens, int64_t V, const char* what) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  TANDEM_CHECK(T > 0, "{}: no tokens", what);
+  TANDEM_CHECK(static_cast<int64_t>(positions.size()) == T,
+               "{}: positions has {} entries, tokens {}", what, positions.size(), T);
+  TANDEM_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == T,
+               "{}: cu_seqlens must run from 0 to T = {} over at least one sequence, got {} "
+               "entries from {} to {}",
+               what, T, cu_seqlens.size(), cu_seqlens.empty() ? -1 : cu_seqlens.front(),
+               cu_seqlens.empty() ? -1 : cu_seqlens.back());
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b)
+    TANDEM_CHECK(cu_seqlens[b] < cu_seqlens[b + 1],
+                 "{}: cu_seqlens must increase strictly, got {} then {} at sequence {}", what,
+                 cu_seqlens[b], cu_seqlens[b + 1], b);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = tokens[static_cast<size_t>(t)];
+    TANDEM_CHECK(id >= 0 && id < V, "{}: token {} at position {} is outside the vocabulary [0, {})",
+                 what, id, t, V);
+    TANDEM_CHECK(positions[static_cast<size_t>(t)] >= 0, "{}: positions[{}] = {} is negative", what,
+                 t, positions[static_cast<size_t>(t)]);
+  }
+}
+
+}  // namespace
+
+PackedBatch PackedBatch::from_sequences(std::span<const std::vector<int32_t>> sequences) {
+  TANDEM_CHECK(!sequences.empty(), "packed batch: no sequences");
+  PackedBatch b;
+  b.cu_seqlens.push_back(0);
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    const std::vector<int32_t>& seq = sequences[s];
+    TANDEM_CHECK(seq.size() >= 2,
+                 "packed batch: sequence {} has {} tokens; a sequence needs at least 2 (an input "
+                 "and the target it predicts)",
+                 s, seq.size());
+    for (size_t j = 0; j + 1 < seq.size(); ++j) {
+      b.tokens.push_back(seq[j]);
+      b.positions.push_back(static_cast<int32_t>(j));
+      b.targets.push_back(seq[j + 1]);
+    }
+    b.cu_seqlens.push_back(static_cast<int32_t>(b.tokens.size()));
+  }
+  return b;
+}
+
+struct Decoder::Impl {
+  Impl(const Weights& w, const DecoderOptions& o) : net(w), options(o) {}
+  Net net;
+  DecoderOptions options;
+  std::unique_ptr<Arena> arena;
+  Buffers bufs;
+  bool have_forward = false;
+  float temperature = 1.0f;
+
+  // Empties the arena and hands out the buffers of a call, growing the arena when allowed.
+  Buffers begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
+    have_forward = false;
+    Planner count(nullptr);
+    plan(count, c, T, B, mode, options.recompute);
+    if (count.bytes() > arena->capacity()) {
+      TANDEM_CHECK(options.grow,
+                   "decoder: a call of {} tokens needs {} bytes of activations, the arena planned "
+                   "for max_tokens = {} holds {}: raise DecoderOptions::max_tokens",
+                   T, count.bytes(), options.max_tokens, arena->capacity());
+      arena.reset();  // give the old memory back first
+      arena = std::make_unique<Arena>(
+          ArenaClass::activations, device,
+          std::max(count.bytes(), Decoder::plan_bytes(c, T, options.recompute)));
+      options.max_tokens = std::max(options.max_tokens, T);
+    }
+    arena->reset();
+    Planner p(arena.get());
+    return plan(p, c, T, B, mode, options.recompute);
+  }
+};
+
+size_t Decoder::plan_bytes(const ModelConfig& config, int64_t T, bool recompute) {
+  Planner train(nullptr), infer(nullptr);
+  plan(train, config, T, T, Mode::training, recompute);
+  plan(infer, config, T, T, Mode::inference, recompute);
+  return std::max(train.bytes(), infer.bytes());
+}
+
+Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
+    : weights_(weights), impl_(std::make_unique<Impl>(weights, options)) {
+  TANDEM_CHECK(options.max_tokens > 0,
+               "decoder: DecoderOptions::max_tokens must be positive, got {}", options.max_tokens);
+  impl_->arena =
+      std::make_unique<Arena>(ArenaClass::activations, weights.device(),
+                              plan_bytes(config(), options.max_tokens, options.recompute));
+}
+
+Decoder::~Decoder() = default;
+
+size_t Decoder::activation_bytes() const { return impl_->arena->capacity(); }
+
+void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
+                      const Tensor& entropy_out, float temperature) {
+  const ModelConfig& c = config();
+  const int64_t T = batch.num_tokens(), L = c.num_layers;
+  check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size, "decoder forward");
+  TANDEM_CHECK(static_cast<int64_t>(batch.targets.size()) == T,
+               "decoder forward: targets has {} entries, tokens {}", batch.targets.size(), T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = batch.targets[static_cast<size_t>(t)];
+    TANDEM_CHECK(id >= 0 && id < c.vocab_size,
+                 "decoder forward: target {} at position {} is outside the vocabulary [0, {})", id,
+                 t, c.vocab_size);
+  }
+  TANDEM_CHECK(temperature > 0, "decoder forward: temperature must be positive, got {}",
+               temperature);
+  check_output(logprob_out, {T}, device(), "forward's logprob_out");
+  if (entropy_out.defined()) check_output(entropy_out, {T}, device(), "forward's entropy_out");
+
+  Impl& m = *impl_;
+  Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
+  upload(b.tokens, batch.tokens);
+  upload(b.positions, batch.positions);
+  upload(b.cu_seqlens, batch.cu_seqlens);
+  upload(b.targets, batch.targets);
+  if (b.ones.defined()) fill_ones(b.ones);
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
+  const Stream& s = m.net.stream();
+  ops::embedding(b.tokens, weights_.embed, b.resid[0], s);
+  for (int64_t l = 0; l < L; ++l) {
+    LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
+    m.net.layer_forward(l, a, b.resid[static_cast<size_t>(l)], b.resid[static_cast<size_t>(l + 1)],
+                        in);
+  }
+  m.net.head(b.resid[static_cast<size_t>(L)], b.xf, b.rstdf, b.logits);
+  ops::logprob_gather(b.logits, b.targets, logprob_out, b.lse, entropy_out, temperature, s);
+  m.bufs = std::move(b);
+  m.temperature = temperature;
+  m.have_forward = true;
+}
+
+void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out) {
+  const ModelConfig& c = config();
+  const int64_t T = batch.num_tokens();
+  check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size,
+               "decoder forward_logits");
+  check_output(logits_out, {T, c.vocab_size}, device(), "forward_logits' logits_out");
+  Impl& m = *impl_;
+  Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
+  upload(b.tokens, batch.tokens);
+  upload(b.positions, batch.positions);
+  upload(b.cu_seqlens, batch.cu_seqlens);
+  if (b.ones.defined()) fill_ones(b.ones);
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
+  ops::embedding(b.tokens, weights_.embed, b.resid[0], m.net.stream());
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    m.net.layer_forward(l, b.acts[0], b.resid[static_cast<size_t>(l % 2)],
+                        b.resid[static_cast<size_t>((l + 1) % 2)], in);
+  m.net.head(b.resid[static_cast<size_t>(c.num_layers % 2)], b.xf, b.rstdf, logits_out);
+}
+
+void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads) {
+  Impl& m = *impl_;
+  TANDEM_CHECK(m.have_forward,
+               "decoder backward: no training forward to differentiate (call forward first; "
+               "backward consumes it, and any other call discards it)");
+  const ModelConfig& c = config();
+  Buffers& b = m.bufs;
+  const int64_t T = b.T, L = c.num_layers;
+  check_output(dlogprob, {T}, device(), "backward's dlogprob");
+  if (dentropy.defined()) check_output(dentropy, {T}, device(), "backward's dentropy");
+  TANDEM_CHECK(grads.dtype() == DType::f32 && grads.device() == device() &&
+                   grads.layers.size() == weights_.layers.size() &&
+                   grads.embed.shape() == weights_.embed.shape() &&
+                   grads.config().tie_word_embeddings == c.tie_word_embeddings &&
+                   grads.config().attention_bias == c.attention_bias &&
+                   grads.config().qk_norm == c.qk_norm &&
+                   grads.layers[0].qkv.shape() == weights_.layers[0].qkv.shape() &&
+                   grads.layers[0].gate_up.shape() == weights_.layers[0].gate_up.shape(),
+               "decoder backward: grads must be f32 Weights on {} of the same model; got {} "
+               "weights on {} ({} layers)",
+               device().str(), grads.dtype(), grads.device().str(), grads.layers.size());
+  m.have_forward = false;
+  const Stream& s = m.net.stream();
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
+  LayerGrads& g = b.grads;
+
+  ops::logprob_gather_backward(dlogprob, dentropy, b.logits, b.targets, b.lse, b.dlogits,
+                               m.temperature, false, s);
+  ops::matmul_backward_input(b.dlogits, weights_.lm_head, g.dx, false, s);
+  ops::matmul_backward_weight(b.dlogits, b.xf, grads.lm_head, true, s);
+  ops::rmsnorm_backward(g.dx, b.resid[static_cast<size_t>(L)], weights_.final_norm, b.rstdf, g.dh,
+                        grads.final_norm, false, true, s);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
+    const Tensor& h_in = b.resid[static_cast<size_t>(l)];
+    // Recompute writes layer l's output again, the same bits; nothing reads it any more.
+    if (m.options.recompute)
+      m.net.layer_forward(l, a, h_in, b.resid[static_cast<size_t>(l + 1)], in);
+    m.net.layer_backward(l, a, h_in, in, g, grads.layers[static_cast<size_t>(l)]);
+  }
+  ops::embedding_backward(b.tokens, g.dh, grads.embed, true, s);
+}
+
+void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                      std::span<const int32_t> cu_seqlens, const KvCacheView& kv,
+                      const Tensor& logits_out) {
+  const ModelConfig& c = config();
+  check_packed(tokens, positions, cu_seqlens, c.vocab_size, "decoder prefill");
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  check_output(logits_out, {B, c.vocab_size}, device(), "prefill's logits_out");
+  TANDEM_CHECK(static_cast<int64_t>(kv.k_cache.size()) == c.num_layers &&
+                   static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
+               "decoder prefill: the kv cache view has {} k and {} v tensors, the model {} layers",
+               kv.k_cache.size(), kv.v_cache.size(), c.num_layers);
+  bool fresh = true;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t start = cu_seqlens[static_cast<size_t>(b)];
+    const int32_t n = cu_seqlens[static_cast<size_t>(b) + 1] - start;
+    const int32_t p0 = positions[static_cast<size_t>(start)];
+    for (int32_t j = 0; j < n; ++j)
+      TANDEM_CHECK(positions[static_cast<size_t>(start + j)] == p0 + j,
+                   "decoder prefill: positions of sequence {} must count up by one from {}, "
+                   "got {} at its token {}",
+                   b, p0, positions[static_cast<size_t>(start + j)], j);
+    if (p0 != 0) fresh = false;
+  }
+
+  Impl& m = *impl_;
+  Buffers buf = m.begin(c, device(), T, B, Mode::inference);
+  upload(buf.tokens, tokens);
+  upload(buf.positions, positions);
+  upload(buf.cu_seqlens, cu_seqlens);
+  if (buf.ones.defined()) fill_ones(buf.ones);
+  AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones};
+  if (!fresh) {
+    // Continuing chunks: every query row becomes a one-query "sequence" over the cached tokens
+    // up to and including itself, for paged_attention_decode (the same key order as
+    // attention, so the same bits).
+    const int64_t P = kv.k_cache[0].size(1);
+    const std::vector<int32_t> indptr = to_host(kv.kv_indptr, "kv_indptr");
+    const std::vector<int32_t> indices = to_host(kv.kv_indices, "kv_indices");
+    const std::vector<int32_t> last_len = to_host(kv.kv_last_len, "kv_last_len");
+    TANDEM_CHECK(
+        static_cast<int64_t>(indptr.size()) == B + 1 && static_cast<int64_t>(last_len.size()) == B,
+        "decoder prefill: kv_indptr has {} and kv_last_len {} entries for {} sequences",
+        indptr.size(), last_len.size(), B);
+    std::vector<int32_t> row_indptr{0}, row_indices, row_last;
+    for (int64_t b = 0; b < B; ++b) {
+      const int32_t first = indptr[static_cast<size_t>(b)];
+      const int32_t blocks = indptr[static_cast<size_t>(b) + 1] - first;
+      const int64_t cached = (blocks - 1) * P + last_len[static_cast<size_t>(b)];
+      const int32_t end = cu_seqlens[static_cast<size_t>(b) + 1];
+      TANDEM_CHECK(blocks > 0 && first >= 0 &&
+                       indptr[static_cast<size_t>(b) + 1] <= static_cast<int32_t>(indices.size()) &&
+                       cached == positions[static_cast<size_t>(end) - 1] + 1,
+                   "decoder prefill: sequence {} holds {} cached tokens ({} blocks) after this "
+                   "chunk, its last position is {}: the cache view must include the chunk",
+                   b, cached, blocks, positions[static_cast<size_t>(end) - 1]);
+      for (int32_t t = cu_seqlens[static_cast<size_t>(b)]; t < end; ++t) {
+        const int64_t n = positions[static_cast<size_t>(t)] + 1;
+        const int64_t nb = (n + P - 1) / P;
+        for (int64_t i = 0; i < nb; ++i)
+          row_indices.push_back(indices[static_cast<size_t>(first + i)]);
+        row_indptr.push_back(static_cast<int32_t>(row_indices.size()));
+        row_last.push_back(static_cast<int32_t>(n - (nb - 1) * P));
+      }
+    }
+    auto to_device = [&](const std::vector<int32_t>& v) {
+      Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::i32, device());
+      upload(t, v);
+      return t;
+    };
+    in.indptr = to_device(row_indptr);
+    in.indices = to_device(row_indices);
+    in.last_len = to_device(row_last);
+  }
+  const Stream& s = m.net.stream();
+  ops::embedding(buf.tokens, weights_.embed, buf.resid[0], s);
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],
+                        buf.resid[static_cast<size_t>((l + 1) % 2)], in);
+  // The last row of each sequence, gathered with the embedding op (a row gather on any device).
+  std::vector<int32_t> last(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b)
+    last[static_cast<size_t>(b)] = cu_seqlens[static_cast<size_t>(b) + 1] - 1;
+  const Tensor last_ids = buf.cu_seqlens.narrow(0, B);  // reused: cu_seqlens is no longer read
+  upload(last_ids, last);
+  const Tensor rows = buf.resid[static_cast<size_t>(c.num_layers % 2 == 0 ? 1 : 0)].narrow(0, B);
+  ops::embedding(last_ids, buf.resid[static_cast<size_t>(c.num_layers % 2)], rows, s);
+  m.net.head(rows, buf.xf, buf.rstdf, logits_out);
+}
+
+void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                     const KvCacheView& kv, const Tensor& logits_out) {
+  const ModelConfig& c = config();
+  const int64_t B = static_cast<int64_t>(tokens.size());
+  std::vector<int32_t> cu(static_cast<size_t>(B) + 1);
+  for (int64_t b = 0; b <= B; ++b) cu[static_cast<size_t>(b)] = static_cast<int32_t>(b);
+  check_packed(tokens, positions, cu, c.vocab_size, "decoder decode");
+  check_output(logits_out, {B, c.vocab_size}, device(), "decode's logits_out");
+  TANDEM_CHECK(static_cast<int64_t>(kv.k_cache.size()) == c.num_layers &&
+                   static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
+               "decoder decode: the kv cache view has {} k and {} v tensors, the model {} layers",
+               kv.k_cache.size(), kv.v_cache.size(), c.num_layers);
+  Impl& m = *impl_;
+  Buffers buf = m.begin(c, device(), B, B, Mode::inference);
+  upload(buf.tokens, tokens);
+  upload(buf.positions, positions);
+  if (buf.ones.defined()) fill_ones(buf.ones);
+  const AttentionInputs in{buf.positions,  {},      &kv, kv.kv_indptr, kv.kv_indices,
+                           kv.kv_last_len, buf.ones};
+  const Stream& s = m.net.stream();
+  ops::embedding(buf.tokens, weights_.embed, buf.resid[0], s);
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],
+                        buf.resid[static_cast<size_t>((l + 1) % 2)], in);
+  m.net.head(buf.resid[static_cast<size_t>(c.num_layers % 2)], buf.xf, buf.rstdf, logits_out);
+}
+
+}  // namespace tandem::model

@@ -1,0 +1,110 @@
+// Decoder: the Llama / Qwen2 / Qwen3 network over packed sequences: training forward and
+// backward, and inference prefill and decode against a paged KV cache, all from one set of
+// per-layer functions built only on kernels/ops.h (see docs/model-decoder.md).
+//
+// Shapes use the letters of STYLE.md: T packed tokens, B sequences, C width, H query heads,
+// Hkv key/value heads, D head size, F MLP width, V vocabulary, L layers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/device.h"
+#include "core/tensor.h"
+#include "model/weights.h"
+
+namespace tandem::model {
+
+// A training batch on the host: sequences laid end to end, no padding.
+//   tokens (T): the input token ids; positions (T): 0, 1, ... within each sequence;
+//   cu_seqlens (B + 1): start of each sequence in T, T at the end;
+//   targets (T): the token each position predicts, in [0, V).
+// Every row has a target: a sequence of n tokens contributes its first n - 1 tokens as inputs
+// and its last n - 1 tokens as targets (the last token predicts nothing and is left out).
+// So the logprob of row cu_seqlens[b] + j is log p(seq[j + 1] | seq[0..j]): the logprob of a
+// completion token given the prompt and the completion before it.
+struct PackedBatch {
+  std::vector<int32_t> tokens;      // (T)
+  std::vector<int32_t> positions;   // (T)
+  std::vector<int32_t> cu_seqlens;  // (B + 1)
+  std::vector<int32_t> targets;     // (T)
+
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  int64_t num_sequences() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
+  // Row of sequence b whose target is seq_b[j] (1 <= j < n_b): cu_seqlens[b] + j - 1.
+  int64_t row_of(int64_t b, int64_t j) const { return cu_seqlens[static_cast<size_t>(b)] + j - 1; }
+
+  // Packs whole sequences (each at least 2 tokens; throws naming the sequence otherwise).
+  static PackedBatch from_sequences(std::span<const std::vector<int32_t>> sequences);
+};
+
+struct DecoderOptions {
+  int64_t max_tokens = 4096;  // T the activation arena is planned for up front
+  // Keep only each layer's input for backward and recompute the layer's internals there
+  // (bitwise the same gradients; about L times less activation memory).
+  bool recompute = false;
+  // A batch larger than max_tokens: re-plan the arena for it (true; addresses change) or throw.
+  bool grow = true;
+};
+
+// The paged KV cache of one step, in kernels/ops.h's conventions (FlashInfer's CSR layout).
+// Tensors live on the decoder's device; index arrays are i32.
+struct KvCacheView {
+  std::vector<Tensor> k_cache, v_cache;  // per layer: (num_blocks, P, Hkv, D), f32 or bf16
+  // The B sequences' blocks AFTER this step's tokens are written: kv_indptr (B + 1),
+  // kv_indices (kv_indptr[B]), kv_last_len (B) in 1..P.
+  Tensor kv_indptr, kv_indices, kv_last_len;
+  Tensor slot_mapping;  // (T): the cache slot (block * P + offset) of each of this step's tokens
+};
+
+class Decoder {
+ public:
+  // Keeps a reference to weights (which must outlive the decoder) and reserves the activation
+  // arena (ArenaClass::activations) on the weights' device for options.max_tokens tokens.
+  Decoder(const Weights& weights, const DecoderOptions& options = {});
+  ~Decoder();
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  const ModelConfig& config() const { return weights_.config(); }
+  Device device() const { return weights_.device(); }
+  // Bytes of the activation arena (as planned for max_tokens).
+  size_t activation_bytes() const;
+  // Bytes a training forward of T tokens needs under these options.
+  static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute);
+
+  // Training forward: logprob_out (T) f32 = log softmax(logits / temperature)[target],
+  // entropy_out (T) f32 (or undefined: skipped) = the entropy of that distribution. Keeps what
+  // backward needs until the next call of any method.
+  void forward(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
+               float temperature = 1.0f);
+  // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward.
+  void forward_logits(const PackedBatch& batch, const Tensor& logits_out);
+  // After forward: grads += d(sum_t dlogprob_t * logprob_t + dentropy_t * entropy_t)/dtheta.
+  // dlogprob (T) f32, dentropy (T) f32 or undefined. grads: f32 Weights of the same config on the
+  // same device (ArenaClass::gradients); with tied embeddings grads.embed gets both the lm_head
+  // and the embedding contributions. Consumes the forward's state (a second backward throws).
+  void backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads);
+
+  // Inference. Host token ids and positions; cache and outputs on the decoder's device.
+  // Prefill: writes K/V of every token (T) into kv.slot_mapping and returns logits_out (B, V)
+  // of the last token of each sequence. A sequence whose first position is 0 is fresh (its
+  // cache holds only this chunk); otherwise its chunk continues a cached prefix (chunked prefill
+  // or a shared prompt) and each of its tokens attends to the cached tokens before it.
+  void prefill(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+               std::span<const int32_t> cu_seqlens, const KvCacheView& kv,
+               const Tensor& logits_out);
+  // One new token per sequence: tokens (B), positions (B); logits_out (B, V).
+  void decode(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+              const KvCacheView& kv, const Tensor& logits_out);
+
+ private:
+  struct Impl;
+  const Weights& weights_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::model
