@@ -165,6 +165,42 @@ TEST_CASE("hf configs read transformers defaults and spellings", "[unit]") {
   CHECK_FALSE(c.tie_word_embeddings);
 }
 
+TEST_CASE("hf configs written by transformers 5 with rope_parameters read back", "[unit]") {
+  // Saved by transformers 5.24 (AutoConfig.save_pretrained) from tandem's own config.json.
+  const json llama = json::parse(R"({"architectures": ["LlamaForCausalLM"],
+    "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1, "dtype": "bfloat16",
+    "eos_token_id": [2, 3], "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 256,
+    "mlp_bias": false, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "pad_token_id": null, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_parameters": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 128, "rope_theta": 500000.0, "rope_type": "llama3"},
+    "tie_word_embeddings": true, "transformers_version": "5.24.0", "use_cache": true,
+    "vocab_size": 96})");
+  const ModelConfig l = config_from_hf(llama, "llama.json");
+  CHECK(l.rope.theta == 500000.0f);
+  CHECK(l.rope.factor == 8.0f);
+  CHECK(l.rope.original_max_position == 128);
+  CHECK(l.tie_word_embeddings);
+  CHECK(l.eos_token_ids == std::vector<int32_t>{2, 3});
+  const json qwen3 = json::parse(R"({"architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1, "dtype": "bfloat16",
+    "eos_token_id": [2, 3], "head_dim": 32, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 96,
+    "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 256,
+    "max_window_layers": 2, "model_type": "qwen3", "num_attention_heads": 4,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "pad_token_id": null, "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": null,
+    "tie_word_embeddings": false, "transformers_version": "5.24.0", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 96})");
+  const ModelConfig q = config_from_hf(qwen3, "qwen3.json");
+  CHECK(q.arch == Architecture::qwen3);
+  CHECK(q.qk_norm);
+  CHECK(q.head_dim == 32);
+  CHECK(q.rope.theta == 500000.0f);
+  CHECK(q.rope.factor == 0.0f);
+}
+
 TEST_CASE("bad hf configs name the file and the field", "[unit]") {
   const json good = config_to_hf(tiny_config(Architecture::qwen3));
   json j = good;
@@ -440,10 +476,14 @@ for path, tensors in expected.items():
             bad.append(f"{path}: metadata {meta}")
         if not path.endswith("extra.safetensors") and meta.get("format") != "pt":
             bad.append(f"{path}: metadata {meta}")
+import numpy as np
+from safetensors.numpy import save_file
+save_file({"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.int64),
+           "c": np.full((2, 1, 3), 0.5, dtype=np.float16)}, sys.argv[2], metadata={"by": "py"})
 print("\n".join(bad) if bad else "ok")
 )";
-  const std::string cmd =
-      fmt::format("python3 {} {} 2>&1", tmp.sub("check.py"), tmp.sub("expected.json"));
+  const std::string cmd = fmt::format("python3 {} {} {} 2>&1", tmp.sub("check.py"),
+                                      tmp.sub("expected.json"), tmp.sub("py.safetensors"));
   std::FILE* p = ::popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   std::string out;
@@ -453,4 +493,15 @@ print("\n".join(bad) if bad else "ok")
   INFO(out);
   CHECK(rc == 0);
   CHECK(out == "ok\n");
+
+  // And tandem reads what Python wrote.
+  SafetensorsFile py(tmp.sub("py.safetensors"));
+  CHECK(py.metadata().at("by") == "py");
+  REQUIRE(py.tensors().size() == 3);
+  CHECK(py.at("a").shape == Shape{3, 4});
+  CHECK(test::to_f64(py.view("a"))[11] == 11.0);
+  CHECK(test::to_f64(py.view("b")) == std::vector<double>{0, 1, 2, 3, 4});
+  Tensor c = Tensor::empty({2, 1, 3}, DType::f32);
+  py.read_into("c", c);
+  CHECK(test::to_f64(c) == std::vector<double>(6, 0.5));
 }
