@@ -192,20 +192,21 @@ const SafetensorsEntry& SafetensorsFile::at(std::string_view name) const {
 
 Tensor SafetensorsFile::view(std::string_view name) const {
   const SafetensorsEntry& e = at(name);
-  return Tensor::wrap(const_cast<char*>(data_ + e.begin), e.shape, e.dtype);
+  // Tensors of mixed dtypes written back to back need not be aligned for their element type:
+  // hand out an aligned copy then.
+  const char* p = data_ + e.begin;
+  if (reinterpret_cast<uintptr_t>(p) % dtype_size(e.dtype) == 0)
+    return Tensor::wrap(const_cast<char*>(p), e.shape, e.dtype);
+  Tensor copy = Tensor::empty(e.shape, e.dtype);
+  if (e.end > e.begin) std::memcpy(copy.data(), p, e.end - e.begin);
+  return copy;
 }
 
 void SafetensorsFile::read_into(std::string_view name, const Tensor& dst) const {
   const SafetensorsEntry& e = at(name);
   TANDEM_CHECK(e.shape == dst.shape(), "{}: tensor '{}' has shape {}, expected {}", path_, name,
                e.shape, dst.shape());
-  Tensor src = view(name);
-  // Offsets written by others need not be aligned for the element type: copy first then.
-  if (reinterpret_cast<uintptr_t>(src.data()) % dtype_size(e.dtype) != 0) {
-    Tensor aligned = Tensor::empty(e.shape, e.dtype);
-    std::memcpy(aligned.data(), src.data(), src.nbytes());
-    src = aligned;
-  }
+  const Tensor src = view(name);
   Tensor out = dst;  // a handle to dst's memory
   if (e.dtype == dst.dtype()) {
     out.copy_from(src);

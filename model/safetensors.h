@@ -52,7 +52,8 @@ class SafetensorsFile {
   // The entry named so; throws tandem::Error naming the file and the tensor otherwise.
   const SafetensorsEntry& at(std::string_view name) const;
 
-  // A CPU tensor borrowing the mapped bytes; valid while this file is open.
+  // A CPU tensor borrowing the mapped bytes, valid while this file is open; an aligned copy
+  // when the file does not align the data for its dtype (mixed dtypes written back to back).
   Tensor view(std::string_view name) const;
   // Copies the tensor into dst (same shape, any device). Float dtypes (F32/BF16/F16) cast to
   // dst's float dtype; other dtypes must match exactly.
@@ -96,8 +97,9 @@ class SafetensorsCheckpoint {
   std::unordered_map<std::string, size_t> file_index_;  // name -> files_ index
 };
 
-// Writes the tensors (any device, contiguous) in the given order, the header padded with spaces
-// to a multiple of 8 bytes as HF does. Written to path + ".tmp", flushed, then renamed to path.
+// Writes the tensors (any device, contiguous) in the given order, back to back (the format allows
+// no gaps), the header padded with spaces to a multiple of 8 bytes as HF does. Written to path +
+// ".tmp", flushed, then renamed to path.
 void write_safetensors(const std::string& path, std::span<const NamedTensor> tensors,
                        const std::map<std::string, std::string>& metadata = {});
 

@@ -417,7 +417,14 @@ TEST_CASE("a tied lm_head in the checkpoint loads only when it equals the embedd
     ts.push_back({"lm_head.weight", w->embed});
   });
   require_same_weights(*w, *load_hf(dir));
+  // Rotary buffers of old checkpoints are ignored.
   edit_checkpoint(dir, [&](std::vector<NamedTensor>& ts) {
+    ts.push_back(
+        {"model.layers.1.self_attn.rotary_emb.inv_freq", test::random_tensor({8}, DType::f32, 4)});
+  });
+  require_same_weights(*w, *load_hf(dir));
+  edit_checkpoint(dir, [&](std::vector<NamedTensor>& ts) {
+    ts.pop_back();
     ts.back().tensor = test::random_tensor(w->embed.shape(), DType::f32, 5);
   });
   REQUIRE_THROWS_WITH(load_hf(dir), Contains(dir + "/model.safetensors") &&

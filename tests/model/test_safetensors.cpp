@@ -33,7 +33,9 @@ struct TempDir {
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
 
-void write_raw(const std::string& path, const std::string& header, size_t data_bytes) {
+// A file with this header (padded to 8 bytes, as HF pads) and data_bytes bytes of 0x01.
+void write_raw(const std::string& path, std::string header, size_t data_bytes) {
+  header.append((8 - header.size() % 8) % 8, ' ');
   std::ofstream out(path, std::ios::binary);
   uint64_t n = header.size();
   unsigned char le[8];
@@ -124,6 +126,10 @@ TEST_CASE("safetensors checkpoints read single files and sharded indexes", "[uni
                       Contains("bad.safetensors.index.json") && Contains("'b.weight'") &&
                           Contains("s2.safetensors"));
   REQUIRE_THROWS_WITH(SafetensorsCheckpoint((dir.path / "none").string()), Contains("none"));
+  std::ofstream(dir.file("gone.safetensors.index.json"))
+      << R"({"weight_map": {"b.weight": "s9.safetensors"}})";
+  REQUIRE_THROWS_WITH(SafetensorsCheckpoint(dir.file("gone.safetensors.index.json")),
+                      Contains("s9.safetensors"));
 }
 
 TEST_CASE("malformed safetensors files give one error naming the file and tensor", "[unit]") {
@@ -171,6 +177,22 @@ TEST_CASE("malformed safetensors files give one error naming the file and tensor
                         Contains(p) && Contains("'w'") && Contains("data_offsets"));
     write_raw(p, R"({"__metadata__": {"n": 1}})", 0);
     REQUIRE_THROWS_WITH(SafetensorsFile(p), Contains(p) && Contains("__metadata__"));
+  }
+  SECTION("unaligned data reads through an aligned copy") {
+    const std::string p = dir.file("unaligned.safetensors");
+    write_raw(p,
+              R"({"u": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                  "w": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}})",
+              10);
+    SafetensorsFile f(p);
+    CHECK(test::to_f64(f.view("w")) == std::vector<double>(2, 2.3694278e-38f));
+    Tensor w = Tensor::empty({2}, DType::f32);
+    f.read_into("w", w);
+    float expected;
+    const unsigned char ones[4] = {1, 1, 1, 1};
+    std::memcpy(&expected, ones, 4);
+    CHECK(w.data_as<float>()[0] == expected);
+    CHECK(w.data_as<float>()[1] == expected);
   }
   SECTION("missing file") {
     REQUIRE_THROWS_WITH(SafetensorsFile(dir.file("absent.safetensors")),
