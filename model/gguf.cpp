@@ -93,8 +93,8 @@ void read_values(Reader& r, const std::string& path, const std::string& key, Ggu
                  uint64_t count, GgufValue& v) {
   TANDEM_CHECK(count <= r.left() / min_value_bytes(t),
                "gguf '{}': file truncated: key '{}' holds {} {} values, which cannot fit in the {} "
-               "bytes left", path, key,
-               count, gguf_type_name(t), r.left());
+               "bytes left",
+               path, key, count, gguf_type_name(t), r.left());
   const std::string what = fmt::format("key '{}'", key);
   auto ints = [&](auto type_tag) {
     using T = decltype(type_tag);
@@ -215,9 +215,10 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
                  "gguf '{}': version {} is not supported, expected 3 (or 2)", path_, version_);
     const uint64_t n_tensors = r.read<uint64_t>("the tensor count");
     const uint64_t n_kv = r.read<uint64_t>("the metadata count");
-    TANDEM_CHECK(n_kv <= r.left() / 12 && n_tensors <= r.left() / 24,
-                 "gguf '{}': file truncated: {} metadata entries and {} tensors cannot fit in {} bytes", path_,
-                 n_kv, n_tensors, size_);
+    TANDEM_CHECK(
+        n_kv <= r.left() / 12 && n_tensors <= r.left() / 24,
+        "gguf '{}': file truncated: {} metadata entries and {} tensors cannot fit in {} bytes",
+        path_, n_kv, n_tensors, size_);
 
     for (uint64_t i = 0; i < n_kv; ++i) {
       std::string key = r.read_string(fmt::format("metadata key {}", i));
@@ -581,7 +582,14 @@ TokenizerData tokenizer_data_from_gguf(const GgufFile& f) {
                  "per token)",
                  f.path(), types->size(), t.tokens.size());
     t.token_types.reserve(types->size());
-    for (int64_t v : *types) t.token_types.push_back(static_cast<TokenType>(v));
+    for (size_t i = 0; i < types->size(); ++i) {
+      const int64_t v = (*types)[i];
+      TANDEM_CHECK(v >= 1 && v <= 6,
+                   "gguf '{}': key 'tokenizer.ggml.token_type' entry {} is {}, expected 1 to 6 "
+                   "(normal, unknown, control, user_defined, unused, byte)",
+                   f.path(), i, v);
+      t.token_types.push_back(static_cast<TokenType>(v));
+    }
   }
   if (const auto* merges = f.find_string_array("tokenizer.ggml.merges")) {
     t.merges.reserve(merges->size());
