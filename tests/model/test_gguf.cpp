@@ -730,6 +730,38 @@ TEST_CASE("gguf loads SmolLM2-135M-Instruct Q4_1", "[interop]") {
   CHECK(m.tokenizer.merges.size() == 48900);
   CHECK(m.tokenizer.pre == "smollm");
   CHECK(m.tokenizer.chat_template.find("im_start") != std::string::npos);
+  // Values gguf-py's dequantize gives, q and k rows put back in HF order with the inverse of
+  // llama.cpp's permute (numpy: w.reshape(heads, D/2, 2, C).swapaxes(1, 2)); see
+  // docs/model-gguf.md.
+  struct Probe {
+    const char* name;
+    int64_t row;
+    std::vector<float> first;
+  };
+  const Probe probes[] = {
+      {"model.embed_tokens.weight",
+       1000,
+       {-0.1119384765625f, -0.0739593505859375f, 0.0379791259765625f, -0.0179901123046875f}},
+      {"model.layers.0.self_attn.q_proj.weight",
+       1,
+       {-0.1591796875f, 0.39794921875f, -0.0198974609375f, -1.2734375f}},
+      {"model.layers.0.self_attn.q_proj.weight",
+       100,
+       {-0.0821533203125f, -0.0821533203125f, -0.4453125f}},
+      {"model.layers.0.self_attn.k_proj.weight",
+       33,
+       {-0.09912109375f, 0.22955322265625f, -0.2305908203125f, -0.362060546875f}},
+      {"model.layers.29.mlp.down_proj.weight",
+       5,
+       {-0.3515625f, -0.08441162109375f, -0.217987060546875f, -0.1734619140625f}},
+      {"model.layers.3.input_layernorm.weight", 0, {0.1376953125f, 0.3125f, 0.2099609375f}},
+  };
+  for (const Probe& p : probes) {
+    INFO(p.name << " row " << p.row);
+    const Tensor& t = m.weights->at(p.name);
+    const float* row = t.data_as<float>() + p.row * (t.ndim() == 2 ? t.size(1) : 0);
+    CHECK(std::vector<float>(row, row + p.first.size()) == p.first);
+  }
   for (const NamedTensor& nt : m.weights->storage()) {
     INFO(nt.name);
     const float* p = nt.tensor.data_as<float>();
