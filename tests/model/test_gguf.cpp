@@ -27,11 +27,20 @@ namespace {
 
 const std::filesystem::path kRepo = std::filesystem::path(__FILE__).parent_path() / ".." / "..";
 
-std::string temp_path(const std::string& name) {
-  const auto dir =
+// A directory of this process's test files, removed when the tests end.
+struct TempDir {
+  std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("tandem-test-gguf-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+};
+const TempDir kTempDir;
+
+std::string temp_path(const std::string& name) {
+  std::filesystem::create_directories(kTempDir.dir);
+  return (kTempDir.dir / name).string();
 }
 
 // A minimal GGUF writer, following the GGUF spec (docs/gguf.md in ggml) independently of the
