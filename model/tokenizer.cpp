@@ -261,6 +261,13 @@ std::string token_text(const json& v, const fs::path& file, const std::string& k
 
 }  // namespace
 
+std::string canonical_pre_tokenizer(const std::string& name) {
+  // Other spellings llama.cpp's GGUF files use for the same pre-tokenizers.
+  if (name == "gpt-2") return "gpt2";
+  if (name == "llama3" || name == "llama-v3") return "llama-bpe";
+  return name;
+}
+
 const std::vector<std::pair<std::string, std::string>>& known_pre_tokenizers() {
   static const std::vector<std::pair<std::string, std::string>> known = {
       {"gpt2", kGpt2Regex},
@@ -444,16 +451,17 @@ std::map<std::string, std::string> hf_tokenizer_files(const TokenizerData& data)
                 {"use_regex", use_regex}};
   };
   json pre;
-  if (data.pre == "gpt2") {
+  const std::string pre_name = canonical_pre_tokenizer(data.pre);
+  if (pre_name == "gpt2") {
     pre = byte_level(true);
-  } else if (data.pre == "smollm") {
+  } else if (pre_name == "smollm") {
     pre = {{"type", "Sequence"},
            {"pretokenizers", json::array({json{{"type", "Digits"}, {"individual_digits", true}},
                                           byte_level(true)})}};
   } else {
     std::string regex;
     for (const auto& [name, known] : known_pre_tokenizers())
-      if (name == data.pre) regex = known;
+      if (name == pre_name) regex = known;
     TANDEM_CHECK(!regex.empty(), "pre-tokenizer '{}' is not one of the known ones", data.pre);
     json split = {{"type", "Split"},
                   {"pattern", {{"Regex", regex}}},
@@ -567,6 +575,7 @@ struct Tokenizer::Impl {
 Tokenizer::Tokenizer(TokenizerData data) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.data = std::move(data);
+  m.data.pre = canonical_pre_tokenizer(m.data.pre);
   const TokenizerData& d = m.data;
   TANDEM_CHECK(d.model == "gpt2",
                "tokenizer model '{}' is not supported (only byte-level BPE, 'gpt2')", d.model);

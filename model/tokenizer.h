@@ -30,6 +30,9 @@ void write_hf_tokenizer_files(const TokenizerData& data, const std::string& dir)
 // The pre-tokenizer names Tokenizer knows ("gpt2", "llama-bpe", "qwen2", "smollm") and the regex
 // each one splits text with (HF's Split/ByteLevel pattern; "smollm" first isolates every digit).
 const std::vector<std::pair<std::string, std::string>>& known_pre_tokenizers();
+// Our name for a pre-tokenizer name a GGUF file may spell otherwise ("gpt-2" -> "gpt2",
+// "llama3"/"llama-v3" -> "llama-bpe"); other names are returned as they are.
+std::string canonical_pre_tokenizer(const std::string& name);
 
 class Tokenizer {
  public:

