@@ -295,6 +295,11 @@ TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
                "'{}': model.byte_fallback is true (SentencePiece-style BPE is not supported)",
                path.string());
   data.ignore_merges = bool_or(model, "ignore_merges", false, path, "model.");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    const json v = model.value(key, json());
+    TANDEM_CHECK(v.is_null() || v == "", "'{}': model.{} is {} (only none is supported)",
+                 path.string(), key, dump_short(v));
+  }
 
   const json& normalizer = root.contains("normalizer") ? root.at("normalizer") : json();
   TANDEM_CHECK(
@@ -413,6 +418,10 @@ TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
       data.model_max_length = n > 0 && n < 1e15 ? static_cast<int64_t>(n) : 0;
     }
   }
+  // Newer transformers save the template beside the config, as chat_template.jinja.
+  const fs::path jinja_path = path.parent_path() / "chat_template.jinja";
+  if (data.chat_template.empty() && fs::is_regular_file(jinja_path))
+    data.chat_template = read_text_file(jinja_path);
   return data;
 }
 

@@ -217,6 +217,10 @@ TEST_CASE("tokenizer data from bad tokenizer json names the file and the field",
   CHECK(ok.tokens == std::vector<std::string>{"a", "b", "ab"});
   CHECK(ok.merges.size() == 1);
   CHECK(ok.pre == "gpt2");
+  CHECK(ok.chat_template.empty());
+  dir.write("chat_template.jinja", "{{ '<|im_start|>' }}");  // newer transformers' layout
+  CHECK(tokenizer_data_from_hf(dir_name).chat_template == "{{ '<|im_start|>' }}");
+  fs::remove(dir.path / "chat_template.jinja");
 
   struct Case {
     std::function<void()> write;
@@ -231,6 +235,11 @@ TEST_CASE("tokenizer data from bad tokenizer json names the file and the field",
       {[&] { file(R"({"type": "Unigram", )" + vocab + R"(, "merges": []})"); }, "model.type"},
       {[&] { file(R"({"type": "BPE", "vocab": {"a": 0, "b": 2}, "merges": []})"); }, "id 1"},
       {[&] { file(R"({"type": "BPE", "vocab": {"a": "x"}, "merges": []})"); }, "model.vocab['a']"},
+      {[&] {
+         file(R"({"type": "BPE", "continuing_subword_prefix": "##", )" + vocab +
+              R"(, "merges": []})");
+       },
+       "model.continuing_subword_prefix"},
       {[&] {
          file(R"({"type": "BPE", )" + vocab + R"(, "merges": []})",
               R"({"type": "Metaspace", "replacement": "_"})");
