@@ -4,6 +4,7 @@
 
 #include <cstdio>
 
+#include "apps/model_commands.h"
 #include "bench/bench.h"
 #include "core/build_info.h"
 #include "core/device.h"
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
   bench->add_option("--device", bench_device, "cpu or cuda[:N]");
   bench->add_option("--min-seconds", bench_opt.min_seconds, "time spent on each measurement");
 
+  tandem::apps::add_model_commands(app);
+
   CLI11_PARSE(app, argc, argv);
   try {
     tandem::init_logging();
@@ -46,6 +49,7 @@ int main(int argc, char** argv) {
       print_version();
       return 0;
     }
+    if (const int rc = tandem::apps::run_model_commands(); rc >= 0) return rc;
     if (bench->parsed()) {
       if (bench_device.rfind("cuda", 0) == 0) {
         const int index = bench_device.size() > 5 ? std::stoi(bench_device.substr(5)) : 0;

@@ -1,0 +1,231 @@
+// `tandem generate`, `tandem score` and `tandem convert`: a model from a GGUF file or an HF
+// directory, run through the same Decoder the trainer uses.
+#include "apps/model_commands.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "kernels/ops.h"
+#include "model/decoder.h"
+#include "model/generator.h"
+#include "model/hf.h"
+#include "model/loader.h"
+
+namespace tandem::apps {
+namespace {
+
+struct GenerateArgs {
+  std::string model, prompt;
+  bool chat = false;
+  int64_t max_tokens = 128;
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  std::string dtype = "f32";
+} gen;
+
+struct ScoreArgs {
+  std::string model, input;
+  bool chat = false;
+  float temperature = 1.0f;
+} score;
+
+struct ConvertArgs {
+  std::string model, out, dtype = "f32";
+} convert;
+
+CLI::App* gen_cmd = nullptr;
+CLI::App* score_cmd = nullptr;
+CLI::App* convert_cmd = nullptr;
+
+DType parse_dtype(const std::string& s) {
+  if (s == "f32") return DType::f32;
+  if (s == "bf16") return DType::bf16;
+  TANDEM_CHECK(false, "--dtype '{}': use f32 or bf16", s);
+  return DType::f32;
+}
+
+int run_generate() {
+  model::LoadedModel m = model::load_model(gen.model, parse_dtype(gen.dtype));
+  const model::Tokenizer& tok = m.tok();
+  const std::vector<int32_t> prompt = model::encode_prompt(tok, gen.prompt, gen.chat);
+  std::fprintf(stderr, "tandem: %s (%s, %s, %lld parameters) loaded in %.2f s; prompt %zu tokens\n",
+               gen.model.c_str(), m.format.c_str(), model::architecture_name(m.config().arch),
+               static_cast<long long>(m.weights->num_parameters()), m.load_seconds, prompt.size());
+
+  model::GenerateOptions opt;
+  opt.max_tokens = gen.max_tokens;
+  opt.temperature = gen.temperature;
+  opt.top_k = gen.top_k;
+  opt.top_p = gen.top_p;
+  opt.seed = gen.seed;
+  opt.stop_ids = m.config().eos_token_ids;
+  if (tok.eos_id() >= 0) opt.stop_ids.push_back(tok.eos_id());
+  model::Generator generator(*m.weights, static_cast<int64_t>(prompt.size()) + gen.max_tokens);
+
+  // Print text as it comes: decode everything so far and print what is new (a token may end in
+  // the middle of a UTF-8 character, so hold back until the text grows).
+  std::vector<int32_t> shown;
+  size_t printed = 0;
+  const model::GenerateResult r = generator.generate(prompt, opt, [&](int32_t t) {
+    if (tok.is_special(t)) return;
+    shown.push_back(t);
+    const std::string text = tok.decode(shown);
+    if (text.size() > printed && (text.back() & 0xC0) != 0x80 &&
+        static_cast<unsigned char>(text.back()) < 0xC0) {
+      std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
+      std::fflush(stdout);
+      printed = text.size();
+    }
+  });
+  const std::string text = tok.decode(shown);
+  if (text.size() > printed) std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
+  std::fputc('\n', stdout);
+  std::fprintf(stderr,
+               "tandem: %zu tokens (%s); prefill %.1f ms (%.1f tokens/s), decode %.1f tokens/s\n",
+               r.tokens.size(), r.stopped ? "stop token" : "max tokens", r.prefill_seconds * 1e3,
+               static_cast<double>(prompt.size()) / std::max(r.prefill_seconds, 1e-9),
+               r.decode_tokens_per_second());
+  return 0;
+}
+
+std::vector<int32_t> ids_field(const nlohmann::json& j, const char* key, const std::string& where) {
+  TANDEM_CHECK(j[key].is_array(), "{}: '{}' must be an array of token ids", where, key);
+  std::vector<int32_t> ids;
+  for (const auto& v : j[key]) {
+    TANDEM_CHECK(v.is_number_integer(), "{}: '{}' must hold integers, found {}", where, key,
+                 v.dump());
+    ids.push_back(v.get<int32_t>());
+  }
+  return ids;
+}
+
+int run_score() {
+  model::LoadedModel m = model::load_model(score.model, DType::f32);
+  std::ifstream in(score.input);
+  TANDEM_CHECK(in.good(), "{}: cannot open", score.input);
+  model::Decoder decoder(*m.weights);
+  const int64_t V = m.config().vocab_size;
+  std::string line;
+  for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = fmt::format("{}:{}", score.input, lineno);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      TANDEM_CHECK(false, "{}: not a JSON object: {}", where, e.what());
+    }
+    TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+    std::vector<int32_t> prompt, completion;
+    if (j.contains("prompt_ids") || j.contains("completion_ids")) {
+      prompt = ids_field(j, "prompt_ids", where);
+      completion = ids_field(j, "completion_ids", where);
+    } else {
+      TANDEM_CHECK(j.contains("prompt") && j["prompt"].is_string(),
+                   "{}: expected a string field 'prompt' (or 'prompt_ids')", where);
+      TANDEM_CHECK(j.contains("completion") && j["completion"].is_string(),
+                   "{}: expected a string field 'completion' (or 'completion_ids')", where);
+      prompt = model::encode_prompt(m.tok(), j["prompt"].get<std::string>(), score.chat);
+      completion = m.tok().encode(j["completion"].get<std::string>(), /*parse_special=*/false);
+    }
+    TANDEM_CHECK(!prompt.empty(), "{}: the prompt has no tokens", where);
+    TANDEM_CHECK(!completion.empty(), "{}: the completion has no tokens", where);
+    for (const auto* ids : {&prompt, &completion}) {
+      for (int32_t t : *ids) {
+        TANDEM_CHECK(t >= 0 && t < V, "{}: token id {} is outside the vocabulary [0, {})", where, t,
+                     V);
+      }
+    }
+    std::vector<int32_t> seq = prompt;
+    seq.insert(seq.end(), completion.begin(), completion.end());
+    const std::vector<std::vector<int32_t>> seqs{seq};
+    const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
+    Tensor logprob = Tensor::empty({batch.num_tokens()}, DType::f32);
+    Tensor entropy = Tensor::empty({batch.num_tokens()}, DType::f32);
+    decoder.forward(batch, logprob, entropy, score.temperature);
+    nlohmann::json out;
+    out["line"] = lineno;
+    if (j.contains("id")) out["id"] = j["id"];
+    out["prompt_tokens"] = prompt.size();
+    out["completion_ids"] = completion;
+    std::vector<float> lp, ent;
+    double sum = 0;
+    for (size_t k = 0; k < completion.size(); ++k) {
+      const int64_t row = batch.row_of(0, static_cast<int64_t>(prompt.size() + k));
+      lp.push_back(logprob.data_as<float>()[row]);
+      ent.push_back(entropy.data_as<float>()[row]);
+      sum += lp.back();
+    }
+    out["logprobs"] = lp;
+    out["entropies"] = ent;
+    out["sum_logprob"] = sum;
+    std::fputs((out.dump() + "\n").c_str(), stdout);
+  }
+  return 0;
+}
+
+int run_convert() {
+  model::LoadedModel m = model::load_model(convert.model, DType::f32);
+  model::SaveOptions opt;
+  opt.dtype = parse_dtype(convert.dtype);
+  if (m.tokenizer) opt.extra_files = model::hf_tokenizer_files(m.tokenizer->data());
+  model::save_hf(*m.weights, convert.out, opt);
+  std::fprintf(stderr, "tandem: wrote %s (HF directory, %s)\n", convert.out.c_str(),
+               convert.dtype.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void add_model_commands(CLI::App& app) {
+  gen_cmd = app.add_subcommand("generate", "generate a completion with a model (batch 1)");
+  gen_cmd->add_option("--model", gen.model, "a .gguf file or a Hugging Face model directory")
+      ->required();
+  gen_cmd->add_option("--prompt", gen.prompt, "the prompt text")->required();
+  gen_cmd->add_flag("--chat", gen.chat, "render the prompt as a user message (chat template)");
+  gen_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate at most")
+      ->check(CLI::Range(1, 1 << 20));
+  gen_cmd->add_option("--temperature", gen.temperature, "0 = greedy")
+      ->check(CLI::Range(0.0, 100.0));
+  gen_cmd->add_option("--top-k", gen.top_k, "0 = off")->check(CLI::NonNegativeNumber);
+  gen_cmd->add_option("--top-p", gen.top_p, "1 = off")->check(CLI::Range(0.0, 1.0));
+  gen_cmd->add_option("--seed", gen.seed, "sampling seed");
+  gen_cmd->add_option("--dtype", gen.dtype, "weights in f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+
+  score_cmd = app.add_subcommand(
+      "score", "per-token logprobs and entropies of completions, as the trainer computes them");
+  score_cmd->add_option("--model", score.model, "a .gguf file or a Hugging Face model directory")
+      ->required();
+  score_cmd
+      ->add_option("--input", score.input,
+                   "JSONL: {\"prompt\", \"completion\"} texts or {\"prompt_ids\", "
+                   "\"completion_ids\"}")
+      ->required();
+  score_cmd->add_flag("--chat", score.chat, "render text prompts with the chat template");
+  score_cmd->add_option("--temperature", score.temperature, "logits are divided by this")
+      ->check(CLI::PositiveNumber);
+
+  convert_cmd = app.add_subcommand("convert", "save a model as a Hugging Face directory");
+  convert_cmd->add_option("--model", convert.model, "a .gguf file or a Hugging Face directory")
+      ->required();
+  convert_cmd->add_option("--out", convert.out, "the directory to write")->required();
+  convert_cmd->add_option("--dtype", convert.dtype, "f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+}
+
+int run_model_commands() {
+  if (gen_cmd->parsed()) return run_generate();
+  if (score_cmd->parsed()) return run_score();
+  if (convert_cmd->parsed()) return run_convert();
+  return -1;
+}
+
+}  // namespace tandem::apps
