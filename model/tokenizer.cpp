@@ -15,6 +15,8 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <spdlog/spdlog.h>
+
 #include "core/error.h"
 
 namespace tandem::model {
@@ -278,10 +280,9 @@ const std::vector<std::pair<std::string, std::string>>& known_pre_tokenizers() {
   return known;
 }
 
-TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
-  fs::path path(dir_or_tokenizer_json);
-  if (fs::is_directory(path)) path /= "tokenizer.json";
-  TANDEM_CHECK(fs::is_regular_file(path), "tokenizer file '{}' does not exist", path.string());
+namespace {
+
+TokenizerData read_hf_files(const fs::path& path) {
   const json root = parse_json_file(path);
   TANDEM_CHECK(root.is_object(), "'{}': the top level should be an object but is {}", path.string(),
                root.type_name());
@@ -313,9 +314,14 @@ TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
   const json& vocab = field(model, "vocab", json::value_t::object, path, "model.");
   std::vector<std::string> tokens;
   std::vector<bool> filled;
+  const json* added_list = root.contains("added_tokens") && !root.at("added_tokens").is_null()
+                               ? &field(root, "added_tokens", json::value_t::array, path, "")
+                               : nullptr;
+  // Ids are 0..n-1 over the vocabulary and the added tokens together.
+  const auto id_limit = static_cast<int64_t>(vocab.size() + (added_list ? added_list->size() : 0));
   auto put = [&](int64_t id, const std::string& text, const std::string& where) {
-    TANDEM_CHECK(id >= 0 && id < (int64_t{1} << 31), "'{}': {} has id {}, out of range",
-                 path.string(), where, id);
+    TANDEM_CHECK(id >= 0 && id < id_limit, "'{}': {} has id {}, out of range 0..{}", path.string(),
+                 where, id, id_limit - 1);
     if (static_cast<size_t>(id) >= tokens.size()) {
       tokens.resize(id + 1);
       filled.resize(id + 1, false);
@@ -333,8 +339,8 @@ TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
   }
   std::vector<TokenType> types;
   bool any_added = false;
-  if (root.contains("added_tokens") && !root.at("added_tokens").is_null()) {
-    const json& added = field(root, "added_tokens", json::value_t::array, path, "");
+  if (added_list != nullptr) {
+    const json& added = *added_list;
     for (size_t i = 0; i < added.size(); ++i) {
       const std::string w = fmt::format("added_tokens[{}].", i);
       const json& a = added[i];
@@ -423,6 +429,20 @@ TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
   if (data.chat_template.empty() && fs::is_regular_file(jinja_path))
     data.chat_template = read_text_file(jinja_path);
   return data;
+}
+
+}  // namespace
+
+TokenizerData tokenizer_data_from_hf(const std::string& dir_or_tokenizer_json) {
+  fs::path path(dir_or_tokenizer_json);
+  if (fs::is_directory(path)) path /= "tokenizer.json";
+  TANDEM_CHECK(fs::is_regular_file(path), "tokenizer file '{}' does not exist", path.string());
+  try {
+    return read_hf_files(path);
+  } catch (const json::exception& e) {  // a shape the checks above did not foresee
+    TANDEM_FAIL("'{}' (or tokenizer_config.json beside it) is malformed: {}", path.string(),
+                e.what());
+  }
 }
 
 // ---- writing HF files ------------------------------------------------------------------------
@@ -641,10 +661,17 @@ Tokenizer::Tokenizer(TokenizerData data) : impl_(std::make_unique<Impl>()) {
     std::stable_sort(list.begin(), list.end(), [](const Impl::Added& a, const Impl::Added& b) {
       return a.text.size() > b.text.size();
     });
+  std::string missing;
   for (int b = 0; b < 256; ++b) {
     auto it = m.ids.find(m.byte_chars[b]);
     m.byte_ids[b] = it == m.ids.end() ? -1 : it->second;
+    if (it == m.ids.end()) missing += fmt::format(" {:02x}", b);
   }
+  if (!missing.empty())
+    spdlog::info(
+        "tokenizer: bytes{} have no token in the vocabulary; encode drops them (as Hugging Face "
+        "and llama.cpp do), so text holding them does not decode back whole",
+        missing);
   m.merges.reserve(d.merges.size());
   for (size_t rank = 0; rank < d.merges.size(); ++rank) {
     const auto& [a, b] = d.merges[rank];
@@ -718,16 +745,10 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) cons
     push(left.prev);
     push(c.left);
   }
-  for (int i = 0; i >= 0 && i < int(sym.size()); i = sym[i].next) {
-    if (sym[i].id >= 0) {
-      out.push_back(sym[i].id);
-    } else if (data.unk_id >= 0) {
-      out.push_back(data.unk_id);
-    } else {
-      TANDEM_FAIL("byte 0x{:02x} has no token in the vocabulary and there is no unk token",
-                  static_cast<unsigned char>(word[i]));
-    }
-  }
+  // A byte without a token in the vocabulary is dropped, as HF's BPE without an unk token and
+  // llama.cpp do (the constructor logs which bytes those are).
+  for (int i = 0; i >= 0 && i < int(sym.size()); i = sym[i].next)
+    if (sym[i].id >= 0) out.push_back(sym[i].id);
 }
 
 // Pre-tokenizes text that holds no added tokens and BPE-encodes every pre-token.

