@@ -34,7 +34,8 @@ def main():
         golden = load_file(args.golden)
     except (OSError, SafetensorError) as e:
         fail(f"{args.golden}: cannot read: {e}")
-    for key in ("input_ids", "cu_seqlens", "logits"):
+    prompts = "prompt0.ids" in golden  # the SmolLM2 golden: per-prompt last logits
+    for key in ("prompt0.ids", "prompt0.logits_last") if prompts else ("input_ids", "cu_seqlens", "logits"):
         if key not in golden:
             fail(f"{args.golden}: tensor '{key}' missing")
     try:
@@ -45,7 +46,14 @@ def main():
         fail(f"{args.dir}: cannot load as a Hugging Face model: {e}")
     model.eval()
 
-    ids, cu, want = golden["input_ids"], golden["cu_seqlens"], golden["logits"].double()
+    if prompts:
+        # Each prompt on its own; compare the logits of its last two positions.
+        n = len([k for k in golden if k.endswith(".ids")])
+        ids = torch.cat([golden[f"prompt{i}.ids"] for i in range(n)])
+        cu = torch.tensor([0] + [len(golden[f"prompt{i}.ids"]) for i in range(n)]).cumsum(0)
+        want = torch.cat([golden[f"prompt{i}.logits_last"] for i in range(n)]).double()
+    else:
+        ids, cu, want = golden["input_ids"], golden["cu_seqlens"], golden["logits"].double()
     if want.shape[1] != model.config.vocab_size:
         fail(
             f"{args.dir}: vocab_size {model.config.vocab_size}, golden logits have "
@@ -55,7 +63,7 @@ def main():
         got = torch.cat(
             [
                 model(input_ids=ids[int(cu[b]) : int(cu[b + 1])].long()[None], use_cache=False)
-                .logits[0]
+                .logits[0, -2 if prompts else 0 :]
                 .double()
                 for b in range(len(cu) - 1)
             ]
