@@ -1,6 +1,8 @@
 // Logging set-up.
 #include "core/log.h"
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+
 #include <cstdlib>
 
 #include "core/error.h"
@@ -16,6 +18,12 @@ void init_logging(const std::string& level) {
   const auto lvl = spdlog::level::from_str(name);
   TANDEM_CHECK(lvl != spdlog::level::off || name == "off",
                "unknown log level '{}': use trace, debug, info, warn, error or off", name);
+  // Logs go to stderr: stdout carries results (JSON lines, completions).
+  static const bool once = [] {
+    spdlog::set_default_logger(spdlog::stderr_color_mt("tandem"));
+    return true;
+  }();
+  (void)once;
   spdlog::set_level(lvl);
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
 }

@@ -1,0 +1,133 @@
+// tandem generate, score and convert as a user runs them, on the bundled SmolLM2-135M-Instruct
+// and the tiny golden models.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "model/hf.h"
+#include "model/weights.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kRepo = fs::path(__FILE__).parent_path() / ".." / "..";
+const std::string kSmol = (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string();
+
+struct Run {
+  int status;
+  std::string out;
+};
+
+// stdout only unless merge_stderr.
+Run run(const std::string& args, bool merge_stderr = true) {
+  const std::string cmd =
+      std::string(TANDEM_BIN_DIR) + "/tandem " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("tandem-cli-" + std::to_string(getpid())) / name;
+  fs::create_directories(d.parent_path());
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("tandem generate answers a chat prompt greedily with SmolLM2", "[e2e]") {
+  INFO("the bundled model is fetched by scripts/setup");
+  REQUIRE(fs::exists(kSmol));
+  const Run r = run("generate --model " + kSmol +
+                    " --prompt 'What is 12+7?' --chat --temperature 0 --max-tokens 32");
+  INFO(r.out);
+  CHECK(r.status == 0);
+  // transformers' greedy answer for the same GGUF starts the same way (tests/golden/smollm2-gguf).
+  CHECK(r.out.find("12 + 7 = ") != std::string::npos);
+  CHECK(r.out.find("decode") != std::string::npos);
+  CHECK(r.out.find("tokens/s") != std::string::npos);
+}
+
+TEST_CASE("tandem generate names a missing model and exits non-zero", "[e2e]") {
+  const Run r = run("generate --model /nonexistent/model.gguf --prompt hi");
+  CHECK(r.status != 0);
+  CHECK(r.out.find("/nonexistent/model.gguf") != std::string::npos);
+}
+
+TEST_CASE("tandem score prints per-token logprobs and names bad lines", "[e2e]") {
+  REQUIRE(fs::exists(kSmol));
+  const fs::path in = temp_dir("score.jsonl");
+  {
+    std::ofstream f(in);
+    f << R"({"prompt": "The capital of France is", "completion": " Paris."})"
+      << "\n\n";
+    f << R"({"id": 7, "prompt_ids": [504, 3575, 282], "completion_ids": [4649, 314]})"
+      << "\n";
+  }
+  Run r = run("score --model " + kSmol + " --input " + in.string(), false);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  std::istringstream lines(r.out);
+  std::string line;
+  int n = 0;
+  while (std::getline(lines, line)) {
+    const auto j = nlohmann::json::parse(line);
+    const size_t tokens = j["completion_ids"].size();
+    CHECK(tokens >= 2);
+    CHECK(j["logprobs"].size() == tokens);
+    CHECK(j["entropies"].size() == tokens);
+    double sum = 0;
+    for (const auto& v : j["logprobs"]) {
+      CHECK(v.get<double>() <= 0.0);
+      sum += v.get<double>();
+    }
+    CHECK(j["sum_logprob"].get<double>() == Approx(sum).margin(1e-4));
+    if (n == 0) CHECK(j["line"] == 1);
+    if (n == 1) CHECK(j["id"] == 7);
+    ++n;
+  }
+  CHECK(n == 2);
+
+  { std::ofstream(in, std::ios::app) << "{\"prompt\": 3}\n"; }
+  r = run("score --model " + kSmol + " --input " + in.string());
+  CHECK(r.status != 0);
+  CHECK(r.out.find(in.string() + ":4") != std::string::npos);
+  CHECK(r.out.find("prompt") != std::string::npos);
+}
+
+TEST_CASE("tandem convert writes an HF directory with the same weights and a tokenizer", "[e2e]") {
+  const fs::path src = kRepo / "tests" / "golden" / "tiny-qwen2";
+  const fs::path out = temp_dir("tiny-qwen2");
+  Run r = run("convert --model " + src.string() + " --out " + out.string());
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  auto a = tandem::model::load_hf(src.string());
+  auto b = tandem::model::load_hf(out.string());
+  REQUIRE(a->named().size() == b->named().size());
+  for (size_t i = 0; i < a->named().size(); ++i) {
+    const auto& x = a->named()[i].tensor;
+    const auto& y = b->named()[i].tensor;
+    CHECK(a->named()[i].name == b->named()[i].name);
+    CHECK(std::memcmp(x.data(), y.data(), x.nbytes()) == 0);
+  }
+
+  REQUIRE(fs::exists(kSmol));
+  const fs::path smol = temp_dir("smollm2");
+  r = run("convert --model " + kSmol + " --out " + smol.string() + " --dtype bf16");
+  REQUIRE(r.status == 0);
+  for (const char* f : {"config.json", "generation_config.json", "model.safetensors",
+                        "tokenizer.json", "tokenizer_config.json"})
+    CHECK(fs::exists(smol / f));
+  fs::remove_all(out.parent_path());
+}
