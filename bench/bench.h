@@ -72,6 +72,9 @@ int add_kernel_bench(const std::string& family, KernelBench fn);
 Ceilings measure_ceilings(const Options& opt);
 // `tandem bench kernels`: every registered family on opt.device; returns the exit code.
 int run_kernel_benches(const Options& opt);
+// `tandem bench generate`: batch-1 generation with a model file (default: the bundled SmolLM2),
+// beside llama.cpp; returns the exit code.
+int run_generate_bench(const Options& opt, const std::string& model_path);
 
 // The model shapes the kernel benchmarks use.
 struct ModelShape {

@@ -29,7 +29,7 @@ def main() -> int:
     ids = [int(t) for t in args.prompt_ids.split(",") if t]
     n_ctx = len(ids) + args.new_tokens + 8
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=n_ctx, n_batch=max(len(ids), 8),
-                          n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+                          n_threads=args.threads, n_threads_batch=args.threads, verbose=True)
     best = None
     for _ in range(args.repeats):
         llm.reset()

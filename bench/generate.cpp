@@ -1,0 +1,174 @@
+// `tandem bench generate`: batch-1 generation with a real model (SmolLM2-135M-Instruct by
+// default): decode and prefill tokens/s and load time, beside llama.cpp (llama-cpp-python on the
+// same GGUF, bench/peers/llamacpp_generate.py, run in the same invocation) and the memory-bandwidth
+// bound of decoding (measured bandwidth / bytes of the weights read per token).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "model/generator.h"
+#include "model/loader.h"
+
+namespace tandem::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The repository root: the tandem binary lives in <root>/build*/bin/.
+fs::path repo_root() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::current_path() : exe.parent_path().parent_path().parent_path();
+}
+
+// Runs the llama.cpp peer; its JSON result or an object with "error".
+nlohmann::json run_peer(const std::string& model, const std::vector<int32_t>& prompt,
+                        int64_t new_tokens, int repeats) {
+  const fs::path root = repo_root();
+  const char* env = std::getenv("TANDEM_BENCH_PYTHON");
+  const std::string python = env ? env : (root / ".venv-bench" / "bin" / "python").string();
+  if (!fs::exists(python)) {
+    return {{"error", fmt::format("{} not found: run scripts/bench-peers to install "
+                                  "llama-cpp-python (or set TANDEM_BENCH_PYTHON)",
+                                  python)}};
+  }
+  const std::string cmd = fmt::format(
+      "'{}' '{}' --model '{}' --prompt-ids {} --new-tokens {} --threads {} --repeats {} "
+      "2>/dev/null",
+      python, (root / "bench" / "peers" / "llamacpp_generate.py").string(), model,
+      fmt::join(prompt, ","), new_tokens, num_threads(), repeats);
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return {{"error", "cannot start " + python}};
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
+  const int status = pclose(p);
+  try {
+    return nlohmann::json::parse(out);
+  } catch (const nlohmann::json::exception&) {
+    return {{"error", fmt::format("llama.cpp peer exited with {} and printed '{}'", status, out)}};
+  }
+}
+
+void print(const Options& opt, const nlohmann::ordered_json& j) {
+  if (opt.json) {
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%-10s %-44s %-22s %10.2f %-9s%s\n", j["bench"].get<std::string>().c_str(),
+                j["case"].get<std::string>().c_str(), j["metric"].get<std::string>().c_str(),
+                j["value"].get<double>(), j["unit"].get<std::string>().c_str(),
+                j.contains("ratio")
+                    ? fmt::format("  {} {:.2f} ({:.2f}x)", j["peer"].get<std::string>(),
+                                  j["peer_value"].get<double>(), j["ratio"].get<double>())
+                          .c_str()
+                    : "");
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int run_generate_bench(const Options& opt, const std::string& model_path) {
+  const std::string path =
+      model_path.empty() ? (repo_root() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string()
+                         : model_path;
+  const int64_t prompt_len = 64, new_tokens = opt.quick ? 16 : 64;
+  const int repeats = opt.quick ? 1 : 3;
+  const Ceilings ceilings = measure_ceilings(opt);
+
+  // A fixed prompt of 64 tokens.
+  model::LoadedModel probe = model::load_model(path, DType::f32);
+  std::string text;
+  std::vector<int32_t> prompt;
+  for (int i = 0; static_cast<int64_t>(prompt.size()) < prompt_len; ++i) {
+    text += fmt::format("Question {}: what is {} plus {}? Answer briefly and explain. ", i, 12 + i,
+                        7 * i);
+    prompt = probe.tok().encode(text, false);
+  }
+  prompt.resize(static_cast<size_t>(prompt_len));
+  const std::string model_name = fs::path(path).stem().string();
+
+  const nlohmann::json peer = run_peer(path, prompt, new_tokens, repeats);
+  if (peer.contains("error")) {
+    nlohmann::ordered_json e{
+        {"bench", "generate"}, {"case", "llama.cpp peer"}, {"error", peer["error"]}};
+    std::printf("%s\n", e.dump().c_str());
+  }
+  int errors = peer.contains("error") ? 1 : 0;
+
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    model::LoadedModel m = model::load_model(path, dtype);
+    model::Generator gen(*m.weights, prompt_len + new_tokens);
+    model::GenerateOptions go;
+    go.max_tokens = new_tokens;  // greedy, no stop: always new_tokens tokens
+    gen.generate(prompt, go);    // warm-up
+    model::GenerateResult best = gen.generate(prompt, go);
+    for (int r = 1; r < repeats; ++r) {
+      model::GenerateResult res = gen.generate(prompt, go);
+      if (res.decode_seconds < best.decode_seconds) best = std::move(res);
+    }
+    const std::string cs = fmt::format("{} {} batch 1, prompt {}, {} new", model_name,
+                                       dtype_name(dtype), prompt_len, new_tokens);
+    const double decode_tps = best.decode_tokens_per_second();
+    const double bytes_per_token = static_cast<double>(m.weights->nbytes());
+    const double bound = ceilings.gbytes * 1e9 / bytes_per_token;
+
+    nlohmann::ordered_json d{
+        {"bench", "generate"}, {"case", cs},          {"metric", "decode_tokens_per_s"},
+        {"unit", "tokens/s"},  {"value", decode_tps}, {"threads", num_threads()}};
+    if (!peer.contains("error")) {
+      const double peer_tps =
+          peer["new_tokens"].get<double>() / std::max(peer["decode_s"].get<double>(), 1e-9);
+      d["peer"] = "llama.cpp (llama-cpp-python, same GGUF)";
+      d["peer_value"] = peer_tps;
+      d["ratio"] = decode_tps / peer_tps;
+      // How many greedy tokens agree from the start (llama.cpp computes with the quantised
+      // weights, tandem with their dequantised values).
+      const auto peer_tokens = peer["tokens"].get<std::vector<int32_t>>();
+      size_t same = 0;
+      while (same < std::min(peer_tokens.size(), best.tokens.size()) &&
+             peer_tokens[same] == best.tokens[same])
+        ++same;
+      d["same_greedy_prefix"] = same;
+    }
+    d["limit"] = bound;
+    d["limit_source"] =
+        fmt::format("{:.1f} GB/s / {:.0f} MB of weights", ceilings.gbytes, bytes_per_token / 1e6);
+    d["fraction_of_limit"] = decode_tps / bound;
+    print(opt, d);
+
+    nlohmann::ordered_json p{{"bench", "generate"},
+                             {"case", cs},
+                             {"metric", "prefill_tokens_per_s"},
+                             {"unit", "tokens/s"},
+                             {"value", static_cast<double>(prompt_len) / best.prefill_seconds}};
+    if (!peer.contains("error")) {
+      const double peer_pps = peer["prompt_tokens"].get<double>() / peer["prefill_s"].get<double>();
+      p["peer"] = "llama.cpp (llama-cpp-python, same GGUF)";
+      p["peer_value"] = peer_pps;
+      p["ratio"] = p["value"].get<double>() / peer_pps;
+    }
+    print(opt, p);
+    nlohmann::ordered_json l{{"bench", "generate"},
+                             {"case", fmt::format("{} {} load", model_name, dtype_name(dtype))},
+                             {"metric", "load_seconds"},
+                             {"unit", "s"},
+                             {"value", m.load_seconds},
+                             {"limit", 1.0},
+                             {"fraction_of_limit", m.load_seconds / 1.0}};
+    print(opt, l);
+  }
+  return errors == 0 ? 0 : 1;
+}
+
+}  // namespace tandem::bench
