@@ -3,6 +3,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdio>
@@ -204,6 +206,30 @@ void skip_without_gpu() {
   std::printf("SKIPPED: %s\n", gpu_summary().c_str());
   std::fflush(stdout);
   std::_Exit(77);
+}
+
+TempDir::TempDir(const std::string& name)
+    : path(std::filesystem::temp_directory_path() /
+           ("tandem-test-" + name + "-" + std::to_string(static_cast<long>(::getpid())))) {
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
+
+CommandResult run_tandem(const std::string& args, bool merge_stderr) {
+  const std::string cmd =
+      std::string(TANDEM_BIN_DIR) + "/tandem " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
 }
 
 }  // namespace tandem::test

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -53,5 +54,24 @@ double weighted_sum(const Tensor& y, const Tensor& w);
 // and ends the test process with ctest's "skipped" code (77) when there is none.
 bool gpu_available();
 void skip_without_gpu();
+
+// A fresh directory under the system temp dir (named after the test and the process), removed
+// with everything in it when the object goes.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& name);
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+// Runs build/bin/tandem with args through the shell, as a user would: exit status and output
+// (stdout, and stderr too when merge_stderr).
+struct CommandResult {
+  int status;
+  std::string out;
+};
+CommandResult run_tandem(const std::string& args, bool merge_stderr = true);
 
 }  // namespace tandem::test

@@ -7,22 +7,13 @@
 #include <sstream>
 #include <string>
 
+#include "tests/testutil.h"
+
 namespace {
 
-struct Run {
-  int status;
-  std::string out;
-};
-
-Run run(const std::string& args) {
-  const std::string cmd = std::string(TANDEM_BIN_DIR) + "/tandem " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
+using Run = tandem::test::CommandResult;
+Run run(const std::string& args, bool merge_stderr = true) {
+  return tandem::test::run_tandem(args, merge_stderr);
 }
 
 }  // namespace

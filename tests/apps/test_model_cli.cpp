@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 
+#include "tests/testutil.h"
+
 #include "model/hf.h"
 #include "model/weights.h"
 
@@ -20,28 +22,9 @@ namespace {
 const fs::path kRepo = fs::path(__FILE__).parent_path() / ".." / "..";
 const std::string kSmol = (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string();
 
-struct Run {
-  int status;
-  std::string out;
-};
-
-// stdout only unless merge_stderr.
+using Run = tandem::test::CommandResult;
 Run run(const std::string& args, bool merge_stderr = true) {
-  const std::string cmd =
-      std::string(TANDEM_BIN_DIR) + "/tandem " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("tandem-cli-" + std::to_string(getpid())) / name;
-  fs::create_directories(d.parent_path());
-  return d;
+  return tandem::test::run_tandem(args, merge_stderr);
 }
 
 }  // namespace
@@ -67,7 +50,8 @@ TEST_CASE("tandem generate names a missing model and exits non-zero", "[e2e]") {
 
 TEST_CASE("tandem score prints per-token logprobs and names bad lines", "[e2e]") {
   REQUIRE(fs::exists(kSmol));
-  const fs::path in = temp_dir("score.jsonl");
+  const tandem::test::TempDir tmp("cli-score");
+  const fs::path in = tmp.file("score.jsonl");
   {
     std::ofstream f(in);
     f << R"({"prompt": "The capital of France is", "completion": " Paris."})"
@@ -108,7 +92,8 @@ TEST_CASE("tandem score prints per-token logprobs and names bad lines", "[e2e]")
 
 TEST_CASE("tandem convert writes an HF directory with the same weights and a tokenizer", "[e2e]") {
   const fs::path src = kRepo / "tests" / "golden" / "tiny-qwen2";
-  const fs::path out = temp_dir("tiny-qwen2");
+  const tandem::test::TempDir tmp("cli-convert");
+  const fs::path out = tmp.file("tiny-qwen2");
   Run r = run("convert --model " + src.string() + " --out " + out.string());
   INFO(r.out);
   REQUIRE(r.status == 0);
@@ -123,11 +108,10 @@ TEST_CASE("tandem convert writes an HF directory with the same weights and a tok
   }
 
   REQUIRE(fs::exists(kSmol));
-  const fs::path smol = temp_dir("smollm2");
+  const fs::path smol = tmp.file("smollm2");
   r = run("convert --model " + kSmol + " --out " + smol.string() + " --dtype bf16");
   REQUIRE(r.status == 0);
   for (const char* f : {"config.json", "generation_config.json", "model.safetensors",
                         "tokenizer.json", "tokenizer_config.json"})
     CHECK(fs::exists(smol / f));
-  fs::remove_all(out.parent_path());
 }

@@ -23,21 +23,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() /
-             fmt::format("tandem-test-hf-{}-{}", name, static_cast<long>(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string sub(const std::string& name) const { return (path / name).string(); }
-};
-
 ModelConfig tiny_config(Architecture arch) {
   ModelConfig c;
   c.arch = arch;
@@ -234,12 +219,12 @@ TEST_CASE("bad hf configs name the file and the field", "[unit]") {
 }
 
 TEST_CASE("save_hf and load_hf round trip llama qwen2 and qwen3 bitwise", "[unit]") {
-  TempDir tmp("roundtrip");
+  test::TempDir tmp("roundtrip");
   uint64_t seed = 100;
   for (Architecture arch : {Architecture::llama, Architecture::qwen2, Architecture::qwen3}) {
     INFO(architecture_name(arch));
     auto w = random_weights(arch, DType::f32, seed += 100);
-    const std::string dir = tmp.sub(architecture_name(arch));
+    const std::string dir = tmp.file(architecture_name(arch));
     SaveOptions opts;
     opts.extra_files["tokenizer_config.json"] = R"({"model_max_length": 256})";
     save_hf(*w, dir, opts);
@@ -264,9 +249,9 @@ TEST_CASE("save_hf and load_hf round trip llama qwen2 and qwen3 bitwise", "[unit
 }
 
 TEST_CASE("save_hf shards above max_shard_bytes and load_hf reads the shards", "[unit]") {
-  TempDir tmp("shards");
+  test::TempDir tmp("shards");
   auto w = random_weights(Architecture::qwen2, DType::f32, 7);
-  const std::string dir = tmp.sub("model");
+  const std::string dir = tmp.file("model");
   SaveOptions opts;
   opts.max_shard_bytes = 40000;
   save_hf(*w, dir, opts);
@@ -292,28 +277,28 @@ TEST_CASE("save_hf shards above max_shard_bytes and load_hf reads the shards", "
 }
 
 TEST_CASE("bf16 weights save and load bitwise and cast on request", "[unit]") {
-  TempDir tmp("bf16");
+  test::TempDir tmp("bf16");
   auto w = random_weights(Architecture::qwen3, DType::bf16, 11);
-  save_hf(*w, tmp.sub("bf16"));
-  json cfg = json::parse(std::ifstream(tmp.sub("bf16") + "/config.json"));
+  save_hf(*w, tmp.file("bf16"));
+  json cfg = json::parse(std::ifstream(tmp.file("bf16") + "/config.json"));
   CHECK(cfg["torch_dtype"] == "bfloat16");
-  SafetensorsFile f(tmp.sub("bf16") + "/model.safetensors");
+  SafetensorsFile f(tmp.file("bf16") + "/model.safetensors");
   CHECK(f.tensors()[0].dtype == DType::bf16);
-  require_same_weights(*w, *load_hf(tmp.sub("bf16"), DType::bf16));
+  require_same_weights(*w, *load_hf(tmp.file("bf16"), DType::bf16));
 
   // bf16 -> f32 on save, f32 file -> bf16 on load: exact both ways.
   SaveOptions opts;
   opts.dtype = DType::f32;
-  save_hf(*w, tmp.sub("f32"), opts);
-  CHECK(SafetensorsFile(tmp.sub("f32") + "/model.safetensors").tensors()[0].dtype == DType::f32);
-  require_same_weights(*w, *load_hf(tmp.sub("f32"), DType::bf16));
-  auto wide = load_hf(tmp.sub("bf16"), DType::f32);
+  save_hf(*w, tmp.file("f32"), opts);
+  CHECK(SafetensorsFile(tmp.file("f32") + "/model.safetensors").tensors()[0].dtype == DType::f32);
+  require_same_weights(*w, *load_hf(tmp.file("f32"), DType::bf16));
+  auto wide = load_hf(tmp.file("bf16"), DType::f32);
   CHECK(test::to_f64(wide->embed) == test::to_f64(w->embed));
 }
 
 TEST_CASE("save_hf replaces an existing directory whole", "[unit]") {
-  TempDir tmp("replace");
-  const std::string dir = tmp.sub("m");
+  test::TempDir tmp("replace");
+  const std::string dir = tmp.file("m");
   auto sharded = random_weights(Architecture::llama, DType::f32, 21);
   SaveOptions opts;
   opts.max_shard_bytes = 30000;
@@ -332,8 +317,8 @@ TEST_CASE("save_hf replaces an existing directory whole", "[unit]") {
 }
 
 TEST_CASE("load_hf names the file and tensor of a bad checkpoint", "[unit]") {
-  TempDir tmp("bad");
-  const std::string dir = tmp.sub("m");
+  test::TempDir tmp("bad");
+  const std::string dir = tmp.file("m");
   auto w = random_weights(Architecture::qwen2, DType::f32, 31);
   const std::string file = dir + "/model.safetensors";
   auto fresh = [&] { save_hf(*w, dir); };
@@ -409,8 +394,8 @@ TEST_CASE("load_hf names the file and tensor of a bad checkpoint", "[unit]") {
 }
 
 TEST_CASE("a tied lm_head in the checkpoint loads only when it equals the embedding", "[unit]") {
-  TempDir tmp("tied");
-  const std::string dir = tmp.sub("m");
+  test::TempDir tmp("tied");
+  const std::string dir = tmp.file("m");
   auto w = random_weights(Architecture::llama, DType::f32, 41);
   save_hf(*w, dir);
   edit_checkpoint(dir, [&](std::vector<NamedTensor>& ts) {
@@ -435,18 +420,18 @@ TEST_CASE("a tied lm_head in the checkpoint loads only when it equals the embedd
 TEST_CASE("python safetensors reads the files tandem writes", "[interop]") {
   if (std::system("python3 -c 'import safetensors, numpy' >/dev/null 2>&1") != 0)
     FAIL("python3 with the safetensors and numpy packages is needed: run scripts/setup");
-  TempDir tmp("interop");
+  test::TempDir tmp("interop");
   auto w = random_weights(Architecture::qwen3, DType::f32, 51);
   SaveOptions opts;
   opts.max_shard_bytes = 60000;
-  save_hf(*w, tmp.sub("model"), opts);
+  save_hf(*w, tmp.file("model"), opts);
   const std::vector<NamedTensor> extra = {
       {"half", test::random_tensor({3, 4}, DType::f16, 1)},
       {"ids", test::random_ints({5}, DType::i64, 2, -100, 100)},
       {"count", test::random_ints({2, 3}, DType::i32, 3, 0, 50)},
       {"bytes", Tensor::zeros({6}, DType::u8)}};
   for (int i = 0; i < 6; ++i) extra[3].tensor.data_as<uint8_t>()[i] = static_cast<uint8_t>(i * 40);
-  write_safetensors(tmp.sub("extra.safetensors"), extra, {{"who", "tandem"}});
+  write_safetensors(tmp.file("extra.safetensors"), extra, {{"who", "tandem"}});
 
   // Expected shapes and sums per tensor, per file; the snippet checks them and prints "ok".
   json expected = json::object();
@@ -457,13 +442,13 @@ TEST_CASE("python safetensors reads the files tandem writes", "[interop]") {
     for (int d = 0; d < t.tensor.ndim(); ++d) shape.push_back(t.tensor.size(d));
     expected[file][t.name] = {{"shape", shape}, {"sum", sum}};
   };
-  std::ifstream idx(tmp.sub("model") + "/model.safetensors.index.json");
+  std::ifstream idx(tmp.file("model") + "/model.safetensors.index.json");
   const json weight_map = json::parse(idx)["weight_map"];
   for (const NamedTensor& t : w->named())
-    add(tmp.sub("model") + "/" + weight_map[t.name].get<std::string>(), t);
-  for (const NamedTensor& t : extra) add(tmp.sub("extra.safetensors"), t);
-  std::ofstream(tmp.sub("expected.json")) << expected.dump();
-  std::ofstream(tmp.sub("check.py")) << R"(import json, sys
+    add(tmp.file("model") + "/" + weight_map[t.name].get<std::string>(), t);
+  for (const NamedTensor& t : extra) add(tmp.file("extra.safetensors"), t);
+  std::ofstream(tmp.file("expected.json")) << expected.dump();
+  std::ofstream(tmp.file("check.py")) << R"(import json, sys
 from safetensors import safe_open
 from safetensors.numpy import load_file
 expected = json.load(open(sys.argv[1]))
@@ -489,8 +474,8 @@ save_file({"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5,
            "c": np.full((2, 1, 3), 0.5, dtype=np.float16)}, sys.argv[2], metadata={"by": "py"})
 print("\n".join(bad) if bad else "ok")
 )";
-  const std::string cmd = fmt::format("python3 {} {} {} 2>&1", tmp.sub("check.py"),
-                                      tmp.sub("expected.json"), tmp.sub("py.safetensors"));
+  const std::string cmd = fmt::format("python3 {} {} {} 2>&1", tmp.file("check.py"),
+                                      tmp.file("expected.json"), tmp.file("py.safetensors"));
   std::FILE* p = ::popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   std::string out;
@@ -502,7 +487,7 @@ print("\n".join(bad) if bad else "ok")
   CHECK(out == "ok\n");
 
   // And tandem reads what Python wrote.
-  SafetensorsFile py(tmp.sub("py.safetensors"));
+  SafetensorsFile py(tmp.file("py.safetensors"));
   CHECK(py.metadata().at("by") == "py");
   REQUIRE(py.tensors().size() == 3);
   CHECK(py.at("a").shape == Shape{3, 4});

@@ -18,21 +18,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() /
-             fmt::format("tandem-test-st-{}-{}", name, static_cast<long>(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
 // A file with this header (padded to 8 bytes, as HF pads) and data_bytes bytes of 0x01.
 void write_raw(const std::string& path, std::string header, size_t data_bytes) {
   header.append((8 - header.size() % 8) % 8, ' ');
@@ -55,7 +40,7 @@ std::vector<NamedTensor> sample_tensors() {
 }  // namespace
 
 TEST_CASE("safetensors files round trip tensors metadata and order", "[unit]") {
-  TempDir dir("roundtrip");
+  test::TempDir dir("roundtrip");
   const std::string path = dir.file("x.safetensors");
   const auto tensors = sample_tensors();
   write_safetensors(path, tensors, {{"format", "pt"}, {"note", "hi"}});
@@ -101,7 +86,7 @@ TEST_CASE("safetensors files round trip tensors metadata and order", "[unit]") {
 }
 
 TEST_CASE("safetensors checkpoints read single files and sharded indexes", "[unit]") {
-  TempDir dir("ckpt");
+  test::TempDir dir("ckpt");
   const auto tensors = sample_tensors();
   write_safetensors(dir.file("s1.safetensors"), std::span(tensors).first(2));
   write_safetensors(dir.file("s2.safetensors"), std::span(tensors).subspan(2));
@@ -133,7 +118,7 @@ TEST_CASE("safetensors checkpoints read single files and sharded indexes", "[uni
 }
 
 TEST_CASE("malformed safetensors files give one error naming the file and tensor", "[unit]") {
-  TempDir dir("bad");
+  test::TempDir dir("bad");
   const std::string good = dir.file("good.safetensors");
   write_safetensors(good, sample_tensors());
 
