@@ -22,6 +22,7 @@ def main() -> int:
 
     try:
         import llama_cpp
+        import numpy as np
     except ImportError as e:
         print(json.dumps({"error": f"llama-cpp-python is not installed ({e}); run scripts/bench-peers"}))
         return 0
@@ -29,7 +30,8 @@ def main() -> int:
     ids = [int(t) for t in args.prompt_ids.split(",") if t]
     n_ctx = len(ids) + args.new_tokens + 8
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=n_ctx, n_batch=max(len(ids), 8),
-                          n_threads=args.threads, n_threads_batch=args.threads, verbose=True)
+                          n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    n_vocab = llm.n_vocab()
     best = None
     for _ in range(args.repeats):
         llm.reset()
@@ -38,7 +40,8 @@ def main() -> int:
         t1 = time.perf_counter()
         out = []
         for _ in range(args.new_tokens):
-            logits = llm.scores[llm.n_tokens - 1]
+            # The last token's logits, straight from the context (the one row eval asked for).
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
             tok = int(logits.argmax())
             out.append(tok)
             llm.eval([tok])
