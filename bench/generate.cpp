@@ -98,13 +98,41 @@ int run_generate_bench(const Options& opt, const std::string& model_path) {
   prompt.resize(static_cast<size_t>(prompt_len));
   const std::string model_name = fs::path(path).stem().string();
 
-  const nlohmann::json peer = run_peer(path, prompt, new_tokens, repeats);
-  if (peer.contains("error")) {
-    nlohmann::ordered_json e{
-        {"bench", "generate"}, {"case", "llama.cpp peer"}, {"error", peer["error"]}};
-    std::printf("%s\n", e.dump().c_str());
-  }
-  int errors = peer.contains("error") ? 1 : 0;
+  int errors = 0;
+  // llama.cpp on the given GGUF (the same file) and, for each precision tandem computes in, on a
+  // GGUF of the same weights at that precision (bench/peers/requant_gguf.py, made once).
+  auto peer_on = [&](const std::string& gguf) {
+    nlohmann::json r = run_peer(gguf, prompt, new_tokens, repeats);
+    if (r.contains("error")) {
+      ++errors;
+      nlohmann::ordered_json e{{"bench", "generate"},
+                               {"case", "llama.cpp peer on " + fs::path(gguf).filename().string()},
+                               {"error", r["error"]}};
+      std::printf("%s\n", e.dump().c_str());
+    }
+    return r;
+  };
+  auto precision_gguf = [&](DType dtype) -> std::string {
+    const std::string tag = dtype == DType::bf16 ? "BF16" : "F32";
+    std::string stem = fs::path(path).stem().string();
+    if (const size_t dot = stem.rfind('.'); dot != std::string::npos) stem = stem.substr(0, dot);
+    const fs::path out = repo_root() / "models" / "peers" / (stem + "." + tag + ".gguf");
+    if (!fs::exists(out)) {
+      fs::create_directories(out.parent_path());
+      const char* env = std::getenv("TANDEM_BENCH_PYTHON");
+      const std::string python =
+          env ? env : (repo_root() / ".venv-bench" / "bin" / "python").string();
+      const std::string cmd =
+          fmt::format("'{}' '{}' '{}' '{}' {} >/dev/null 2>&1", python,
+                      (repo_root() / "bench" / "peers" / "requant_gguf.py").string(), path,
+                      out.string() + ".tmp", dtype == DType::bf16 ? "bf16" : "f32");
+      if (std::system(cmd.c_str()) != 0) return "";
+      fs::rename(out.string() + ".tmp", out);
+    }
+    return out.string();
+  };
+  const bool gguf = path.ends_with(".gguf");
+  const nlohmann::json same_file = gguf ? peer_on(path) : nlohmann::json{{"error", "not a GGUF"}};
 
   for (DType dtype : {DType::f32, DType::bf16}) {
     model::LoadedModel m = model::load_model(path, dtype);
@@ -120,45 +148,58 @@ int run_generate_bench(const Options& opt, const std::string& model_path) {
     const std::string cs = fmt::format("{} {} batch 1, prompt {}, {} new", model_name,
                                        dtype_name(dtype), prompt_len, new_tokens);
     const double decode_tps = best.decode_tokens_per_second();
+    const double prefill_tps = static_cast<double>(prompt_len) / best.prefill_seconds;
     const double bytes_per_token = static_cast<double>(m.weights->nbytes());
     const double bound = ceilings.gbytes * 1e9 / bytes_per_token;
 
-    nlohmann::ordered_json d{
-        {"bench", "generate"}, {"case", cs},          {"metric", "decode_tokens_per_s"},
-        {"unit", "tokens/s"},  {"value", decode_tps}, {"threads", num_threads()}};
-    if (!peer.contains("error")) {
-      const double peer_tps =
-          peer["new_tokens"].get<double>() / std::max(peer["decode_s"].get<double>(), 1e-9);
-      d["peer"] = "llama.cpp (llama-cpp-python, same GGUF)";
-      d["peer_value"] = peer_tps;
-      d["ratio"] = decode_tps / peer_tps;
-      // How many greedy tokens agree from the start (llama.cpp computes with the quantised
-      // weights, tandem with their dequantised values).
-      const auto peer_tokens = peer["tokens"].get<std::vector<int32_t>>();
-      size_t same = 0;
-      while (same < std::min(peer_tokens.size(), best.tokens.size()) &&
-             peer_tokens[same] == best.tokens[same])
-        ++same;
-      d["same_greedy_prefix"] = same;
-    }
-    d["limit"] = bound;
-    d["limit_source"] =
-        fmt::format("{:.1f} GB/s / {:.0f} MB of weights", ceilings.gbytes, bytes_per_token / 1e6);
-    d["fraction_of_limit"] = decode_tps / bound;
-    print(opt, d);
+    std::string precision_path;
+    if (gguf) precision_path = precision_gguf(dtype);
+    const nlohmann::json same_precision =
+        precision_path.empty() ? nlohmann::json{{"error", "no GGUF at this precision"}}
+                               : peer_on(precision_path);
+    if (gguf && precision_path.empty()) ++errors;
 
-    nlohmann::ordered_json p{{"bench", "generate"},
-                             {"case", cs},
-                             {"metric", "prefill_tokens_per_s"},
-                             {"unit", "tokens/s"},
-                             {"value", static_cast<double>(prompt_len) / best.prefill_seconds}};
-    if (!peer.contains("error")) {
-      const double peer_pps = peer["prompt_tokens"].get<double>() / peer["prefill_s"].get<double>();
-      p["peer"] = "llama.cpp (llama-cpp-python, same GGUF)";
-      p["peer_value"] = peer_pps;
-      p["ratio"] = p["value"].get<double>() / peer_pps;
+    // One decode and one prefill line per peer run.
+    for (const auto* peer : {&same_precision, &same_file}) {
+      const bool has = !peer->contains("error");
+      const std::string peer_name = peer == &same_file
+                                        ? "llama.cpp on the same GGUF"
+                                        : fmt::format("llama.cpp on a {} GGUF of the same weights",
+                                                      dtype == DType::bf16 ? "BF16" : "F32");
+      nlohmann::ordered_json d{
+          {"bench", "generate"}, {"case", cs},          {"metric", "decode_tokens_per_s"},
+          {"unit", "tokens/s"},  {"value", decode_tps}, {"threads", num_threads()}};
+      nlohmann::ordered_json p{{"bench", "generate"},
+                               {"case", cs},
+                               {"metric", "prefill_tokens_per_s"},
+                               {"unit", "tokens/s"},
+                               {"value", prefill_tps}};
+      if (has) {
+        const double peer_tps =
+            (*peer)["new_tokens"].get<double>() / std::max((*peer)["decode_s"].get<double>(), 1e-9);
+        d["peer"] = peer_name;
+        d["peer_value"] = peer_tps;
+        d["ratio"] = decode_tps / peer_tps;
+        // How many greedy tokens agree from the start.
+        const auto peer_tokens = (*peer)["tokens"].get<std::vector<int32_t>>();
+        size_t same = 0;
+        while (same < std::min(peer_tokens.size(), best.tokens.size()) &&
+               peer_tokens[same] == best.tokens[same])
+          ++same;
+        d["same_greedy_prefix"] = same;
+        const double peer_pps =
+            (*peer)["prompt_tokens"].get<double>() / (*peer)["prefill_s"].get<double>();
+        p["peer"] = peer_name;
+        p["peer_value"] = peer_pps;
+        p["ratio"] = prefill_tps / peer_pps;
+      }
+      d["limit"] = bound;
+      d["limit_source"] =
+          fmt::format("{:.1f} GB/s / {:.0f} MB of weights", ceilings.gbytes, bytes_per_token / 1e6);
+      d["fraction_of_limit"] = decode_tps / bound;
+      print(opt, d);
+      print(opt, p);
     }
-    print(opt, p);
     nlohmann::ordered_json l{{"bench", "generate"},
                              {"case", fmt::format("{} {} load", model_name, dtype_name(dtype))},
                              {"metric", "load_seconds"},
