@@ -67,6 +67,11 @@ bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512
 constexpr int64_t kXBlockBytes = int64_t{512} << 10;
 // Smallest w (bytes) whose panels are prefetched ahead (a core's L2).
 constexpr int64_t kPrefetchMinBytes = int64_t{2} << 20;
+// Most x rows for which the AVX-512 kernel reads a bf16 w directly, widening it in registers
+// (the same values, so the same bits): the copy to an f32 panel costs about as much as the
+// math when few x rows use it (decode), while with many rows it is amortised and the kernel's
+// loop is shorter on f32.
+constexpr int64_t kDirectBf16MaxRows = 12;
 // Smallest work (multiply-adds) worth a thread of its own.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 
@@ -116,6 +121,7 @@ void copy_rows(Rows src, int64_t ld, int64_t i0, int64_t rows, int64_t k0, int64
 void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (M == 0 || N == 0) return;
   const bool avx512 = use_avx512();
+  const bool w_direct = avx512 && w.bf16 && M <= kDirectBf16MaxRows;
   const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
   // Software prefetch of the next w panel pays only when w does not stay in a core's L2.
   const bool prefetch_w = N * K * (w.bf16 ? 2 : 4) > kPrefetchMinBytes;
@@ -153,9 +159,11 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
             }
             for (int64_t j = j0; j < j1; j += kTileCols) {
               const int64_t cols = std::min<int64_t>(kTileCols, N - j);
-              const float* wp;
+              const float* wp = nullptr;
               int64_t ldw = ldw_src;
-              if (w.bf16) {
+              if (w_direct) {
+                // Read in place by the bf16 overload of chunk_avx512 below.
+              } else if (w.bf16) {
                 float* d = grow(w_scratch, cols * kc);
                 copy_rows(w, ldw_src, j, cols, k0, kc, d);
                 wp = d;
@@ -174,7 +182,12 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
                   next.row_bytes = kc * esize;
                   next.stride_bytes = ldw_src * esize;
                 }
-                detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
+                if (w_direct) {
+                  const uint16_t* wb = static_cast<const uint16_t*>(w.data) + j * ldw_src + k0;
+                  detail::chunk_avx512(xb, ldx, wb, ldw, yb, N, rows, cols, kc, add, next);
+                } else {
+                  detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
+                }
               } else {
                 detail::chunk_portable(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add);
               }

@@ -50,6 +50,11 @@ struct Prefetch {
 };
 void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
                   int64_t rows, int64_t cols, int64_t kc, bool add, const Prefetch& next);
+// The same with w rows of bf16 bits, widened in registers: bitwise the result of the f32
+// overload on an f32 copy of w (bf16 -> f32 is exact), without the copy.
+void chunk_avx512(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, float* y,
+                  int64_t ldy, int64_t rows, int64_t cols, int64_t kc, bool add,
+                  const Prefetch& next);
 
 // dst (16 x 16, leading dimension ldd) = src (16 x 16, leading dimension lds)^T, with AVX-512
 // (a copy: the same bits as any other transpose).

@@ -48,9 +48,26 @@ TANDEM_AVX512 inline __m256 reduce8(__m512 v0, __m512 v1, __m512 v2, __m512 v3, 
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, d));
 }
 
-// y[r][c] (r < MR, c < NR) = [y[r][c] +] the chunk partial of x row r against w row c.
-template <int MR, int NR, bool Tail>
-TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+// 16 w values as f32: loaded, or bf16 bits widened in the register (exact: the f32 with the
+// same upper 16 bits), so that the FMAs see the very values an f32 copy of w would hold.
+TANDEM_AVX512 inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
+TANDEM_AVX512 inline __m512 load_w(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// The first lanes of m; the others are 0.0f.
+TANDEM_AVX512 inline __m512 maskz_load_w(__mmask16 m, const float* p) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+TANDEM_AVX512 inline __m512 maskz_load_w(__mmask16 m, const uint16_t* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// y[r][c] (r < MR, c < NR) = [y[r][c] +] the chunk partial of x row r against w row c. W: the
+// element type of w, float or uint16_t (bf16 bits).
+template <int MR, int NR, bool Tail, class W>
+TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
                                int64_t ldy, int64_t kc, bool add) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -60,7 +77,7 @@ TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int6
     __m512 a[MR];
     for (int r = 0; r < MR; ++r) a[r] = _mm512_loadu_ps(x + r * ldx + k);
     for (int c = 0; c < NR; ++c) {
-      const __m512 b = _mm512_loadu_ps(w + c * ldw + k);
+      const __m512 b = load_w(w + c * ldw + k);
       for (int r = 0; r < MR; ++r) acc[r][c] = _mm512_fmadd_ps(a[r], b, acc[r][c]);
     }
   }
@@ -70,7 +87,7 @@ TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int6
     __m512 a[MR];
     for (int r = 0; r < MR; ++r) a[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + full);
     for (int c = 0; c < NR; ++c) {
-      const __m512 b = _mm512_maskz_loadu_ps(m, w + c * ldw + full);
+      const __m512 b = maskz_load_w(m, w + c * ldw + full);
       for (int r = 0; r < MR; ++r) acc[r][c] = _mm512_mask3_fmadd_ps(a[r], b, acc[r][c], m);
     }
   }
@@ -90,8 +107,9 @@ TANDEM_AVX512 inline void tile(const float* x, int64_t ldx, const float* w, int6
 // The full tile (4 x 6) with named accumulators: the same arithmetic as tile<4, 6, false>, but
 // GCC keeps named variables in registers from start to end (it leaves the 24-vector array of
 // the generic tile in memory outside the k loop, which costs ~5% at K = 576).
-TANDEM_AVX512 inline void tile_4x6(const float* x, int64_t ldx, const float* w, int64_t ldw,
-                                   float* y, int64_t ldy, int64_t kc, bool add) {
+template <class W>
+TANDEM_AVX512 inline void tile_4x6(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
+                                   int64_t ldy, int64_t kc, bool add) {
   static_assert(kTileRows == 4 && kTileCols == 6);
 #define TANDEM_ACC_ROW(r)                                              \
   __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps(), \
@@ -109,13 +127,13 @@ TANDEM_AVX512 inline void tile_4x6(const float* x, int64_t ldx, const float* w, 
   for (int64_t k = 0; k < kc; k += kLanes) {
     const __m512 a0 = _mm512_loadu_ps(x0 + k), a1 = _mm512_loadu_ps(x1 + k),
                  a2 = _mm512_loadu_ps(x2 + k), a3 = _mm512_loadu_ps(x3 + k);
-#define TANDEM_FMA_COL(c)                              \
-  {                                                    \
-    const __m512 b = _mm512_loadu_ps(w + (c)*ldw + k); \
-    c0##c = _mm512_fmadd_ps(a0, b, c0##c);             \
-    c1##c = _mm512_fmadd_ps(a1, b, c1##c);             \
-    c2##c = _mm512_fmadd_ps(a2, b, c2##c);             \
-    c3##c = _mm512_fmadd_ps(a3, b, c3##c);             \
+#define TANDEM_FMA_COL(c)                     \
+  {                                           \
+    const __m512 b = load_w(w + (c)*ldw + k); \
+    c0##c = _mm512_fmadd_ps(a0, b, c0##c);    \
+    c1##c = _mm512_fmadd_ps(a1, b, c1##c);    \
+    c2##c = _mm512_fmadd_ps(a2, b, c2##c);    \
+    c3##c = _mm512_fmadd_ps(a3, b, c3##c);    \
   }
     TANDEM_FMA_COL(0)
     TANDEM_FMA_COL(1)
@@ -140,11 +158,11 @@ TANDEM_AVX512 inline void tile_4x6(const float* x, int64_t ldx, const float* w, 
 #undef TANDEM_STORE_ROW
 }
 
-template <int MR, int NR = kTileCols>
-TANDEM_AVX512 inline void tile_cols(const float* x, int64_t ldx, const float* w, int64_t ldw,
-                                    float* y, int64_t ldy, int64_t kc, bool add, int64_t cols) {
+template <int MR, class W, int NR = kTileCols>
+TANDEM_AVX512 inline void tile_cols(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
+                                    int64_t ldy, int64_t kc, bool add, int64_t cols) {
   if constexpr (NR > 1) {
-    if (cols < NR) return tile_cols<MR, NR - 1>(x, ldx, w, ldw, y, ldy, kc, add, cols);
+    if (cols < NR) return tile_cols<MR, W, NR - 1>(x, ldx, w, ldw, y, ldy, kc, add, cols);
   }
   if (kc % kLanes != 0) return tile<MR, NR, true>(x, ldx, w, ldw, y, ldy, kc, add);
   if constexpr (MR == 4 && NR == 6) {
@@ -154,21 +172,19 @@ TANDEM_AVX512 inline void tile_cols(const float* x, int64_t ldx, const float* w,
   }
 }
 
-template <int MR = kTileRows - 1>
-TANDEM_AVX512 inline void tile_rows(const float* x, int64_t ldx, const float* w, int64_t ldw,
-                                    float* y, int64_t ldy, int64_t kc, bool add, int64_t rows,
-                                    int64_t cols) {
+template <class W, int MR = kTileRows - 1>
+TANDEM_AVX512 inline void tile_rows(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
+                                    int64_t ldy, int64_t kc, bool add, int64_t rows, int64_t cols) {
   if constexpr (MR > 1) {
-    if (rows < MR) return tile_rows<MR - 1>(x, ldx, w, ldw, y, ldy, kc, add, rows, cols);
+    if (rows < MR) return tile_rows<W, MR - 1>(x, ldx, w, ldw, y, ldy, kc, add, rows, cols);
   }
   tile_cols<MR>(x, ldx, w, ldw, y, ldy, kc, add, cols);
 }
 
-}  // namespace
-
-TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                                int64_t ldy, int64_t rows, int64_t cols, int64_t kc, bool add,
-                                const Prefetch& next) {
+template <class W>
+TANDEM_AVX512 void chunk(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
+                         int64_t ldy, int64_t rows, int64_t cols, int64_t kc, bool add,
+                         const Prefetch& next) {
   static_assert(kTileCols <= 8, "reduce8 reduces up to 8 accumulators of a row");
   // The next panel's lines are requested into L2 a few per tile, so that it is there when its
   // first tile starts (w streams from memory once per block of x rows).
@@ -188,7 +204,7 @@ TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const float* w, int
   };
   for (int64_t j = 0; j < cols; j += kTileCols) {
     const int64_t nc = cols - j < kTileCols ? cols - j : kTileCols;
-    const float* wj = w + j * ldw;
+    const W* wj = w + j * ldw;
     int64_t i = 0;
     for (; i + kTileRows <= rows; i += kTileRows) {
       prefetch_some();
@@ -199,6 +215,20 @@ TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const float* w, int
       tile_rows(x + i * ldx, ldx, wj, ldw, y + i * ldy + j, ldy, kc, add, rows - i, nc);
     }
   }
+}
+
+}  // namespace
+
+TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                                int64_t ldy, int64_t rows, int64_t cols, int64_t kc, bool add,
+                                const Prefetch& next) {
+  chunk(x, ldx, w, ldw, y, ldy, rows, cols, kc, add, next);
+}
+
+TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw,
+                                float* y, int64_t ldy, int64_t rows, int64_t cols, int64_t kc,
+                                bool add, const Prefetch& next) {
+  chunk(x, ldx, w, ldw, y, ldy, rows, cols, kc, add, next);
 }
 
 }  // namespace tandem::ops::cpu::detail

@@ -239,6 +239,34 @@ TEST_CASE("the AVX-512 matmul kernel and the portable kernel agree bit for bit",
   }
 }
 
+TEST_CASE("matmul with bf16 w is bitwise the product with w widened to f32 first", "[unit]") {
+  // Small M reads bf16 w in place (widened in registers), larger M through an f32 copy: both
+  // must give the bits of the same product against an f32 w holding the exact widened values.
+  // K = 1601 spans three chunks; K = 48 and 1536 take the whole-vector tiles.
+  for (const int64_t K : {int64_t{37}, int64_t{48}, int64_t{577}, int64_t{1536}, int64_t{1601}}) {
+    for (const int64_t N : {int64_t{5}, int64_t{13}, int64_t{37}}) {
+      const Tensor w = random_tensor({N, K}, DType::bf16, 701, -3.0, 3.0);
+      Tensor w_f32 = Tensor::empty({N, K}, DType::f32);
+      ops::cast(w, w_f32);
+      for (const int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, int64_t{8},
+                              int64_t{12}, int64_t{13}, int64_t{33}, int64_t{70}}) {
+        for (DType xt : {DType::f32, DType::bf16}) {
+          const Tensor x = random_tensor({M, K}, xt, 702, -100.0, 100.0);
+          for (bool acc : {false, true}) {
+            INFO("M=" << M << " N=" << N << " K=" << K << " x " << dtype_name(xt)
+                      << " accumulate=" << acc);
+            Tensor y = random_tensor({M, N}, DType::f32, 703);
+            Tensor y_f32 = y.to(Device::cpu());
+            ops::matmul(x, w, y, acc);
+            ops::matmul(x, w_f32, y_f32, acc);
+            CHECK(bitwise_equal(y, y_f32));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("matmul ops reject mismatched shapes and dtypes naming both shapes", "[unit]") {
   using Catch::Matchers::Contains;
   const Tensor x = random_tensor({7, 37}, DType::f32, 1);
