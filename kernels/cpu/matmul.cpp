@@ -124,7 +124,7 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
   const bool w_direct = avx512 && w.bf16 && M <= kDirectBf16MaxRows;
   const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
   // Software prefetch of the next w panel pays only when w does not stay in a core's L2.
-  const bool prefetch_w = N * K * (w.bf16 ? 2 : 4) > kPrefetchMinBytes;
+  const bool prefetch_w = N * K * (w.bf16 ? 2 : 4) > kPrefetchMinBytes || w_direct;
   const int64_t panels = (N + kTileCols - 1) / kTileCols;
   const int64_t kc_max = std::min(K, kChunk);
   const int64_t row_bytes = 4 * std::max<int64_t>(1, kc_max);

@@ -194,7 +194,7 @@ TANDEM_AVX512 void chunk(const float* x, int64_t ldx, const W* w, int64_t ldw, f
   int64_t per_tile = (lines + tiles - 1) / tiles;
   // With few tiles (small M: decode) the bursts of prefetches cost more than they save (the
   // hardware prefetcher follows w, which is read once); only spread-out prefetches pay.
-  if (per_tile > kMaxPrefetchPerTile) per_tile = 0;
+  if (per_tile > kMaxPrefetchPerTile && !std::is_same_v<W, uint16_t>) per_tile = 0;
   int64_t line = 0;
   const auto prefetch_some = [&] {
     for (int64_t e = std::min(lines, line + per_tile); line < e; ++line)
