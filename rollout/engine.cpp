@@ -68,6 +68,7 @@ struct Engine::Impl {
     bool group_prefill = false;   // the prompt of all n samples, not forked yet
     bool admitted_once = false;
     bool finished = false;
+    uint64_t round = 0;  // the scheduling round that last put it in a batch
     int64_t remaining() const { return static_cast<int64_t>(tokens.size()) - num_computed; }
   };
   struct Group {
@@ -85,6 +86,7 @@ struct Engine::Impl {
   BlockManager bm;
   uint64_t version = 0;
   uint64_t next_handle = 1;
+  uint64_t round = 0;  // scheduling rounds so far
   BlockManager::SeqId next_seq = 1;
   EngineStats stats;
   std::unordered_map<uint64_t, std::unique_ptr<Group>> groups;  // in flight, by handle
@@ -287,6 +289,8 @@ struct Engine::Impl {
 
   void schedule(std::vector<Item>& decodes, std::vector<Item>& prefills) {
     int64_t budget = opt.max_batch_tokens, seqs_left = opt.max_seqs;
+    const int64_t preemptions_before = stats.preemptions;
+    ++round;
     // 1. Running decodes, oldest first; when blocks run out the youngest running sequences are
     //    preempted (possibly the one being scheduled).
     for (size_t i = 0; i < running.size() && budget > 0 && seqs_left > 0; ++i) {
@@ -303,18 +307,32 @@ struct Engine::Impl {
         }
       }
       if (preempted_self) break;
+      s->round = round;
       decodes.push_back({s, len - 1, 1});
       --budget, --seqs_left;
     }
-    // 2. Running prefills (chunks of prompts or of recomputations), oldest first.
+    // 2. Running prefills (chunks of prompts or of recomputations), oldest first; when blocks
+    //    run out, younger sequences not in this batch are preempted (else this one waits).
     for (size_t i = 0; i < running.size() && budget > 0 && seqs_left > 0; ++i) {
       Sample* s = running[i];
       if (s->remaining() <= 1) continue;
       const int64_t chunk = std::min(s->remaining(), budget);
-      if (!bm.append_slots(s->seq_id, s->num_computed + chunk)) continue;
+      bool ok = bm.append_slots(s->seq_id, s->num_computed + chunk);
+      while (!ok) {
+        Sample* victim = nullptr;
+        for (size_t j = running.size(); j-- > i + 1 && !victim;)
+          if (running[j]->round != round) victim = running[j];
+        if (!victim) break;
+        preempt(victim);
+        ok = bm.append_slots(s->seq_id, s->num_computed + chunk);
+      }
+      if (!ok) continue;
+      s->round = round;
       prefills.push_back({s, s->num_computed, chunk});
       budget -= chunk, --seqs_left;
     }
+    // Sequences were just preempted for want of blocks: admit nobody new this step.
+    if (stats.preemptions != preemptions_before) return;
     // 3. Waiting sequences, oldest first, while blocks, budget and sequence slots last.
     int64_t width = running_width();
     while (!waiting.empty() && budget > 0 && seqs_left > 0) {
@@ -333,6 +351,7 @@ struct Engine::Impl {
         stats.cached_prompt_tokens += cached;
       }
       s->num_computed = cached;
+      s->round = round;
       waiting.pop_front();
       insert_sorted(running, s);
       prefills.push_back({s, cached, chunk});
@@ -345,7 +364,11 @@ struct Engine::Impl {
     if (running.empty() && waiting.empty()) return;
     std::vector<Item> decodes, prefills;
     schedule(decodes, prefills);
-    if (decodes.empty() && prefills.empty()) return;
+    // The oldest sequence always fits alone (submit() checks), so a round always runs something.
+    TANDEM_CHECK(!decodes.empty() || !prefills.empty(),
+                 "engine: the scheduler found nothing to run with {} sequences running and {} "
+                 "waiting and {} of {} blocks free (a bug in the engine)",
+                 running.size(), waiting.size(), bm.num_free_blocks(), bm.num_blocks());
     ++stats.steps;
     const int64_t V = weights->config().vocab_size;
     const Device d = weights->device();

@@ -356,20 +356,26 @@ TEST_CASE("engine preemption under a tiny block budget gives the unconstrained o
   model::Weights w(c, DType::f32);
   fill_random(w, 804);
   std::vector<Request> rs;
-  for (int r = 0; r < 3; ++r)
-    rs.push_back(make_request(fmt::format("r{}", r),
-                              random_prompt(6, c.vocab_size, 40 + static_cast<uint64_t>(r)), 2,
-                              100 * static_cast<uint64_t>(r), 10));
+  const int lengths[] = {6, 9, 3, 8};
+  for (int r = 0; r < 4; ++r)
+    rs.push_back(
+        make_request(fmt::format("r{}", r),
+                     random_prompt(lengths[r], c.vocab_size, 40 + static_cast<uint64_t>(r)),
+                     r == 3 ? 1 : 2, 100 * static_cast<uint64_t>(r), 10));
   Engine roomy(w, small_options());
   auto want = by_id(roomy.generate(rs));
   CHECK(roomy.stats().preemptions == 0);
-  EngineOptions o = small_options();
-  o.num_blocks = 5;  // one sample of 16 tokens needs 4 blocks of 4
-  Engine tight(w, o);
-  auto got = by_id(tight.generate(rs));
-  CHECK(tight.stats().preemptions > 0);
-  for (const Request& r : rs) check_same_samples(got.at(r.id), want.at(r.id));
-  CHECK(tight.blocks().num_free_blocks() == 5);
+  for (int64_t budget : {64, 3}) {
+    INFO("budget " << budget);
+    EngineOptions o = small_options();
+    o.num_blocks = 5;  // the longest sample (19 tokens) needs 5 blocks of 4
+    o.max_batch_tokens = budget;
+    Engine tight(w, o);
+    auto got = by_id(tight.generate(rs));
+    CHECK(tight.stats().preemptions > 0);
+    for (const Request& r : rs) check_same_samples(got.at(r.id), want.at(r.id));
+    CHECK(tight.blocks().num_free_blocks() == 5);
+  }
 }
 
 TEST_CASE("engine abort frees every block and ends the request's samples", "[unit]") {
