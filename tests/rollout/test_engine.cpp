@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "model/decoder.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -496,6 +497,34 @@ TEST_CASE("engine weight swap flushes the prefix cache and stamps the new versio
   CHECK(after.samples[0].first_weight_version == 7);
   Engine fresh(w2, small_options());
   check_same_samples(after, fresh.generate({rs[1]})[0]);
+}
+
+TEST_CASE("engine rejects bad options and mismatched weights with one clear error", "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  model::Weights w(c, DType::f32);
+  fill_random(w, 810);
+  auto error_of = [&](auto edit) -> std::string {
+    EngineOptions o = small_options();
+    edit(o);
+    try {
+      Engine e(w, o);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  CHECK_THAT(error_of([](EngineOptions& o) { o.block_size = 0; }), Catch::Contains("block_size"));
+  CHECK_THAT(error_of([](EngineOptions& o) { o.num_blocks = -1; }), Catch::Contains("num_blocks"));
+  CHECK_THAT(error_of([](EngineOptions& o) { o.max_batch_tokens = 0; }),
+             Catch::Contains("max_batch_tokens"));
+  CHECK_THAT(error_of([](EngineOptions& o) { o.max_context = 257; }),
+             Catch::Contains("max_context"));
+  Engine e(w, small_options());
+  model::ModelConfig other = c;
+  other.vocab_size = 102;
+  model::Weights w2(other, DType::f32);
+  CHECK_THROWS_AS(e.set_weights(w2, 1), Error);
+  CHECK(e.weight_version() == 0);
 }
 
 }  // namespace tandem::rollout
