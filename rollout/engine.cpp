@@ -160,8 +160,9 @@ struct Engine::Impl {
       if (p.stop[i].empty()) return fmt::format("stop[{}] is an empty string", i);
     if (!p.stop.empty() && !tokenizer)
       return "stop strings need a tokenizer (the engine was made without one)";
-    if (p.top_logprobs != 0)
-      return fmt::format("top_logprobs is not implemented yet (must be 0, got {})", p.top_logprobs);
+    if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs || p.top_logprobs > V)
+      return fmt::format("top_logprobs must be in [0, {}], got {}",
+                         std::min<int64_t>(kMaxTopLogprobs, V), p.top_logprobs);
     return "";
   }
 
@@ -230,7 +231,7 @@ struct Engine::Impl {
   }
 
   // Appends a sampled token and retires the sample when it is finished.
-  void append_token(Sample* s, int32_t token, float logprob) {
+  void append_token(Sample* s, int32_t token, float logprob, std::vector<TokenLogprob> top) {
     const SamplingParams& p = s->group->request.params;
     SampleOutput& out = s->group->out.samples[static_cast<size_t>(s->index)];
     if (out.tokens.empty()) out.first_weight_version = version;
@@ -238,6 +239,7 @@ struct Engine::Impl {
     s->tokens.push_back(token);
     out.tokens.push_back(token);
     if (p.logprobs) out.logprobs.push_back(logprob);
+    if (p.top_logprobs > 0) out.top_logprobs.push_back(std::move(top));
     if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
         p.stop_token_ids.end())
       return finish_sample(s, FinishReason::stop);
@@ -476,9 +478,37 @@ struct Engine::Impl {
       }
     }
     for (const Row& row : rows) row.s->group_prefill = false;
-    for (int64_t r = 0; r < R; ++r)
+    for (int64_t r = 0; r < R; ++r) {
+      const SamplingParams& p = rows[static_cast<size_t>(r)].s->group->request.params;
       append_token(targets[static_cast<size_t>(r)], host_token.data_as<int32_t>()[r],
-                   host_logprob.data_as<float>()[r]);
+                   host_logprob.data_as<float>()[r],
+                   top_logprobs(logits.narrow(r, 1), p.top_logprobs, p.temperature));
+    }
+  }
+
+  // The k most likely tokens of one logits row (1, V), their logprobs computed by the trainer's
+  // op (logprob_gather) under the sampling temperature (1 when greedy).
+  std::vector<TokenLogprob> top_logprobs(const Tensor& row, int k, float temperature) const {
+    if (k <= 0) return {};
+    const Tensor host = row.device().is_cpu() ? row : row.to(Device::cpu());
+    const int64_t V = host.size(1);
+    const float* x = host.data_as<float>();
+    std::vector<int32_t> ids(static_cast<size_t>(V));
+    for (int64_t v = 0; v < V; ++v) ids[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                      [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+    const Device d = row.device();
+    Tensor repeated = Tensor::empty({k, V}, DType::f32, d);
+    for (int i = 0; i < k; ++i) repeated.narrow(i, 1).copy_from(row);
+    std::vector<int32_t> targets(ids.begin(), ids.begin() + k);
+    Tensor lp = Tensor::empty({k}, DType::f32, d), lse = Tensor::empty({k}, DType::f32, d);
+    ops::logprob_gather(repeated, device_tensor(targets, DType::i32, d), lp, lse, Tensor(),
+                        temperature > 0.0f ? temperature : 1.0f);
+    const Tensor host_lp = d.is_cpu() ? lp : lp.to(Device::cpu());
+    std::vector<TokenLogprob> out;
+    for (int i = 0; i < k; ++i)
+      out.push_back({targets[static_cast<size_t>(i)], host_lp.data_as<float>()[i]});
+    return out;
   }
 
   bool abort(const std::string& id) {

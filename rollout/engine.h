@@ -29,8 +29,10 @@ struct SamplingParams {
   std::vector<std::string> stop;        // stop strings (need a tokenizer; see docs/rollout.md)
   uint64_t seed = 0;     // sample i draws from Philox key seed + i (see sample_seed())
   bool logprobs = true;  // report each sampled token's logprob
-  int top_logprobs = 0;  // alternatives per token: not implemented yet (> 0 is an error)
+  int top_logprobs = 0;  // the k most likely tokens at each step, k in [0, kMaxTopLogprobs]
 };
+
+constexpr int kMaxTopLogprobs = 20;
 
 struct Request {
   std::string id;
@@ -46,11 +48,19 @@ const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort"
 enum class RequestStatus { done, aborted, error };
 const char* request_status_name(RequestStatus s);  // "done", "aborted", "error"
 
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;  // the same definition as the sampled token's (see docs/rollout.md)
+};
+
 struct SampleOutput {
   int index = 0;                // i in [0, n)
   std::vector<int32_t> tokens;  // completion token ids
   std::string text;             // completion text (with a tokenizer; stop string cut off)
   std::vector<float> logprobs;  // per token (empty when params.logprobs is false)
+  // Per token, the params.top_logprobs most likely tokens, most likely first (ties to the
+  // lower id); empty when params.top_logprobs is 0.
+  std::vector<std::vector<TokenLogprob>> top_logprobs;
   FinishReason finish_reason = FinishReason::length;
   std::string stop_string;            // the stop string that ended it, if one did
   uint64_t weight_version = 0;        // weights that produced the last token

@@ -442,7 +442,7 @@ TEST_CASE("engine refuses bad requests with an error for that request only", "[u
   variant("temperature", [](Request& r) { r.params.temperature = -1.0f; });
   variant("stop_token_ids[1]", [](Request& r) { r.params.stop_token_ids = {3, 500}; });
   variant("need a tokenizer", [](Request& r) { r.params.stop = {"x"}; });
-  variant("top_logprobs", [](Request& r) { r.params.top_logprobs = 2; });
+  variant("top_logprobs", [](Request& r) { r.params.top_logprobs = 21; });
   variant("max_tokens", [](Request& r) { r.params.max_tokens = 0; });
   std::vector<Request> all;
   for (size_t i = 0; i < good.size(); ++i) {
@@ -497,6 +497,35 @@ TEST_CASE("engine weight swap flushes the prefix cache and stamps the new versio
   CHECK(after.samples[0].first_weight_version == 7);
   Engine fresh(w2, small_options());
   check_same_samples(after, fresh.generate({rs[1]})[0]);
+}
+
+TEST_CASE("engine top logprobs rank the most likely tokens with the trainer's logprobs", "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  model::Weights w(c, DType::f32);
+  fill_random(w, 811);
+  std::vector<Request> rs = mixed_requests(c.vocab_size);  // d is greedy
+  for (Request& r : rs) r.params.top_logprobs = 4;
+  Engine e(w, small_options());
+  const std::vector<RequestOutput> outs = e.generate(rs);
+  int64_t hits = 0;
+  for (size_t r = 0; r < outs.size(); ++r)
+    for (const SampleOutput& s : outs[r].samples) {
+      REQUIRE(s.top_logprobs.size() == s.tokens.size());
+      for (size_t t = 0; t < s.tokens.size(); ++t) {
+        INFO("request " << outs[r].id << " token " << t);
+        const auto& top = s.top_logprobs[t];
+        REQUIRE(top.size() == 4);
+        for (size_t i = 1; i < top.size(); ++i) CHECK(top[i - 1].logprob >= top[i].logprob);
+        CHECK(top[0].logprob >= s.logprobs[t]);
+        if (rs[r].params.temperature == 0.0f) CHECK(top[0].token == s.tokens[t]);
+        for (const TokenLogprob& alt : top)
+          if (alt.token == s.tokens[t]) {
+            CHECK(std::memcmp(&alt.logprob, &s.logprobs[t], 4) == 0);
+            ++hits;
+          }
+      }
+    }
+  CHECK(hits > 20);
 }
 
 TEST_CASE("engine rejects bad options and mismatched weights with one clear error", "[unit]") {
