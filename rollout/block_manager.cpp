@@ -35,6 +35,12 @@ BlockManager::BlockManager(const model::ModelConfig& config, int64_t block_size,
   num_free_ = num_blocks;
 }
 
+size_t BlockManager::bytes_per_block(const model::ModelConfig& config, int64_t block_size) {
+  return static_cast<size_t>(2 * config.num_layers * block_size * config.num_kv_heads *
+                             config.head_dim) *
+         sizeof(float);
+}
+
 BlockManager::Seq& BlockManager::seq(SeqId id) {
   auto it = seqs_.find(id);
   TANDEM_CHECK(it != seqs_.end(), "block manager: unknown sequence {}", id);

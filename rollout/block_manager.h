@@ -24,6 +24,9 @@ class BlockManager {
   BlockManager(const model::ModelConfig& config, int64_t block_size, int64_t num_blocks,
                Device device = Device::cpu());
 
+  // Bytes one block takes over all layers (K and V, f32): for sizing num_blocks to a budget.
+  static size_t bytes_per_block(const model::ModelConfig& config, int64_t block_size);
+
   int64_t block_size() const { return block_size_; }
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
   // Blocks no sequence holds (including prefix-cache blocks that are kept but evictable).

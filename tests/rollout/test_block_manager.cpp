@@ -36,6 +36,8 @@ std::vector<int32_t> iota_tokens(int n, int from = 1) {
 TEST_CASE("block manager allocates and frees blocks with exact accounting", "[unit]") {
   BlockManager bm(tiny_config(), 4, 6);
   CHECK(bm.num_free_blocks() == 6);
+  CHECK(BlockManager::bytes_per_block(tiny_config(), 4) == 2 * 2 * 4 * 1 * 8 * 4);
+  CHECK(bm.k_cache()[1].nbytes() * 2 * 2 == 6 * BlockManager::bytes_per_block(tiny_config(), 4));
   CHECK(bm.allocate(1, iota_tokens(9)) == 0);
   CHECK(bm.append_slots(1, 9));
   CHECK(bm.block_table(1).size() == 3);
