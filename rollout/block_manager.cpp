@@ -1,0 +1,216 @@
+// BlockManager: block allocation, reference counts, copy-on-write and the prefix cache.
+#include "rollout/block_manager.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace tandem::rollout {
+namespace {
+
+constexpr uint64_t kHashSeed = 0xcbf29ce484222325ull;
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+BlockManager::BlockManager(const model::ModelConfig& config, int64_t block_size, int64_t num_blocks,
+                           Device device)
+    : block_size_(block_size) {
+  TANDEM_CHECK(block_size > 0, "block manager: block_size must be positive, got {}", block_size);
+  TANDEM_CHECK(num_blocks > 0 && num_blocks <= (int64_t{1} << 31) / block_size,
+               "block manager: num_blocks must be in [1, 2^31 / block_size], got {}", num_blocks);
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    const Shape shape{num_blocks, block_size, config.num_kv_heads, config.head_dim};
+    k_cache_.push_back(Tensor::zeros(shape, DType::f32, device));
+    v_cache_.push_back(Tensor::zeros(shape, DType::f32, device));
+  }
+  blocks_.resize(static_cast<size_t>(num_blocks));
+  for (int64_t b = 0; b < num_blocks; ++b) free_list_.emplace_back(0, static_cast<int32_t>(b));
+  num_free_ = num_blocks;
+}
+
+size_t BlockManager::bytes_per_block(const model::ModelConfig& config, int64_t block_size) {
+  return static_cast<size_t>(2 * config.num_layers * block_size * config.num_kv_heads *
+                             config.head_dim) *
+         sizeof(float);
+}
+
+BlockManager::Seq& BlockManager::seq(SeqId id) {
+  auto it = seqs_.find(id);
+  TANDEM_CHECK(it != seqs_.end(), "block manager: unknown sequence {}", id);
+  return it->second;
+}
+
+const BlockManager::Seq& BlockManager::seq(SeqId id) const {
+  auto it = seqs_.find(id);
+  TANDEM_CHECK(it != seqs_.end(), "block manager: unknown sequence {}", id);
+  return it->second;
+}
+
+uint64_t BlockManager::block_hash(uint64_t parent, std::span<const int32_t> tokens) const {
+  uint64_t h = splitmix64(parent);
+  for (int32_t t : tokens) h = splitmix64(h ^ static_cast<uint32_t>(t));
+  return h;
+}
+
+int32_t BlockManager::take_free_block() {
+  while (!free_list_.empty()) {
+    const auto [tick, b] = free_list_.front();
+    free_list_.pop_front();
+    Block& block = blocks_[static_cast<size_t>(b)];
+    if (block.refs != 0 || block.free_tick != tick) continue;  // stale entry
+    if (block.hashed) uncache(b);
+    block.refs = 1;
+    --num_free_;
+    return b;
+  }
+  TANDEM_CHECK(false, "block manager: no free block (the caller checks num_free_blocks first)");
+  return -1;
+}
+
+void BlockManager::release(int32_t b) {
+  Block& block = blocks_[static_cast<size_t>(b)];
+  TANDEM_CHECK(block.refs > 0, "block manager: block {} released more often than taken", b);
+  if (--block.refs > 0) return;
+  block.free_tick = ++tick_;
+  ++num_free_;
+  // Blocks without a prefix-cache entry are reused first; cached ones stay findable longer.
+  if (block.hashed) {
+    free_list_.emplace_back(block.free_tick, b);
+  } else {
+    free_list_.emplace_front(block.free_tick, b);
+  }
+}
+
+void BlockManager::uncache(int32_t b) {
+  Block& block = blocks_[static_cast<size_t>(b)];
+  auto it = cached_.find(block.hash);
+  if (it != cached_.end() && it->second == b) cached_.erase(it);
+  block.hashed = false;
+  block.tokens.clear();
+}
+
+int64_t BlockManager::allocate(SeqId id, std::span<const int32_t> tokens) {
+  TANDEM_CHECK(!seqs_.count(id), "block manager: sequence {} already exists", id);
+  Seq s;
+  s.last_hash = kHashSeed;
+  const int64_t P = block_size_, n = static_cast<int64_t>(tokens.size());
+  for (int64_t j = 0; (j + 1) * P <= n - 1; ++j) {
+    const auto chunk = tokens.subspan(static_cast<size_t>(j * P), static_cast<size_t>(P));
+    const uint64_t h = block_hash(s.last_hash, chunk);
+    auto it = cached_.find(h);
+    if (it == cached_.end()) break;
+    Block& block = blocks_[static_cast<size_t>(it->second)];
+    if (block.parent_hash != s.last_hash ||
+        !std::equal(chunk.begin(), chunk.end(), block.tokens.begin(), block.tokens.end()))
+      break;
+    if (block.refs++ == 0) --num_free_;  // its free-list entry is now stale
+    s.table.push_back(it->second);
+    s.last_hash = h;
+    ++s.num_hashed;
+  }
+  s.num_slots = s.num_hashed * P;
+  const int64_t cached = s.num_slots;
+  seqs_.emplace(id, std::move(s));
+  return cached;
+}
+
+int64_t BlockManager::blocks_needed(SeqId id, int64_t num_tokens) const {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return blocks_for(num_tokens);
+  const Seq& s = it->second;
+  if (num_tokens <= s.num_slots) return 0;
+  const bool cow = s.num_slots % block_size_ != 0 && ref_count(s.table.back()) > 1;
+  return (cow ? 1 : 0) + blocks_for(num_tokens) - static_cast<int64_t>(s.table.size());
+}
+
+bool BlockManager::append_slots(SeqId id, int64_t num_tokens) {
+  Seq& s = seq(id);
+  if (num_tokens <= s.num_slots) return true;
+  if (blocks_needed(id, num_tokens) > num_free_) return false;
+  const int64_t used = s.num_slots % block_size_;
+  if (used != 0 && ref_count(s.table.back()) > 1) {
+    // Copy-on-write: the new tokens would land in a block another sequence still reads.
+    const int32_t old_block = s.table.back(), new_block = take_free_block();
+    for (size_t l = 0; l < k_cache_.size(); ++l) {
+      for (const std::vector<Tensor>* cache : {&k_cache_, &v_cache_}) {
+        const Tensor& c = (*cache)[l];
+        const Tensor slots = c.view({c.size(0) * block_size_, c.size(2), c.size(3)});
+        slots.narrow(new_block * block_size_, used)
+            .copy_from(slots.narrow(old_block * block_size_, used));
+      }
+    }
+    release(old_block);
+    s.table.back() = new_block;
+  }
+  while (static_cast<int64_t>(s.table.size()) < blocks_for(num_tokens))
+    s.table.push_back(take_free_block());
+  s.num_slots = num_tokens;
+  return true;
+}
+
+void BlockManager::fork(SeqId parent, SeqId child) {
+  TANDEM_CHECK(!seqs_.count(child), "block manager: sequence {} already exists", child);
+  Seq s = seq(parent);
+  for (int32_t b : s.table) ++blocks_[static_cast<size_t>(b)].refs;
+  seqs_.emplace(child, std::move(s));
+}
+
+void BlockManager::free(SeqId id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return;
+  for (int32_t b : it->second.table) release(b);
+  seqs_.erase(it);
+}
+
+void BlockManager::mark_computed(SeqId id, std::span<const int32_t> tokens, int64_t num_computed) {
+  Seq& s = seq(id);
+  const int64_t P = block_size_;
+  TANDEM_CHECK(num_computed <= s.num_slots && num_computed <= static_cast<int64_t>(tokens.size()),
+               "block manager: sequence {} has {} slots and {} tokens, {} marked computed", id,
+               s.num_slots, tokens.size(), num_computed);
+  while ((s.num_hashed + 1) * P <= num_computed) {
+    const auto chunk =
+        tokens.subspan(static_cast<size_t>(s.num_hashed * P), static_cast<size_t>(P));
+    const uint64_t h = block_hash(s.last_hash, chunk);
+    const int32_t b = s.table[static_cast<size_t>(s.num_hashed)];
+    Block& block = blocks_[static_cast<size_t>(b)];
+    if (!block.hashed && !cached_.count(h)) {
+      block.hashed = true;
+      block.hash = h;
+      block.parent_hash = s.last_hash;
+      block.tokens.assign(chunk.begin(), chunk.end());
+      cached_.emplace(h, b);
+    }
+    s.last_hash = h;
+    ++s.num_hashed;
+  }
+}
+
+void BlockManager::clear_prefix_cache() {
+  for (auto& [h, b] : cached_) {
+    blocks_[static_cast<size_t>(b)].hashed = false;
+    blocks_[static_cast<size_t>(b)].tokens.clear();
+  }
+  cached_.clear();
+}
+
+const std::vector<int32_t>& BlockManager::block_table(SeqId id) const { return seq(id).table; }
+
+int64_t BlockManager::num_slots(SeqId id) const { return seq(id).num_slots; }
+
+int32_t BlockManager::slot(SeqId id, int64_t pos) const {
+  const Seq& s = seq(id);
+  TANDEM_CHECK(pos >= 0 && pos < s.num_slots, "block manager: sequence {} has {} slots, asked {}",
+               id, s.num_slots, pos);
+  return static_cast<int32_t>(s.table[static_cast<size_t>(pos / block_size_)] * block_size_ +
+                              pos % block_size_);
+}
+
+}  // namespace tandem::rollout

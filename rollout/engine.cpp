@@ -1,0 +1,601 @@
+// Engine: the scheduler (continuous batching, chunked prefill, group forks, preemption), the
+// decoder calls of one step, sampling with per-sample Philox streams, and stop handling.
+#include "rollout/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/ops.h"
+
+namespace tandem::rollout {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::stop:
+      return "stop";
+    case FinishReason::length:
+      return "length";
+    case FinishReason::abort:
+      return "abort";
+  }
+  return "?";
+}
+
+const char* request_status_name(RequestStatus s) {
+  switch (s) {
+    case RequestStatus::done:
+      return "done";
+    case RequestStatus::aborted:
+      return "aborted";
+    case RequestStatus::error:
+      return "error";
+  }
+  return "?";
+}
+
+uint64_t sample_seed(uint64_t seed, int i) { return seed + static_cast<uint64_t>(i); }
+
+namespace {
+
+template <class T>
+Tensor device_tensor(const std::vector<T>& v, DType dtype, Device device) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, dtype);
+  if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * sizeof(T));
+  return device.is_cpu() ? t : t.to(device);
+}
+
+bool same_shapes(const model::ModelConfig& a, const model::ModelConfig& b) {
+  return a.arch == b.arch && a.vocab_size == b.vocab_size && a.hidden_size == b.hidden_size &&
+         a.intermediate_size == b.intermediate_size && a.num_layers == b.num_layers &&
+         a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads && a.head_dim == b.head_dim;
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  struct Group;
+  // One sequence: a sample, or before the fork the prompt of the whole group (sample 0).
+  struct Sample {
+    Group* group = nullptr;
+    int index = 0;
+    BlockManager::SeqId seq_id = 0;
+    std::vector<int32_t> tokens;  // prompt + completion so far
+    int64_t num_computed = 0;     // leading tokens whose K/V are in the cache
+    bool group_prefill = false;   // the prompt of all n samples, not forked yet
+    bool admitted_once = false;
+    bool finished = false;
+    uint64_t round = 0;  // the scheduling round that last put it in a batch
+    int64_t remaining() const { return static_cast<int64_t>(tokens.size()) - num_computed; }
+  };
+  struct Group {
+    uint64_t handle = 0;  // also the arrival order
+    Request request;
+    RequestOutput out;
+    std::vector<std::unique_ptr<Sample>> samples;
+    int unfinished = 0;
+  };
+
+  const model::Weights* weights;
+  EngineOptions opt;
+  const model::Tokenizer* tokenizer;
+  std::unique_ptr<model::Decoder> decoder;
+  BlockManager bm;
+  uint64_t version = 0;
+  uint64_t next_handle = 1;
+  uint64_t round = 0;  // scheduling rounds so far
+  BlockManager::SeqId next_seq = 1;
+  EngineStats stats;
+  std::unordered_map<uint64_t, std::unique_ptr<Group>> groups;  // in flight, by handle
+  std::unordered_map<std::string, uint64_t> ids;                // in flight, id -> handle
+  std::vector<Sample*> running;                                 // holds blocks; oldest first
+  std::deque<Sample*> waiting;                                  // holds no blocks; oldest first
+  std::vector<RequestOutput> finished;
+
+  Impl(const model::Weights& w, const EngineOptions& o, const model::Tokenizer* t)
+      : weights(&w), opt(o), tokenizer(t), bm(w.config(), o.block_size, o.num_blocks, w.device()) {
+    const int64_t positions = w.config().max_position_embeddings;
+    TANDEM_CHECK(o.max_batch_tokens > 0 && o.max_seqs > 0 && o.max_waiting > 0,
+                 "engine: max_batch_tokens, max_seqs and max_waiting must be positive, got {}, "
+                 "{} and {}",
+                 o.max_batch_tokens, o.max_seqs, o.max_waiting);
+    TANDEM_CHECK(o.max_context > 0 && (positions <= 0 || o.max_context <= positions),
+                 "engine: max_context must be in [1, {}] (the model's positions), got {}",
+                 positions, o.max_context);
+    decoder = make_decoder(w);
+  }
+
+  std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const {
+    return std::make_unique<model::Decoder>(
+        w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens});
+  }
+
+  static bool older(const Sample* a, const Sample* b) {
+    if (a->group->handle != b->group->handle) return a->group->handle < b->group->handle;
+    return a->index < b->index;
+  }
+
+  int64_t running_width() const {
+    int64_t w = 0;
+    for (const Sample* s : running) w += s->group_prefill ? s->group->request.params.n : 1;
+    return w;
+  }
+
+  // Why the request cannot be served, or "" when it can.
+  std::string validate(const Request& r) const {
+    const SamplingParams& p = r.params;
+    const int64_t V = weights->config().vocab_size, n = static_cast<int64_t>(r.prompt.size());
+    if (ids.count(r.id)) return fmt::format("the id '{}' is already in flight", r.id);
+    if (static_cast<int64_t>(waiting.size()) >= opt.max_waiting)
+      return fmt::format("the queue is full ({} waiting; max_waiting)", opt.max_waiting);
+    if (r.prompt.empty()) return "the prompt is empty";
+    for (size_t i = 0; i < r.prompt.size(); ++i)
+      if (r.prompt[i] < 0 || r.prompt[i] >= V)
+        return fmt::format("prompt token {} is {}, outside the vocabulary [0, {})", i, r.prompt[i],
+                           V);
+    if (p.n < 1 || p.n > opt.max_seqs)
+      return fmt::format("n must be in [1, {}] (max_seqs), got {}", opt.max_seqs, p.n);
+    if (p.max_tokens < 1) return fmt::format("max_tokens must be at least 1, got {}", p.max_tokens);
+    if (n + p.max_tokens > opt.max_context)
+      return fmt::format("prompt ({} tokens) + max_tokens ({}) exceed the context of {}", n,
+                         p.max_tokens, opt.max_context);
+    if (bm.blocks_for(n + p.max_tokens) > bm.num_blocks())
+      return fmt::format("prompt + max_tokens ({} tokens) need {} KV blocks, the cache has {}",
+                         n + p.max_tokens, bm.blocks_for(n + p.max_tokens), bm.num_blocks());
+    if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
+      return fmt::format("temperature must be finite and >= 0, got {}", p.temperature);
+    if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+      return fmt::format("top_p must be in (0, 1], got {}", p.top_p);
+    if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
+      return fmt::format("min_p must be in [0, 1], got {}", p.min_p);
+    if (p.top_k < 0) return fmt::format("top_k must be >= 0, got {}", p.top_k);
+    for (size_t i = 0; i < p.stop_token_ids.size(); ++i)
+      if (p.stop_token_ids[i] < 0 || p.stop_token_ids[i] >= V)
+        return fmt::format("stop_token_ids[{}] is {}, outside the vocabulary [0, {})", i,
+                           p.stop_token_ids[i], V);
+    for (size_t i = 0; i < p.stop.size(); ++i)
+      if (p.stop[i].empty()) return fmt::format("stop[{}] is an empty string", i);
+    if (!p.stop.empty() && !tokenizer)
+      return "stop strings need a tokenizer (the engine was made without one)";
+    if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs || p.top_logprobs > V)
+      return fmt::format("top_logprobs must be in [0, {}], got {}",
+                         std::min<int64_t>(kMaxTopLogprobs, V), p.top_logprobs);
+    return "";
+  }
+
+  uint64_t submit(Request r) {
+    const uint64_t handle = next_handle++;
+    const std::string why = validate(r);
+    if (!why.empty()) {
+      RequestOutput out;
+      out.handle = handle;
+      out.status = RequestStatus::error;
+      out.error = fmt::format("request '{}': {}", r.id, why);
+      out.id = std::move(r.id);
+      out.prompt = std::move(r.prompt);
+      finished.push_back(std::move(out));
+      return handle;
+    }
+    auto g = std::make_unique<Group>();
+    g->handle = handle;
+    g->out.handle = handle;
+    g->out.id = r.id;
+    g->out.prompt = r.prompt;
+    g->out.samples.resize(static_cast<size_t>(r.params.n));
+    for (int i = 0; i < r.params.n; ++i) g->out.samples[static_cast<size_t>(i)].index = i;
+    g->unfinished = r.params.n;
+    g->request = std::move(r);
+    auto s = std::make_unique<Sample>();
+    s->group = g.get();
+    s->seq_id = next_seq++;
+    s->tokens = g->request.prompt;
+    s->group_prefill = true;
+    waiting.push_back(s.get());
+    g->samples.push_back(std::move(s));
+    ids.emplace(g->request.id, handle);
+    groups.emplace(handle, std::move(g));
+    return handle;
+  }
+
+  void remove_running(Sample* s) { running.erase(std::find(running.begin(), running.end(), s)); }
+
+  void insert_sorted(std::vector<Sample*>& v, Sample* s) {
+    v.insert(std::upper_bound(v.begin(), v.end(), s, older), s);
+  }
+
+  void preempt(Sample* s) {
+    bm.free(s->seq_id);
+    s->num_computed = 0;
+    remove_running(s);
+    waiting.insert(std::upper_bound(waiting.begin(), waiting.end(), s, older), s);
+    ++stats.preemptions;
+  }
+
+  void finish_group(Group* g, RequestStatus status) {
+    g->out.status = status;
+    finished.push_back(std::move(g->out));
+    ids.erase(g->request.id);
+    groups.erase(g->handle);
+  }
+
+  void finish_sample(Sample* s, FinishReason reason) {
+    s->finished = true;
+    s->group->out.samples[static_cast<size_t>(s->index)].finish_reason = reason;
+    bm.free(s->seq_id);
+    remove_running(s);
+    Group* g = s->group;
+    if (--g->unfinished == 0) finish_group(g, RequestStatus::done);
+  }
+
+  // Appends a sampled token and retires the sample when it is finished.
+  void append_token(Sample* s, int32_t token, float logprob, std::vector<TokenLogprob> top) {
+    const SamplingParams& p = s->group->request.params;
+    SampleOutput& out = s->group->out.samples[static_cast<size_t>(s->index)];
+    if (out.tokens.empty()) out.first_weight_version = version;
+    out.weight_version = version;
+    s->tokens.push_back(token);
+    out.tokens.push_back(token);
+    if (p.logprobs) out.logprobs.push_back(logprob);
+    if (p.top_logprobs > 0) out.top_logprobs.push_back(std::move(top));
+    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+        p.stop_token_ids.end())
+      return finish_sample(s, FinishReason::stop);
+    if (tokenizer) {
+      const size_t before = out.text.size();
+      if (token < tokenizer->vocab_size()) out.text += tokenizer->token_to_piece(token);
+      // The earliest stop string that ends in the new bytes (it may start in earlier tokens).
+      size_t best = std::string::npos;
+      const std::string* best_stop = nullptr;
+      for (const std::string& stop : p.stop) {
+        const size_t from = before >= stop.size() ? before - stop.size() + 1 : 0;
+        const size_t at = out.text.find(stop, from);
+        if (at != std::string::npos && at < best) best = at, best_stop = &stop;
+      }
+      if (best_stop) {
+        out.text.resize(best);
+        out.stop_string = *best_stop;
+        return finish_sample(s, FinishReason::stop);
+      }
+    }
+    if (static_cast<int64_t>(out.tokens.size()) >= p.max_tokens)
+      return finish_sample(s, FinishReason::length);
+  }
+
+  struct Item {
+    Sample* s;
+    int64_t begin, count;
+  };
+
+  model::KvCacheView view(const std::vector<Item>& items) const {
+    model::KvCacheView kv{bm.k_cache(), bm.v_cache(), {}, {}, {}, {}};
+    std::vector<int32_t> indptr{0}, indices, last_len, slots;
+    const int64_t P = bm.block_size();
+    for (const Item& it : items) {
+      const int64_t len = it.begin + it.count, nb = bm.blocks_for(len);
+      const auto& table = bm.block_table(it.s->seq_id);
+      indices.insert(indices.end(), table.begin(), table.begin() + nb);
+      indptr.push_back(static_cast<int32_t>(indices.size()));
+      last_len.push_back(static_cast<int32_t>(len - (nb - 1) * P));
+      for (int64_t p = it.begin; p < len; ++p) slots.push_back(bm.slot(it.s->seq_id, p));
+    }
+    const Device d = weights->device();
+    kv.kv_indptr = device_tensor(indptr, DType::i32, d);
+    kv.kv_indices = device_tensor(indices, DType::i32, d);
+    kv.kv_last_len = device_tensor(last_len, DType::i32, d);
+    kv.slot_mapping = device_tensor(slots, DType::i32, d);
+    return kv;
+  }
+
+  void schedule(std::vector<Item>& decodes, std::vector<Item>& prefills) {
+    int64_t budget = opt.max_batch_tokens, seqs_left = opt.max_seqs;
+    const int64_t preemptions_before = stats.preemptions;
+    ++round;
+    // 1. Running decodes, oldest first; when blocks run out the youngest running sequences are
+    //    preempted (possibly the one being scheduled).
+    for (size_t i = 0; i < running.size() && budget > 0 && seqs_left > 0; ++i) {
+      Sample* s = running[i];
+      if (s->remaining() != 1) continue;
+      const int64_t len = static_cast<int64_t>(s->tokens.size());
+      bool preempted_self = false;
+      while (!bm.append_slots(s->seq_id, len)) {
+        Sample* victim = running.back();
+        preempt(victim);
+        if (victim == s) {
+          preempted_self = true;
+          break;
+        }
+      }
+      if (preempted_self) break;
+      s->round = round;
+      decodes.push_back({s, len - 1, 1});
+      --budget, --seqs_left;
+    }
+    // 2. Running prefills (chunks of prompts or of recomputations), oldest first; when blocks
+    //    run out, younger sequences not in this batch are preempted (else this one waits).
+    for (size_t i = 0; i < running.size() && budget > 0 && seqs_left > 0; ++i) {
+      Sample* s = running[i];
+      if (s->remaining() <= 1) continue;
+      const int64_t chunk = std::min(s->remaining(), budget);
+      bool ok = bm.append_slots(s->seq_id, s->num_computed + chunk);
+      while (!ok) {
+        Sample* victim = nullptr;
+        for (size_t j = running.size(); j-- > i + 1 && !victim;)
+          if (running[j]->round != round) victim = running[j];
+        if (!victim) break;
+        preempt(victim);
+        ok = bm.append_slots(s->seq_id, s->num_computed + chunk);
+      }
+      if (!ok) continue;
+      s->round = round;
+      prefills.push_back({s, s->num_computed, chunk});
+      budget -= chunk, --seqs_left;
+    }
+    // Sequences were just preempted for want of blocks: admit nobody new this step.
+    if (stats.preemptions != preemptions_before) return;
+    // 3. Waiting sequences, oldest first, while blocks, budget and sequence slots last.
+    int64_t width = running_width();
+    while (!waiting.empty() && budget > 0 && seqs_left > 0) {
+      Sample* s = waiting.front();
+      const int64_t w = s->group_prefill ? s->group->request.params.n : 1;
+      if (width + w > opt.max_seqs && !running.empty()) break;
+      const int64_t cached = bm.allocate(s->seq_id, s->tokens);
+      const int64_t chunk = std::min(static_cast<int64_t>(s->tokens.size()) - cached, budget);
+      if (!bm.append_slots(s->seq_id, cached + chunk)) {
+        bm.free(s->seq_id);
+        break;
+      }
+      if (!s->admitted_once) {
+        s->admitted_once = true;
+        if (s->group_prefill) s->group->out.num_cached_prompt_tokens = cached;
+        stats.cached_prompt_tokens += cached;
+      }
+      s->num_computed = cached;
+      s->round = round;
+      waiting.pop_front();
+      insert_sorted(running, s);
+      prefills.push_back({s, cached, chunk});
+      budget -= chunk, --seqs_left;
+      width += w;
+    }
+  }
+
+  void step() {
+    if (running.empty() && waiting.empty()) return;
+    std::vector<Item> decodes, prefills;
+    schedule(decodes, prefills);
+    // The oldest sequence always fits alone (submit() checks), so a round always runs something.
+    TANDEM_CHECK(!decodes.empty() || !prefills.empty(),
+                 "engine: the scheduler found nothing to run with {} sequences running and {} "
+                 "waiting and {} of {} blocks free (a bug in the engine)",
+                 running.size(), waiting.size(), bm.num_free_blocks(), bm.num_blocks());
+    ++stats.steps;
+    const int64_t V = weights->config().vocab_size;
+    const Device d = weights->device();
+
+    // The decoder: one call for the decodes, one for the prefill chunks.
+    Tensor decode_logits, prefill_logits;
+    if (!decodes.empty()) {
+      std::vector<int32_t> tokens, positions;
+      for (const Item& it : decodes) {
+        tokens.push_back(it.s->tokens[static_cast<size_t>(it.begin)]);
+        positions.push_back(static_cast<int32_t>(it.begin));
+      }
+      decode_logits = Tensor::empty({static_cast<int64_t>(decodes.size()), V}, DType::f32, d);
+      decoder->decode(tokens, positions, view(decodes), decode_logits);
+      stats.decode_tokens += static_cast<int64_t>(decodes.size());
+    }
+    if (!prefills.empty()) {
+      std::vector<int32_t> tokens, positions, cu{0};
+      for (const Item& it : prefills) {
+        for (int64_t p = it.begin; p < it.begin + it.count; ++p) {
+          tokens.push_back(it.s->tokens[static_cast<size_t>(p)]);
+          positions.push_back(static_cast<int32_t>(p));
+        }
+        cu.push_back(static_cast<int32_t>(tokens.size()));
+      }
+      prefill_logits = Tensor::empty({static_cast<int64_t>(prefills.size()), V}, DType::f32, d);
+      decoder->prefill(tokens, positions, cu, view(prefills), prefill_logits);
+      stats.prefill_tokens += static_cast<int64_t>(tokens.size());
+    }
+
+    // Rows to sample: every sequence whose tokens are now all computed; a group's prompt gives
+    // one row per sample, each with its own seed.
+    struct Row {
+      Sample* s;
+      int index;
+    };
+    std::vector<Row> rows;
+    std::vector<Tensor> row_logits;
+    auto collect = [&](const std::vector<Item>& items, const Tensor& logits) {
+      for (size_t r = 0; r < items.size(); ++r) {
+        Sample* s = items[r].s;
+        s->num_computed += items[r].count;
+        bm.mark_computed(s->seq_id, s->tokens, s->num_computed);
+        if (s->remaining() != 0) continue;
+        const Tensor row = logits.narrow(static_cast<int64_t>(r), 1);
+        const int n = s->group_prefill ? s->group->request.params.n : 1;
+        for (int i = 0; i < n; ++i) {
+          rows.push_back({s, s->group_prefill ? i : s->index});
+          row_logits.push_back(row);
+        }
+      }
+    };
+    collect(decodes, decode_logits);
+    collect(prefills, prefill_logits);
+    if (rows.empty()) return;
+
+    const int64_t R = static_cast<int64_t>(rows.size());
+    Tensor logits = Tensor::empty({R, V}, DType::f32, d);
+    std::vector<float> temperature, top_p, min_p;
+    std::vector<int32_t> top_k;
+    std::vector<int64_t> seed, offset;
+    for (int64_t r = 0; r < R; ++r) {
+      const Row& row = rows[static_cast<size_t>(r)];
+      const SamplingParams& p = row.s->group->request.params;
+      logits.narrow(r, 1).copy_from(row_logits[static_cast<size_t>(r)]);
+      temperature.push_back(p.temperature);
+      top_k.push_back(p.top_k);
+      top_p.push_back(p.top_p);
+      min_p.push_back(p.min_p);
+      seed.push_back(static_cast<int64_t>(sample_seed(p.seed, row.index)));
+      offset.push_back(
+          row.s->group_prefill
+              ? 0
+              : static_cast<int64_t>(row.s->tokens.size() - row.s->group->request.prompt.size()));
+    }
+    const ops::SamplingTensors settings{
+        device_tensor(temperature, DType::f32, d), device_tensor(top_k, DType::i32, d),
+        device_tensor(top_p, DType::f32, d),       device_tensor(min_p, DType::f32, d),
+        device_tensor(seed, DType::i64, d),        device_tensor(offset, DType::i64, d)};
+    Tensor token = Tensor::empty({R}, DType::i32, d), logprob = Tensor::empty({R}, DType::f32, d);
+    ops::sample(logits, settings, token, logprob);
+    const Tensor host_token = d.is_cpu() ? token : token.to(Device::cpu());
+    const Tensor host_logprob = d.is_cpu() ? logprob : logprob.to(Device::cpu());
+
+    // Fork groups whose prompt is done, then append every token.
+    std::vector<Sample*> targets;
+    for (const Row& row : rows) {
+      Sample* s = row.s;
+      if (s->group_prefill && row.index > 0) {
+        Group* g = s->group;
+        auto child = std::make_unique<Sample>();
+        child->group = g;
+        child->index = row.index;
+        child->seq_id = next_seq++;
+        child->tokens = s->tokens;
+        child->num_computed = s->num_computed;
+        child->admitted_once = true;
+        bm.fork(s->seq_id, child->seq_id);
+        insert_sorted(running, child.get());
+        targets.push_back(child.get());
+        g->samples.push_back(std::move(child));
+        ++stats.forks;
+      } else {
+        targets.push_back(s);
+      }
+    }
+    for (const Row& row : rows) row.s->group_prefill = false;
+    for (int64_t r = 0; r < R; ++r) {
+      const SamplingParams& p = rows[static_cast<size_t>(r)].s->group->request.params;
+      append_token(targets[static_cast<size_t>(r)], host_token.data_as<int32_t>()[r],
+                   host_logprob.data_as<float>()[r],
+                   top_logprobs(logits.narrow(r, 1), p.top_logprobs, p.temperature));
+    }
+  }
+
+  // The k most likely tokens of one logits row (1, V), their logprobs computed by the trainer's
+  // op (logprob_gather) under the sampling temperature (1 when greedy).
+  std::vector<TokenLogprob> top_logprobs(const Tensor& row, int k, float temperature) const {
+    if (k <= 0) return {};
+    const Tensor host = row.device().is_cpu() ? row : row.to(Device::cpu());
+    const int64_t V = host.size(1);
+    const float* x = host.data_as<float>();
+    std::vector<int32_t> ids(static_cast<size_t>(V));
+    for (int64_t v = 0; v < V; ++v) ids[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                      [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+    const Device d = row.device();
+    Tensor repeated = Tensor::empty({k, V}, DType::f32, d);
+    for (int i = 0; i < k; ++i) repeated.narrow(i, 1).copy_from(row);
+    std::vector<int32_t> targets(ids.begin(), ids.begin() + k);
+    Tensor lp = Tensor::empty({k}, DType::f32, d), lse = Tensor::empty({k}, DType::f32, d);
+    ops::logprob_gather(repeated, device_tensor(targets, DType::i32, d), lp, lse, Tensor(),
+                        temperature > 0.0f ? temperature : 1.0f);
+    const Tensor host_lp = d.is_cpu() ? lp : lp.to(Device::cpu());
+    std::vector<TokenLogprob> out;
+    for (int i = 0; i < k; ++i)
+      out.push_back({targets[static_cast<size_t>(i)], host_lp.data_as<float>()[i]});
+    return out;
+  }
+
+  bool abort(const std::string& id) {
+    auto it = ids.find(id);
+    if (it == ids.end()) return false;
+    Group* g = groups.at(it->second).get();
+    for (auto& s : g->samples) {
+      if (s->finished) continue;
+      bm.free(s->seq_id);
+      auto r = std::find(running.begin(), running.end(), s.get());
+      if (r != running.end()) running.erase(r);
+      auto w = std::find(waiting.begin(), waiting.end(), s.get());
+      if (w != waiting.end()) waiting.erase(w);
+      // Unfinished samples end with abort; finished ones keep their reason. A prompt not yet
+      // forked stands for every sample.
+      if (s->group_prefill) {
+        for (SampleOutput& out : g->out.samples) out.finish_reason = FinishReason::abort;
+      } else {
+        g->out.samples[static_cast<size_t>(s->index)].finish_reason = FinishReason::abort;
+      }
+    }
+    finish_group(g, RequestStatus::aborted);
+    return true;
+  }
+};
+
+Engine::Engine(const model::Weights& weights, const EngineOptions& options,
+               const model::Tokenizer* tokenizer)
+    : impl_(std::make_unique<Impl>(weights, options, tokenizer)) {}
+
+Engine::~Engine() = default;
+
+uint64_t Engine::submit(Request request) { return impl_->submit(std::move(request)); }
+
+void Engine::step() { impl_->step(); }
+
+std::vector<RequestOutput> Engine::poll() {
+  std::vector<RequestOutput> out;
+  out.swap(impl_->finished);
+  return out;
+}
+
+bool Engine::abort(const std::string& id) { return impl_->abort(id); }
+
+bool Engine::has_work() const { return !impl_->running.empty() || !impl_->waiting.empty(); }
+
+std::vector<RequestOutput> Engine::generate(std::vector<Request> requests) {
+  std::unordered_map<uint64_t, size_t> slot;
+  for (size_t i = 0; i < requests.size(); ++i) slot.emplace(submit(std::move(requests[i])), i);
+  std::vector<RequestOutput> results(requests.size());
+  size_t done = 0;
+  auto collect = [&] {
+    for (RequestOutput& r : poll()) {
+      auto it = slot.find(r.handle);
+      if (it == slot.end()) {
+        impl_->finished.push_back(std::move(r));  // not ours: left for the caller's poll()
+        continue;
+      }
+      results[it->second] = std::move(r);
+      ++done;
+    }
+  };
+  collect();
+  while (done < requests.size()) {
+    TANDEM_CHECK(has_work(), "engine: generate lost {} requests", requests.size() - done);
+    step();
+    collect();
+  }
+  return results;
+}
+
+void Engine::set_weights(const model::Weights& weights, uint64_t version) {
+  Impl& m = *impl_;
+  TANDEM_CHECK(same_shapes(weights.config(), m.weights->config()),
+               "engine: set_weights needs weights of the same shapes as the current ones");
+  TANDEM_CHECK(weights.device() == m.weights->device(),
+               "engine: set_weights needs weights on the engine's device");
+  while (!m.running.empty()) m.preempt(m.running.back());
+  m.bm.clear_prefix_cache();
+  m.decoder = m.make_decoder(weights);
+  m.weights = &weights;
+  m.version = version;
+}
+
+uint64_t Engine::weight_version() const { return impl_->version; }
+const EngineOptions& Engine::options() const { return impl_->opt; }
+const EngineStats& Engine::stats() const { return impl_->stats; }
+const BlockManager& Engine::blocks() const { return impl_->bm; }
+
+}  // namespace tandem::rollout

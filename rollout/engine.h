@@ -1,0 +1,145 @@
+// Engine: the rollout engine — requests of n samples each, continuous batching under a token
+// budget over a paged KV cache with shared prompts and a prefix cache, chunked prefill,
+// preemption by recomputation, per-sample Philox streams, stop ids and stop strings, abort,
+// and weight swaps between steps (see docs/rollout.md).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/decoder.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "rollout/block_manager.h"
+
+namespace tandem::rollout {
+
+struct SamplingParams {
+  int n = 1;                            // G: samples of the prompt, prefilled once and forked
+  float temperature = 1.0f;             // 0: greedy
+  float top_p = 1.0f;                   // in (0, 1]
+  float min_p = 0.0f;                   // in [0, 1]
+  int top_k = 0;                        // 0: off
+  int max_tokens = 128;                 // completion tokens per sample, >= 1
+  std::vector<int32_t> stop_token_ids;  // the sample ends after one of these (it is kept)
+  std::vector<std::string> stop;        // stop strings (need a tokenizer; see docs/rollout.md)
+  uint64_t seed = 0;     // sample i draws from Philox key seed + i (see sample_seed())
+  bool logprobs = true;  // report each sampled token's logprob
+  int top_logprobs = 0;  // the k most likely tokens at each step, k in [0, kMaxTopLogprobs]
+};
+
+constexpr int kMaxTopLogprobs = 20;
+
+struct Request {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+};
+
+enum class FinishReason { stop, length, abort };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort"
+
+// done: every sample finished (stop or length); aborted: abort() ended it (finished samples
+// keep their reason, the others have abort); error: refused at submit().
+enum class RequestStatus { done, aborted, error };
+const char* request_status_name(RequestStatus s);  // "done", "aborted", "error"
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;  // the same definition as the sampled token's (see docs/rollout.md)
+};
+
+struct SampleOutput {
+  int index = 0;                // i in [0, n)
+  std::vector<int32_t> tokens;  // completion token ids
+  std::string text;             // completion text (with a tokenizer; stop string cut off)
+  std::vector<float> logprobs;  // per token (empty when params.logprobs is false)
+  // Per token, the params.top_logprobs most likely tokens, most likely first (ties to the
+  // lower id); empty when params.top_logprobs is 0.
+  std::vector<std::vector<TokenLogprob>> top_logprobs;
+  FinishReason finish_reason = FinishReason::length;
+  std::string stop_string;            // the stop string that ended it, if one did
+  uint64_t weight_version = 0;        // weights that produced the last token
+  uint64_t first_weight_version = 0;  // weights that produced the first token
+};
+
+struct RequestOutput {
+  uint64_t handle = 0;  // what submit() returned
+  std::string id;
+  std::vector<int32_t> prompt;
+  std::vector<SampleOutput> samples;  // n of them (none when the request was refused)
+  RequestStatus status = RequestStatus::done;
+  std::string error;  // why the request was refused (status error); samples is then empty
+  int64_t num_cached_prompt_tokens = 0;  // prompt tokens found in the prefix cache
+};
+
+struct EngineOptions {
+  int64_t block_size = 16;    // P: tokens per KV block
+  int64_t num_blocks = 1024;  // KV blocks in the arena (each layer: k and v (N, P, Hkv, D) f32)
+  int64_t max_batch_tokens = 2048;  // tokens computed per step (prefill chunks + decodes)
+  int64_t max_seqs = 256;           // sequences per step; also the cap on n and on running samples
+  int64_t max_context = 4096;       // prompt + max_tokens, at most the model's positions
+  int64_t max_waiting = 65536;      // requests queued; more are refused with an error
+};
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t prefill_tokens = 0;  // tokens computed in prefill chunks (including recomputation)
+  int64_t decode_tokens = 0;
+  int64_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+  int64_t preemptions = 0;
+  int64_t forks = 0;
+};
+
+// The Philox key of sample i of a request with params.seed = seed: seed + i (mod 2^64).
+uint64_t sample_seed(uint64_t seed, int i);
+
+class Engine {
+ public:
+  // Keeps references to weights and tokenizer (both must outlive the engine, or until
+  // set_weights). Without a tokenizer, samples have no text and stop strings are refused.
+  Engine(const model::Weights& weights, const EngineOptions& options = {},
+         const model::Tokenizer* tokenizer = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request and returns its handle. A bad request (empty prompt, token out of the
+  // vocabulary, prompt + max_tokens beyond the context, n outside [1, max_seqs], top_p outside
+  // (0, 1], temperature < 0, ...) or a full queue or an id already in flight is not queued: its
+  // RequestOutput, finish_reason error with the reason, is ready at the next poll().
+  uint64_t submit(Request request);
+  // One scheduler iteration: forms a batch, runs the decoder once for its decodes and once for
+  // its prefill chunks, samples, and retires finished samples. Does nothing without work.
+  void step();
+  // Requests finished since the last poll, in the order they finished.
+  std::vector<RequestOutput> poll();
+  // Ends request `id` (queued or running): every block it holds is freed and its unfinished
+  // samples finish with reason abort; its output comes through poll(). False if unknown.
+  bool abort(const std::string& id);
+  // Whether any request is queued or running (poll() may still hold results when false).
+  bool has_work() const;
+  // Submits every request, steps until all are done and returns their outputs in the order of
+  // `requests` (refused ones included, with finish_reason error).
+  std::vector<RequestOutput> generate(std::vector<Request> requests);
+
+  // Swaps the weights between steps: running samples are preempted (recomputed under the new
+  // weights, keeping the tokens they have), the prefix cache is flushed and the weight version
+  // becomes `version`. The config must match the current weights' shapes.
+  void set_weights(const model::Weights& weights, uint64_t version);
+  uint64_t weight_version() const;
+
+  const EngineOptions& options() const;
+  const EngineStats& stats() const;
+  const BlockManager& blocks() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::rollout
