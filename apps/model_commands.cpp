@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -15,12 +17,14 @@
 #include "model/generator.h"
 #include "model/hf.h"
 #include "model/loader.h"
+#include "rollout/engine.h"
 
 namespace tandem::apps {
 namespace {
 
 struct GenerateArgs {
-  std::string model, prompt;
+  std::string model, prompt, prompts;
+  int n = 1;
   bool chat = false;
   int64_t max_tokens = 128;
   float temperature = 0.0f;
@@ -51,48 +55,125 @@ DType parse_dtype(const std::string& s) {
   return DType::f32;
 }
 
-int run_generate() {
-  model::LoadedModel m = model::load_model(gen.model, parse_dtype(gen.dtype));
-  const model::Tokenizer& tok = m.tok();
-  const std::vector<int32_t> prompt = model::encode_prompt(tok, gen.prompt, gen.chat);
-  std::fprintf(stderr, "tandem: %s (%s, %s, %lld parameters) loaded in %.2f s; prompt %zu tokens\n",
-               gen.model.c_str(), m.format.c_str(), model::architecture_name(m.config().arch),
-               static_cast<long long>(m.weights->num_parameters()), m.load_seconds, prompt.size());
+std::vector<int32_t> ids_field(const nlohmann::json& j, const char* key, const std::string& where);
 
-  model::GenerateOptions opt;
-  opt.max_tokens = gen.max_tokens;
-  opt.temperature = gen.temperature;
-  opt.top_k = gen.top_k;
-  opt.top_p = gen.top_p;
-  opt.seed = gen.seed;
-  opt.stop_ids = m.config().eos_token_ids;
-  if (tok.eos_id() >= 0) opt.stop_ids.push_back(tok.eos_id());
-  model::Generator generator(*m.weights, static_cast<int64_t>(prompt.size()) + gen.max_tokens);
-
-  // Print text as it comes: decode everything so far and print what is new (a token may end in
-  // the middle of a UTF-8 character, so hold back until the text grows).
-  std::vector<int32_t> shown;
-  size_t printed = 0;
-  const model::GenerateResult r = generator.generate(prompt, opt, [&](int32_t t) {
-    if (tok.is_special(t)) return;
-    shown.push_back(t);
-    const std::string text = tok.decode(shown);
-    if (text.size() > printed && (text.back() & 0xC0) != 0x80 &&
-        static_cast<unsigned char>(text.back()) < 0xC0) {
-      std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
-      std::fflush(stdout);
-      printed = text.size();
+// The requests of `tandem generate`: --prompt, or one per line of --prompts (JSONL with
+// "prompt" text or "prompt_ids", and an optional "id").
+std::vector<rollout::Request> generate_requests(const model::LoadedModel& m) {
+  rollout::SamplingParams sp;
+  sp.n = gen.n;
+  sp.temperature = gen.temperature;
+  sp.top_k = gen.top_k;
+  sp.top_p = gen.top_p;
+  sp.max_tokens = static_cast<int>(gen.max_tokens);
+  sp.seed = gen.seed;
+  sp.stop_token_ids = m.config().eos_token_ids;
+  if (m.tok().eos_id() >= 0) sp.stop_token_ids.push_back(m.tok().eos_id());
+  std::sort(sp.stop_token_ids.begin(), sp.stop_token_ids.end());
+  sp.stop_token_ids.erase(std::unique(sp.stop_token_ids.begin(), sp.stop_token_ids.end()),
+                          sp.stop_token_ids.end());
+  std::vector<rollout::Request> requests;
+  if (gen.prompts.empty()) {
+    requests.push_back({"prompt", model::encode_prompt(m.tok(), gen.prompt, gen.chat), sp});
+    return requests;
+  }
+  std::ifstream in(gen.prompts);
+  TANDEM_CHECK(in.good(), "{}: cannot open", gen.prompts);
+  std::string line;
+  for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = fmt::format("{}:{}", gen.prompts, lineno);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      TANDEM_CHECK(false, "{}: not a JSON object: {}", where, e.what());
     }
-  });
-  const std::string text = tok.decode(shown);
-  if (text.size() > printed) std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
-  std::fputc('\n', stdout);
+    TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+    rollout::Request r;
+    r.id = j.contains("id") ? (j["id"].is_string() ? j["id"].get<std::string>() : j["id"].dump())
+                            : std::to_string(lineno);
+    if (j.contains("prompt_ids")) {
+      r.prompt = ids_field(j, "prompt_ids", where);
+    } else {
+      TANDEM_CHECK(j.contains("prompt") && j["prompt"].is_string(),
+                   "{}: expected a string field 'prompt' (or 'prompt_ids')", where);
+      r.prompt = model::encode_prompt(m.tok(), j["prompt"].get<std::string>(), gen.chat);
+    }
+    r.params = sp;
+    requests.push_back(std::move(r));
+  }
+  TANDEM_CHECK(!requests.empty(), "{}: no prompts", gen.prompts);
+  return requests;
+}
+
+int run_generate() {
+  TANDEM_CHECK(gen.prompt.empty() != gen.prompts.empty(),
+               "give exactly one of --prompt and --prompts");
+  model::LoadedModel m = model::load_model(gen.model, parse_dtype(gen.dtype));
+  std::vector<rollout::Request> requests = generate_requests(m);
+  int64_t longest = 0, kv_tokens = 0;
+  for (const auto& r : requests) {
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt.size()) + gen.max_tokens);
+    kv_tokens += static_cast<int64_t>(r.prompt.size()) + gen.n * (gen.max_tokens + 16);
+  }
+  rollout::EngineOptions eo;
+  eo.max_context =
+      std::min<int64_t>(std::max<int64_t>(longest, 1), m.config().max_position_embeddings);
+  // KV blocks for every sample at once, within 2 GiB; fewer means preemption, not failure.
+  const int64_t block_bytes =
+      static_cast<int64_t>(rollout::BlockManager::bytes_per_block(m.config(), eo.block_size));
+  const int64_t budget = std::max<int64_t>(int64_t{2} << 30, block_bytes * 64) / block_bytes;
+  eo.num_blocks = std::clamp<int64_t>(kv_tokens / eo.block_size + 64, 64, budget);
+  eo.max_seqs = std::max<int64_t>(eo.max_seqs, gen.n);
+  rollout::Engine engine(*m.weights, eo, &m.tok());
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<rollout::RequestOutput> outs = engine.generate(std::move(requests));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t tokens = 0, failed = 0;
+  for (const auto& o : outs) {
+    if (o.status == rollout::RequestStatus::error) {
+      ++failed;
+      std::fprintf(stderr, "tandem: request %s: %s\n", o.id.c_str(), o.error.c_str());
+    }
+    for (const auto& smp : o.samples) tokens += static_cast<int64_t>(smp.tokens.size());
+    if (gen.prompts.empty()) {
+      for (const auto& smp : o.samples) {
+        if (o.samples.size() > 1) std::printf("--- sample %d ---\n", smp.index);
+        std::printf("%s\n", smp.text.c_str());
+      }
+      continue;
+    }
+    nlohmann::ordered_json j;
+    j["id"] = o.id;
+    j["prompt_tokens"] = o.prompt.size();
+    j["status"] = rollout::request_status_name(o.status);
+    if (!o.error.empty()) j["error"] = o.error;
+    j["samples"] = nlohmann::json::array();
+    for (const auto& smp : o.samples) {
+      j["samples"].push_back({{"index", smp.index},
+                              {"text", smp.text},
+                              {"tokens", smp.tokens},
+                              {"logprobs", smp.logprobs},
+                              {"finish_reason", rollout::finish_reason_name(smp.finish_reason)}});
+    }
+    std::printf("%s\n", j.dump().c_str());
+  }
+  const rollout::EngineStats& st = engine.stats();
   std::fprintf(stderr,
-               "tandem: %zu tokens (%s); prefill %.1f ms (%.1f tokens/s), decode %.1f tokens/s\n",
-               r.tokens.size(), r.stopped ? "stop token" : "max tokens", r.prefill_seconds * 1e3,
-               static_cast<double>(prompt.size()) / std::max(r.prefill_seconds, 1e-9),
-               r.decode_tokens_per_second());
-  return 0;
+               "tandem: %s (%s, %lld parameters) loaded in %.2f s; %zu requests x %d samples, "
+               "%lld tokens in %.2f s: %.1f tokens/s (%lld prefill tokens, %lld from the "
+               "prefix cache, %lld preemptions)\n",
+               gen.model.c_str(), model::architecture_name(m.config().arch),
+               static_cast<long long>(m.weights->num_parameters()), m.load_seconds, outs.size(),
+               gen.n, static_cast<long long>(tokens), seconds,
+               static_cast<double>(tokens) / std::max(seconds, 1e-9),
+               static_cast<long long>(st.prefill_tokens),
+               static_cast<long long>(st.cached_prompt_tokens),
+               static_cast<long long>(st.preemptions));
+  return failed == 0 ? 0 : 1;
 }
 
 std::vector<int32_t> ids_field(const nlohmann::json& j, const char* key, const std::string& where) {
@@ -185,10 +266,16 @@ int run_convert() {
 }  // namespace
 
 void add_model_commands(CLI::App& app) {
-  gen_cmd = app.add_subcommand("generate", "generate a completion with a model (batch 1)");
+  gen_cmd = app.add_subcommand(
+      "generate", "generate completions with the rollout engine (one prompt or a JSONL file)");
   gen_cmd->add_option("--model", gen.model, "a .gguf file or a Hugging Face model directory")
       ->required();
-  gen_cmd->add_option("--prompt", gen.prompt, "the prompt text")->required();
+  gen_cmd->add_option("--prompt", gen.prompt, "the prompt text");
+  gen_cmd->add_option("--prompts", gen.prompts,
+                      "JSONL, one request a line: {\"prompt\": text} or {\"prompt_ids\": [...]}, "
+                      "optional \"id\"; prints one JSON line per request");
+  gen_cmd->add_option("-n,--n", gen.n, "samples per prompt (a group sharing the prompt's KV)")
+      ->check(CLI::Range(1, 4096));
   gen_cmd->add_flag("--chat", gen.chat, "render the prompt as a user message (chat template)");
   gen_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate at most")
       ->check(CLI::Range(1, 1 << 20));

@@ -668,7 +668,7 @@ Tokenizer::Tokenizer(TokenizerData data) : impl_(std::make_unique<Impl>()) {
     if (it == m.ids.end()) missing += fmt::format(" {:02x}", b);
   }
   if (!missing.empty())
-    spdlog::info(
+    spdlog::debug(
         "tokenizer: bytes{} have no token in the vocabulary; encode drops them (as Hugging Face "
         "and llama.cpp do), so text holding them does not decode back whole",
         missing);
