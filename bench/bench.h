@@ -75,6 +75,9 @@ int run_kernel_benches(const Options& opt);
 // `tandem bench generate`: batch-1 generation with a model file (default: the bundled SmolLM2),
 // beside llama.cpp; returns the exit code.
 int run_generate_bench(const Options& opt, const std::string& model_path);
+// `tandem bench rollout`: the rollout engine at batch 1..64 beside llama.cpp's batched API, and
+// group prefix sharing; returns the exit code.
+int run_rollout_bench(const Options& opt, const std::string& model_path);
 
 // The model shapes the kernel benchmarks use.
 struct ModelShape {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/peers.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/generator.h"
@@ -24,57 +25,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The repository root: the tandem binary lives in <root>/build*/bin/.
-fs::path repo_root() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::current_path() : exe.parent_path().parent_path().parent_path();
-}
-
-// Runs the llama.cpp peer; its JSON result or an object with "error".
 nlohmann::json run_peer(const std::string& model, const std::vector<int32_t>& prompt,
                         int64_t new_tokens, int repeats) {
-  const fs::path root = repo_root();
-  const char* env = std::getenv("TANDEM_BENCH_PYTHON");
-  const std::string python = env ? env : (root / ".venv-bench" / "bin" / "python").string();
-  if (!fs::exists(python)) {
-    return {{"error", fmt::format("{} not found: run scripts/bench-peers to install "
-                                  "llama-cpp-python (or set TANDEM_BENCH_PYTHON)",
-                                  python)}};
-  }
-  const std::string cmd = fmt::format(
-      "'{}' '{}' --model '{}' --prompt-ids {} --new-tokens {} --threads {} --repeats {} "
-      "2>/dev/null",
-      python, (root / "bench" / "peers" / "llamacpp_generate.py").string(), model,
-      fmt::join(prompt, ","), new_tokens, num_threads(), repeats);
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return {{"error", "cannot start " + python}};
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
-  const int status = pclose(p);
-  try {
-    return nlohmann::json::parse(out);
-  } catch (const nlohmann::json::exception&) {
-    return {{"error", fmt::format("llama.cpp peer exited with {} and printed '{}'", status, out)}};
-  }
+  return run_peer_script(
+      "llamacpp_generate.py",
+      fmt::format("--model '{}' --prompt-ids {} --new-tokens {} --threads {} "
+                  "--repeats {}",
+                  model, fmt::join(prompt, ","), new_tokens, num_threads(), repeats));
 }
 
-void print(const Options& opt, const nlohmann::ordered_json& j) {
-  if (opt.json) {
-    std::printf("%s\n", j.dump().c_str());
-  } else {
-    std::printf("%-10s %-44s %-22s %10.2f %-9s%s\n", j["bench"].get<std::string>().c_str(),
-                j["case"].get<std::string>().c_str(), j["metric"].get<std::string>().c_str(),
-                j["value"].get<double>(), j["unit"].get<std::string>().c_str(),
-                j.contains("ratio")
-                    ? fmt::format("  {} {:.2f} ({:.2f}x)", j["peer"].get<std::string>(),
-                                  j["peer_value"].get<double>(), j["ratio"].get<double>())
-                          .c_str()
-                    : "");
-  }
-  std::fflush(stdout);
-}
+void print(const Options& opt, const nlohmann::ordered_json& j) { print_line(opt, j); }
 
 }  // namespace
 
@@ -112,25 +72,6 @@ int run_generate_bench(const Options& opt, const std::string& model_path) {
     }
     return r;
   };
-  auto precision_gguf = [&](DType dtype) -> std::string {
-    const std::string tag = dtype == DType::bf16 ? "BF16" : "F32";
-    std::string stem = fs::path(path).stem().string();
-    if (const size_t dot = stem.rfind('.'); dot != std::string::npos) stem = stem.substr(0, dot);
-    const fs::path out = repo_root() / "models" / "peers" / (stem + "." + tag + ".gguf");
-    if (!fs::exists(out)) {
-      fs::create_directories(out.parent_path());
-      const char* env = std::getenv("TANDEM_BENCH_PYTHON");
-      const std::string python =
-          env ? env : (repo_root() / ".venv-bench" / "bin" / "python").string();
-      const std::string cmd =
-          fmt::format("'{}' '{}' '{}' '{}' {} >/dev/null 2>&1", python,
-                      (repo_root() / "bench" / "peers" / "requant_gguf.py").string(), path,
-                      out.string() + ".tmp", dtype == DType::bf16 ? "bf16" : "f32");
-      if (std::system(cmd.c_str()) != 0) return "";
-      fs::rename(out.string() + ".tmp", out);
-    }
-    return out.string();
-  };
   const bool gguf = path.ends_with(".gguf");
   const nlohmann::json same_file = gguf ? peer_on(path) : nlohmann::json{{"error", "not a GGUF"}};
 
@@ -153,7 +94,7 @@ int run_generate_bench(const Options& opt, const std::string& model_path) {
     const double bound = ceilings.gbytes * 1e9 / bytes_per_token;
 
     std::string precision_path;
-    if (gguf) precision_path = precision_gguf(dtype);
+    if (gguf) precision_path = precision_gguf(path, dtype);
     const nlohmann::json same_precision =
         precision_path.empty() ? nlohmann::json{{"error", "no GGUF at this precision"}}
                                : peer_on(precision_path);
