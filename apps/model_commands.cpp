@@ -57,6 +57,18 @@ DType parse_dtype(const std::string& s) {
 
 std::vector<int32_t> ids_field(const nlohmann::json& j, const char* key, const std::string& where);
 
+// One JSONL line as an object; errors name `where` (file:line).
+nlohmann::json parse_object(const std::string& line, const std::string& where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {
+    TANDEM_CHECK(false, "{}: not a JSON object: {}", where, e.what());
+  }
+  TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+  return j;
+}
+
 // The requests of `tandem generate`: --prompt, or one per line of --prompts (JSONL with
 // "prompt" text or "prompt_ids", and an optional "id").
 std::vector<rollout::Request> generate_requests(const model::LoadedModel& m) {
@@ -83,13 +95,7 @@ std::vector<rollout::Request> generate_requests(const model::LoadedModel& m) {
   for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = fmt::format("{}:{}", gen.prompts, lineno);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      TANDEM_CHECK(false, "{}: not a JSON object: {}", where, e.what());
-    }
-    TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+    const nlohmann::json j = parse_object(line, where);
     rollout::Request r;
     r.id = j.contains("id") ? (j["id"].is_string() ? j["id"].get<std::string>() : j["id"].dump())
                             : std::to_string(lineno);
@@ -197,13 +203,7 @@ int run_score() {
   for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = fmt::format("{}:{}", score.input, lineno);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      TANDEM_CHECK(false, "{}: not a JSON object: {}", where, e.what());
-    }
-    TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+    const nlohmann::json j = parse_object(line, where);
     std::vector<int32_t> prompt, completion;
     if (j.contains("prompt_ids") || j.contains("completion_ids")) {
       prompt = ids_field(j, "prompt_ids", where);

@@ -14,6 +14,7 @@
 #include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/weights.h"
+#include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
 namespace tandem::model {
@@ -21,78 +22,10 @@ namespace {
 
 using test::to_f64;
 
-enum class Kind { llama_tied, llama_untied_rope3, qwen2, qwen3 };
-
-const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::llama_tied:
-      return "llama tied";
-    case Kind::llama_untied_rope3:
-      return "llama untied llama3-rope";
-    case Kind::qwen2:
-      return "qwen2 bias";
-    case Kind::qwen3:
-      return "qwen3 qk-norm";
-  }
-  return "?";
-}
-
-ModelConfig tiny_config(Kind kind) {
-  ModelConfig c;
-  c.vocab_size = 101;
-  c.hidden_size = 64;
-  c.intermediate_size = 96;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 16;
-  c.max_position_embeddings = 256;
-  c.rms_norm_eps = 1e-5f;
-  switch (kind) {
-    case Kind::llama_tied:
-      c.tie_word_embeddings = true;
-      break;
-    case Kind::llama_untied_rope3:
-      c.rope.theta = 500000.0f;
-      c.rope.factor = 8.0f;
-      c.rope.low_freq_factor = 1.0f;
-      c.rope.high_freq_factor = 4.0f;
-      c.rope.original_max_position = 64;  // several bands of the 8 frequencies rescaled
-      break;
-    case Kind::qwen2:
-      c.arch = Architecture::qwen2;
-      c.attention_bias = true;
-      c.rope.theta = 1000000.0f;
-      c.tie_word_embeddings = true;
-      break;
-    case Kind::qwen3:
-      c.arch = Architecture::qwen3;
-      c.qk_norm = true;
-      c.rope.theta = 1000000.0f;
-      c.rms_norm_eps = 1e-6f;
-      break;
-  }
-  return c;
-}
-
-// Norm weights near 1, biases small, matrices scaled so activations stay O(1).
-void fill_random(Weights& w, uint64_t seed) {
-  for (const NamedTensor& s : w.storage()) {
-    ++seed;
-    double lo = -1.0, hi = 1.0;
-    if (s.name.find("norm") != std::string::npos) {
-      lo = 0.7, hi = 1.3;
-    } else if (s.name.find("bias") != std::string::npos) {
-      lo = -0.3, hi = 0.3;
-    } else if (s.name.find("embed") == std::string::npos) {
-      const double a = 1.7 / std::sqrt(static_cast<double>(s.tensor.size(1)));
-      lo = -a, hi = a;
-    }
-    const Tensor r = test::random_tensor(s.tensor.shape(), s.tensor.dtype(), seed, lo, hi);
-    Tensor t = s.tensor;
-    t.copy_from(r);
-  }
-}
+using Kind = test::TinyKind;
+const char* kind_name(Kind k) { return test::tiny_kind_name(k); }
+ModelConfig tiny_config(Kind kind) { return test::tiny_model_config(kind); }
+void fill_random(Weights& w, uint64_t seed) { test::fill_random_weights(w, seed); }
 
 // ---------------------------------------------------------------------------------------------
 // The reference: the HF network written out with plain loops in f64, one whole sequence.

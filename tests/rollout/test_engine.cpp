@@ -17,51 +17,20 @@
 #include "model/tokenizer.h"
 #include "model/weights.h"
 #include "rollout/engine.h"
+#include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
 namespace tandem::rollout {
 namespace {
 
 model::ModelConfig tiny_config(bool qwen3 = false, int64_t vocab = 101) {
-  model::ModelConfig c;
+  model::ModelConfig c =
+      test::tiny_model_config(qwen3 ? test::TinyKind::qwen3 : test::TinyKind::llama_tied);
   c.vocab_size = vocab;
-  c.hidden_size = 64;
-  c.intermediate_size = 96;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 16;
-  c.max_position_embeddings = 256;
-  c.rms_norm_eps = 1e-5f;
-  c.tie_word_embeddings = true;
-  if (qwen3) {
-    c.arch = model::Architecture::qwen3;
-    c.qk_norm = true;
-    c.tie_word_embeddings = false;
-    c.rope.theta = 1000000.0f;
-    c.rms_norm_eps = 1e-6f;
-  }
   return c;
 }
 
-// Norm weights near 1, matrices scaled so activations stay O(1); embeddings large enough that
-// the sampled distributions are far from uniform.
-void fill_random(model::Weights& w, uint64_t seed) {
-  for (const model::NamedTensor& s : w.storage()) {
-    ++seed;
-    double lo = -1.0, hi = 1.0;
-    if (s.name.find("norm") != std::string::npos) {
-      lo = 0.7, hi = 1.3;
-    } else if (s.name.find("bias") != std::string::npos) {
-      lo = -0.3, hi = 0.3;
-    } else if (s.name.find("embed") == std::string::npos) {
-      const double a = 1.7 / std::sqrt(static_cast<double>(s.tensor.size(1)));
-      lo = -a, hi = a;
-    }
-    Tensor t = s.tensor;
-    t.copy_from(test::random_tensor(s.tensor.shape(), s.tensor.dtype(), seed, lo, hi));
-  }
-}
+void fill_random(model::Weights& w, uint64_t seed) { test::fill_random_weights(w, seed); }
 
 std::vector<int32_t> random_prompt(int n, int64_t V, uint64_t seed) {
   const Tensor ids = test::random_ints({n}, DType::i32, seed, 0, V);

@@ -1,0 +1,18 @@
+// Tiny random decoders for tests: the four families' configs (C=64, 2 layers, V=101) and seeded
+// weights that keep activations O(1).
+#pragma once
+
+#include <cstdint>
+
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace tandem::test {
+
+enum class TinyKind { llama_tied, llama_untied_rope3, qwen2, qwen3 };
+const char* tiny_kind_name(TinyKind k);
+model::ModelConfig tiny_model_config(TinyKind kind);
+// Norm weights near 1, biases small, matrices scaled by 1.7/sqrt(fan-in), embeddings in [-1, 1).
+void fill_random_weights(model::Weights& w, uint64_t seed);
+
+}  // namespace tandem::test
