@@ -131,6 +131,16 @@ def policy_loss(cfg, x, norm):
         ratio = torch.exp(torch.clamp(log_s, max=10.0))
     else:
         ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    on = mask > 0
+    r = ratio.detach()
+    metrics = {
+        "clipped_low": int(((A < 0) & (r < 1.0 - cfg["eps_low"]) & on).sum()) if cfg["clip"] else 0,
+        "clipped_high": int(((A > 0) & (r > 1.0 + cfg["eps_high"]) & on).sum()) if cfg["clip"]
+        else 0,
+        "ratio_min": float(r[on].min()), "ratio_max": float(r[on].max()),
+        "kl_old_k3_sum": float(((torch.exp(old - lp.detach()) - (old - lp.detach()) - 1.0)[on])
+                               .sum()),
+    }
     pg1 = -A * ratio
     if cfg["clip"]:
         pg2 = -A * torch.clamp(ratio, 1.0 - cfg["eps_low"], 1.0 + cfg["eps_high"])
@@ -149,6 +159,7 @@ def policy_loss(cfg, x, norm):
         else:
             w = torch.where(w > cfg["is_cap"], torch.zeros_like(w), w)
         pg = pg * w
+        metrics["is_weight_sum"] = float(w[on].sum())
     per_token = pg
     if cfg["kl_beta"] > 0:
         xk = torch.clamp(ref - lp, -20.0, 20.0)
@@ -159,6 +170,7 @@ def policy_loss(cfg, x, norm):
         else:
             k = torch.exp(xk) - xk - 1.0
         k = torch.clamp(k, -10.0, 10.0)
+        metrics["kl_ref_sum"] = float(k.detach()[on].sum())
         per_token = per_token + cfg["kl_beta"] * k
     if cfg["entropy_coef"] > 0:
         per_token = per_token - cfg["entropy_coef"] * ent
@@ -187,7 +199,7 @@ def policy_loss(cfg, x, norm):
         paper = (-A[:, 0] * s).sum() / norm["global_sequences"]
         paper.backward()
         assert torch.allclose(paper, loss.detach()) and torch.allclose(lp2.grad, lp.grad)
-    return float(loss.detach()), unpad(lp.grad), unpad(ent.grad)
+    return float(loss.detach()), unpad(lp.grad), unpad(ent.grad), metrics
 
 
 BASE = {"ratio_level": "token", "clip": True, "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 0.0,
@@ -236,10 +248,10 @@ def policy_loss_cases(rng):
                                                                    "is token truncate")):
                 continue
             cfg = dict(BASE, **over)
-            loss, dlogp, dent = policy_loss(cfg, x, norm)
+            loss, dlogp, dent, metrics = policy_loss(cfg, x, norm)
             cases.append({"name": name + (" extreme" if extreme else ""), "config": cfg,
                           "inputs": x, "normalisers": norm, "loss": loss, "dlogp": dlogp,
-                          "dentropy": dent})
+                          "dentropy": dent, "metrics": metrics})
     return cases
 
 

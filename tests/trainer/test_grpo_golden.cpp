@@ -1,5 +1,5 @@
-// tandem's GRPO advantages, losses and d loss / d logp against the torch float64 goldens of
-// tests/golden/make_grpo_golden.py (tests/golden/grpo/*.json), every variant, to 1e-6 relative.
+// tandem's GRPO advantages, losses, d loss / d logp and metrics against the torch float64 goldens
+// of tests/golden/make_grpo_golden.py (tests/golden/grpo/*.json), every variant, to 1e-6 relative.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -110,5 +110,16 @@ TEST_CASE("GRPO policy losses and gradients match the torch goldens", "[interop]
     CHECK(std::abs(ours.loss - loss) <= 1e-6 * std::abs(loss));
     CHECK(normalised_error(ours.dlogp, c.at("dlogp").get<std::vector<double>>()) < 1e-6);
     CHECK(normalised_error(ours.dentropy, c.at("dentropy").get<std::vector<double>>()) < 1e-6);
+    const json& m = c.at("metrics");
+    const PolicyLossMetrics& o = ours.metrics;
+    CHECK(o.clipped_low == m.at("clipped_low").get<int64_t>());
+    CHECK(o.clipped_high == m.at("clipped_high").get<int64_t>());
+    CHECK(o.ratio_min == Approx(m.at("ratio_min").get<double>()).epsilon(1e-9));
+    CHECK(o.ratio_max == Approx(m.at("ratio_max").get<double>()).epsilon(1e-9));
+    CHECK(o.kl_old_k3_sum == Approx(m.at("kl_old_k3_sum").get<double>()).epsilon(1e-9));
+    CHECK(o.kl_ref_sum == Approx(m.value("kl_ref_sum", 0.0)).epsilon(1e-9));
+    if (m.contains("is_weight_sum")) {
+      CHECK(o.is_weight_sum == Approx(m.at("is_weight_sum").get<double>()).epsilon(1e-9));
+    }
   }
 }
