@@ -1,0 +1,173 @@
+// PolicyTrainer: the step-0 identities with samples from the rollout engine, micro-batch
+// invariance, bad batches, and a tiny model that learns a toy reward (emit ids below 10).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+
+#include "rollout/engine.h"
+#include "tests/model/tiny_model.h"
+#include "tests/testutil.h"
+#include "trainer/train_step.h"
+
+using namespace tandem;
+using namespace tandem::trainer;
+
+namespace {
+
+rollout::EngineOptions engine_options() {
+  rollout::EngineOptions o;
+  o.block_size = 4;
+  o.num_blocks = 512;
+  o.max_batch_tokens = 512;
+  o.max_seqs = 128;
+  o.max_context = 64;
+  return o;
+}
+
+// G samples of each prompt from the engine, scored by `reward`, with group advantages.
+std::vector<TrainSample> rollout_samples(
+    rollout::Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int G,
+    int max_tokens, uint64_t seed, const std::function<float(const std::vector<int32_t>&)>& reward,
+    double* mean_reward = nullptr) {
+  std::vector<rollout::Request> reqs;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    rollout::SamplingParams sp;
+    sp.n = G;
+    sp.max_tokens = max_tokens;
+    sp.seed = seed + 1000 * p;
+    reqs.push_back({std::to_string(p), prompts[p], sp});
+  }
+  const auto outs = engine.generate(reqs);
+  std::vector<TrainSample> samples;
+  std::vector<float> rewards;
+  std::vector<int32_t> groups;
+  for (const auto& o : outs) {
+    REQUIRE(o.status == rollout::RequestStatus::done);
+    groups.push_back(static_cast<int32_t>(o.samples.size()));
+    for (const auto& s : o.samples) {
+      samples.push_back({o.prompt, s.tokens, s.logprobs, 0.0f});
+      rewards.push_back(reward(s.tokens));
+    }
+  }
+  const Advantages adv = compute_advantages(rewards, groups, AdvantageConfig{});
+  for (size_t i = 0; i < samples.size(); ++i) samples[i].advantage = adv.values[i];
+  if (mean_reward != nullptr) *mean_reward = adv.stats.reward_mean;
+  return samples;
+}
+
+std::vector<std::vector<int32_t>> prompts_of(int n, int len, int64_t V, uint64_t seed) {
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0; i < n; ++i) {
+    const Tensor ids = test::random_ints({len}, DType::i32, seed + static_cast<uint64_t>(i), 0, V);
+    out.emplace_back(ids.data_as<int32_t>(), ids.data_as<int32_t>() + len);
+  }
+  return out;
+}
+
+// The toy reward: the share of completion tokens with an id below 10 (about 10% at random).
+float small_ids(const std::vector<int32_t>& t) {
+  return static_cast<float>(std::count_if(t.begin(), t.end(), [](int32_t x) { return x < 10; })) /
+         static_cast<float>(t.size());
+}
+
+}  // namespace
+
+TEST_CASE("train step at step 0 has ratio 1 and KL 0 with the rollout's logprobs", "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::qwen3);
+  model::Weights policy(cfg, DType::f32), ref(cfg, DType::f32);
+  test::fill_random_weights(policy, 3);
+  ref.copy_from(policy);
+  rollout::Engine engine(policy, engine_options());
+  const auto samples =
+      rollout_samples(engine, prompts_of(3, 5, cfg.vocab_size, 1), 4, 6, 9, small_ids);
+
+  AdamW opt(policy, AdamWConfig{});
+  const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
+  TrainStepConfig tc;
+  tc.loss.kl_beta = 0.1;
+  tc.always_recompute_old = true;  // measures rollout vs trainer logprobs
+  PolicyTrainer trainer(policy, &ref, opt, lr, tc);
+  const TrainStepMetrics m = trainer.step(samples);
+  CHECK(m.old_recomputed);
+  // The engine's logprobs are the training forward's, bitwise.
+  CHECK(m.rollout_vs_trainer_max_abs == 0.0);
+  CHECK(m.policy.ratio_min == 1.0);
+  CHECK(m.policy.ratio_max == 1.0);
+  CHECK(m.policy.kl_ref_sum == 0.0);
+  CHECK(m.policy.clipped_low + m.policy.clipped_high == 0);
+  CHECK(m.optimizer_steps == 1);
+  CHECK(std::isfinite(m.grad_norm));
+  CHECK(m.grad_norm > 0);
+}
+
+TEST_CASE("train step loss and gradient do not depend on the micro-batch split", "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::llama_tied);
+  model::Weights init(cfg, DType::f32);
+  test::fill_random_weights(init, 5);
+  rollout::Engine engine(init, engine_options());
+  const auto samples =
+      rollout_samples(engine, prompts_of(4, 6, cfg.vocab_size, 2), 4, 5, 4, small_ids);
+  int64_t packed = 0;
+  for (const auto& s : samples)
+    packed += static_cast<int64_t>(s.prompt.size() + s.completion.size()) - 1;
+
+  std::vector<TrainStepMetrics> runs;
+  for (int parts : {1, 2, 4}) {
+    model::Weights policy(cfg, DType::f32);
+    policy.copy_from(init);
+    AdamW opt(policy, AdamWConfig{});
+    const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
+    TrainStepConfig tc;
+    tc.loss.aggregation = LossAggregation::kSeqMeanTokenMean;
+    tc.micro_batch_tokens = (packed + parts - 1) / parts;
+    PolicyTrainer trainer(policy, nullptr, opt, lr, tc);
+    runs.push_back(trainer.step(samples));
+  }
+  for (size_t i = 1; i < runs.size(); ++i) {
+    CHECK(runs[i].loss == Approx(runs[0].loss).epsilon(1e-6));
+    CHECK(runs[i].grad_norm == Approx(runs[0].grad_norm).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("train step refuses batches the minibatches do not divide", "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::llama_tied);
+  model::Weights policy(cfg, DType::f32);
+  test::fill_random_weights(policy, 6);
+  AdamW opt(policy, AdamWConfig{});
+  const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
+  TrainStepConfig tc;
+  tc.minibatches = 2;
+  PolicyTrainer trainer(policy, nullptr, opt, lr, tc);
+  std::vector<TrainSample> three(3, TrainSample{{1, 2}, {3}, {-1.0f}, 0.5f});
+  CHECK_THROWS_WITH(trainer.step(three), Catch::Contains("do not divide"));
+  tc.loss.kl_beta = 0.1;
+  CHECK_THROWS_WITH(PolicyTrainer(policy, nullptr, opt, lr, tc), Catch::Contains("reference"));
+}
+
+TEST_CASE("a tiny model learns to emit small token ids with GRPO", "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::llama_tied);
+  model::Weights policy(cfg, DType::f32);
+  test::fill_random_weights(policy, 11);
+  rollout::Engine engine(policy, engine_options());
+  AdamWConfig ac;
+  ac.weight_decay = 0;
+  AdamW opt(policy, ac);
+  const LrSchedule lr(LrScheduleConfig{.lr = 2e-2f});
+  TrainStepConfig tc;
+  tc.epochs = 2;  // old logprobs recomputed, clipping active
+  PolicyTrainer trainer(policy, nullptr, opt, lr, tc);
+  const auto prompts = prompts_of(8, 4, cfg.vocab_size, 3);
+  double first = 0, last = 0;
+  for (int step = 0; step < 25; ++step) {
+    double mean = 0;
+    const auto samples = rollout_samples(engine, prompts, 8, 8, 100 + step, small_ids, &mean);
+    if (step == 0) first = mean;
+    last = mean;
+    trainer.step(samples);
+    engine.set_weights(policy, static_cast<uint64_t>(step + 1));
+  }
+  WARN("share of ids below 10: " << first << " at step 0, " << last << " at step 24");
+  CHECK(first < 0.2);
+  CHECK(last > 0.6);
+}

@@ -1,0 +1,239 @@
+// PolicyTrainer: old/ref logprobs, micro-batched forward/backward through the decoder with the
+// GRPO loss's gradient, AdamW per minibatch.
+#include "trainer/train_step.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace tandem::trainer {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int64_t completion_tokens(std::span<const TrainSample> samples) {
+  int64_t n = 0;
+  for (const TrainSample& s : samples) n += static_cast<int64_t>(s.completion.size());
+  return n;
+}
+
+// Contiguous ranges [begin, end) of samples whose packed tokens fit the budget (a sample larger
+// than the budget gets a micro-batch of its own).
+std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample> samples,
+                                                     int64_t budget) {
+  std::vector<std::pair<size_t, size_t>> out;
+  size_t begin = 0;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const int64_t n =
+        static_cast<int64_t>(samples[i].prompt.size() + samples[i].completion.size()) - 1;
+    if (i > begin && tokens + n > budget) {
+      out.emplace_back(begin, i);
+      begin = i;
+      tokens = 0;
+    }
+    tokens += n;
+  }
+  if (begin < samples.size()) out.emplace_back(begin, samples.size());
+  return out;
+}
+
+model::PackedBatch pack(std::span<const TrainSample> samples) {
+  std::vector<std::vector<int32_t>> seqs;
+  seqs.reserve(samples.size());
+  for (const TrainSample& s : samples) {
+    std::vector<int32_t> seq = s.prompt;
+    seq.insert(seq.end(), s.completion.begin(), s.completion.end());
+    seqs.push_back(std::move(seq));
+  }
+  return model::PackedBatch::from_sequences(seqs);
+}
+
+}  // namespace
+
+void TrainStepConfig::validate() const {
+  trainer::validate(loss);
+  TANDEM_CHECK(epochs >= 1, "trainer: epochs (mu) must be >= 1, got {}", epochs);
+  TANDEM_CHECK(minibatches >= 1, "trainer: minibatches must be >= 1, got {}", minibatches);
+  TANDEM_CHECK(micro_batch_tokens >= 1, "trainer: micro_batch_tokens must be >= 1, got {}",
+               micro_batch_tokens);
+  TANDEM_CHECK(temperature > 0, "trainer: temperature must be > 0, got {}", temperature);
+}
+
+PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* reference,
+                             AdamW& optimizer, const LrSchedule& schedule,
+                             const TrainStepConfig& config)
+    : policy_(policy),
+      reference_(reference),
+      optimizer_(optimizer),
+      schedule_(schedule),
+      config_(config),
+      grads_(policy.config(), DType::f32, policy.device(), ArenaClass::gradients),
+      decoder_(std::make_unique<model::Decoder>(
+          policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})) {
+  config_.validate();
+  TANDEM_CHECK(config_.loss.kl_beta == 0 || reference_ != nullptr,
+               "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
+  TANDEM_CHECK(&optimizer_.params() == &policy_, "trainer: the optimizer updates other weights");
+}
+
+PolicyTrainer::~PolicyTrainer() = default;
+
+std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
+                                           std::span<const TrainSample> samples,
+                                           std::vector<float>* entropy) {
+  std::unique_ptr<model::Decoder> other;
+  model::Decoder* dec = decoder_.get();
+  if (&weights != &policy_) {
+    other = std::make_unique<model::Decoder>(
+        weights, model::DecoderOptions{.max_tokens = config_.micro_batch_tokens});
+    dec = other.get();
+  }
+  std::vector<float> out;
+  out.reserve(static_cast<size_t>(completion_tokens(samples)));
+  if (entropy != nullptr) entropy->clear();
+  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens)) {
+    const auto part = samples.subspan(b0, b1 - b0);
+    const model::PackedBatch batch = pack(part);
+    Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
+    Tensor ent = Tensor::empty({batch.num_tokens()}, DType::f32);
+    dec->forward(batch, lp, ent, config_.temperature);
+    for (size_t b = 0; b < part.size(); ++b) {
+      const int64_t np = static_cast<int64_t>(part[b].prompt.size());
+      for (int64_t k = 0; k < static_cast<int64_t>(part[b].completion.size()); ++k) {
+        const int64_t row = batch.row_of(static_cast<int64_t>(b), np + k);
+        out.push_back(lp.data_as<float>()[row]);
+        if (entropy != nullptr) entropy->push_back(ent.data_as<float>()[row]);
+      }
+    }
+  }
+  return out;
+}
+
+double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
+                                 std::span<const float> old_logp, std::span<const float> ref_logp,
+                                 const LossNormalisers& norm, PolicyLossMetrics& metrics) {
+  double loss = 0;
+  size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
+  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens)) {
+    const auto part = samples.subspan(b0, b1 - b0);
+    const model::PackedBatch batch = pack(part);
+    const int64_t T = batch.num_tokens();
+    Tensor lp = Tensor::empty({T}, DType::f32);
+    Tensor ent = Tensor::empty({T}, DType::f32);
+    decoder_->forward(batch, lp, ent, config_.temperature);
+
+    std::vector<int64_t> rows;
+    std::vector<int32_t> lens;
+    std::vector<float> adv, logp, entropy, rollout;
+    for (size_t b = 0; b < part.size(); ++b) {
+      const int64_t np = static_cast<int64_t>(part[b].prompt.size());
+      const int64_t nc = static_cast<int64_t>(part[b].completion.size());
+      TANDEM_CHECK(static_cast<int64_t>(part[b].rollout_logp.size()) == nc,
+                   "trainer: sample {} has {} completion tokens and {} rollout logprobs", b0 + b,
+                   nc, part[b].rollout_logp.size());
+      lens.push_back(static_cast<int32_t>(nc));
+      adv.push_back(part[b].advantage);
+      for (int64_t k = 0; k < nc; ++k) {
+        const int64_t row = batch.row_of(static_cast<int64_t>(b), np + k);
+        rows.push_back(row);
+        logp.push_back(lp.data_as<float>()[row]);
+        entropy.push_back(ent.data_as<float>()[row]);
+        rollout.push_back(part[b].rollout_logp[static_cast<size_t>(k)]);
+      }
+    }
+    const size_t n = logp.size();
+    PolicyLossInput in;
+    in.seq_lens = lens;
+    in.advantages = adv;
+    in.logp = logp;
+    in.old_logp = old_logp.subspan(token0, n);
+    if (!ref_logp.empty()) in.ref_logp = ref_logp.subspan(token0, n);
+    in.rollout_logp = rollout;
+    in.entropy = entropy;
+    const PolicyLoss pl = compute_policy_loss(in, config_.loss, norm);
+    loss += pl.loss;
+    metrics.merge(pl.metrics);
+
+    Tensor dlogprob = Tensor::zeros({T}, DType::f32);
+    Tensor dentropy;
+    if (config_.loss.entropy_coef != 0) dentropy = Tensor::zeros({T}, DType::f32);
+    for (size_t i = 0; i < n; ++i) {
+      dlogprob.data_as<float>()[rows[i]] = pl.dlogp[i];
+      if (dentropy.defined()) dentropy.data_as<float>()[rows[i]] = pl.dentropy[i];
+    }
+    decoder_->backward(dlogprob, dentropy, grads_);
+    token0 += n;
+  }
+  return loss;
+}
+
+TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples) {
+  TANDEM_CHECK(!samples.empty(), "trainer: a step needs samples");
+  TANDEM_CHECK(samples.size() % static_cast<size_t>(config_.minibatches) == 0,
+               "trainer: {} minibatches do not divide a batch of {} samples", config_.minibatches,
+               samples.size());
+  for (size_t i = 0; i < samples.size(); ++i) {
+    TANDEM_CHECK(!samples[i].prompt.empty() && !samples[i].completion.empty(),
+                 "trainer: sample {} needs a prompt and at least one completion token", i);
+  }
+  TrainStepMetrics m;
+  m.tokens = completion_tokens(samples);
+
+  // pi_old: the rollout's logprobs are exact when the policy has not moved since the rollout
+  // (one epoch, one minibatch); otherwise recompute them before the first update.
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> rollout_all;
+  for (const TrainSample& s : samples)
+    rollout_all.insert(rollout_all.end(), s.rollout_logp.begin(), s.rollout_logp.end());
+  std::vector<float> old = rollout_all;
+  if (config_.epochs > 1 || config_.minibatches > 1 || config_.always_recompute_old) {
+    old = logprobs(policy_, samples);
+    m.old_recomputed = true;
+    double sum = 0;
+    for (size_t i = 0; i < old.size(); ++i) {
+      const double d = std::abs(static_cast<double>(old[i]) - rollout_all[i]);
+      m.rollout_vs_trainer_max_abs = std::max(m.rollout_vs_trainer_max_abs, d);
+      sum += d;
+    }
+    m.rollout_vs_trainer_mean_abs = old.empty() ? 0 : sum / static_cast<double>(old.size());
+  }
+  m.seconds_old = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  std::vector<float> ref;
+  if (config_.loss.kl_beta > 0) ref = logprobs(*reference_, samples);
+  m.seconds_ref = seconds_since(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  const size_t per_mb = samples.size() / static_cast<size_t>(config_.minibatches);
+  for (int epoch = 0; epoch < config_.epochs; ++epoch) {
+    size_t token0 = 0;
+    for (int mb = 0; mb < config_.minibatches; ++mb) {
+      const auto part = samples.subspan(static_cast<size_t>(mb) * per_mb, per_mb);
+      const int64_t tokens = completion_tokens(part);
+      const LossNormalisers norm{tokens, static_cast<int64_t>(part.size())};
+      grads_.zero();
+      const auto old_part =
+          std::span<const float>(old).subspan(token0, static_cast<size_t>(tokens));
+      const auto ref_part =
+          ref.empty() ? std::span<const float>()
+                      : std::span<const float>(ref).subspan(token0, static_cast<size_t>(tokens));
+      m.loss += accumulate(part, old_part, ref_part, norm, m.policy);
+      m.lr = schedule_.lr_at(optimizer_steps_);
+      const StepResult r = optimizer_.step(grads_, m.lr);
+      m.grad_norm = r.grad_norm;
+      if (r.skipped) ++m.skipped_steps;
+      ++m.optimizer_steps;
+      ++optimizer_steps_;
+      token0 += static_cast<size_t>(tokens);
+    }
+  }
+  m.seconds_update = seconds_since(t0);
+  return m;
+}
+
+}  // namespace tandem::trainer

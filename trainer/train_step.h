@@ -1,0 +1,86 @@
+// PolicyTrainer: one GRPO training step over scored samples — old and reference logprobs when
+// they are needed, then mu epochs over minibatches, each split into micro-batches of packed
+// sequences under a token budget, the policy loss's d loss / d logp pushed through the decoder's
+// backward, and one AdamW step per minibatch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "model/decoder.h"
+#include "model/weights.h"
+#include "trainer/grpo.h"
+#include "trainer/lr_schedule.h"
+#include "trainer/optimizer.h"
+
+namespace tandem::trainer {
+
+// One sampled completion of a prompt, with its advantage (trainer::compute_advantages) and the
+// logprobs the rollout engine reported for its tokens.
+struct TrainSample {
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> completion;  // >= 1 token
+  std::vector<float> rollout_logp;  // (completion), the engine's logprobs
+  float advantage = 0;
+};
+
+struct TrainStepConfig {
+  PolicyLossConfig loss;
+  int epochs = 1;                     // mu: passes over the batch
+  int minibatches = 1;                // optimizer steps per epoch (the batch split evenly)
+  int64_t micro_batch_tokens = 4096;  // packed tokens per forward/backward at most
+  float temperature = 1.0f;           // the rollout's sampling temperature
+  // Recompute old logprobs with the policy before the first update even when they are not
+  // needed (mu = 1 and one minibatch: the rollout's logprobs are then exact on the CPU).
+  bool always_recompute_old = false;
+  void validate() const;
+};
+
+struct TrainStepMetrics {
+  double loss = 0;  // summed over minibatches (each minibatch's loss is normalised on its own)
+  PolicyLossMetrics policy;
+  int64_t optimizer_steps = 0, skipped_steps = 0;
+  float grad_norm = 0;  // of the last optimizer step, before clipping
+  float lr = 0;
+  // Old logprobs recomputed by the trainer against the rollout's (|delta| over the tokens).
+  bool old_recomputed = false;
+  double rollout_vs_trainer_max_abs = 0, rollout_vs_trainer_mean_abs = 0;
+  int64_t tokens = 0;
+  double seconds_old = 0, seconds_ref = 0, seconds_update = 0;
+};
+
+class PolicyTrainer {
+ public:
+  // policy: the f32 master weights that `optimizer` updates; reference: frozen weights for the
+  // KL term (may be null when loss.kl_beta == 0). All outlive the trainer.
+  PolicyTrainer(model::Weights& policy, const model::Weights* reference, AdamW& optimizer,
+                const LrSchedule& schedule, const TrainStepConfig& config);
+  ~PolicyTrainer();
+
+  // One training step (mu * minibatches optimizer steps) on these samples.
+  TrainStepMetrics step(std::span<const TrainSample> samples);
+  // The logprobs of every completion token under `weights` (training forward), concatenated in
+  // sample order, and optionally the entropies.
+  std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
+                              std::vector<float>* entropy = nullptr);
+  int64_t steps_done() const { return optimizer_steps_; }
+
+ private:
+  // d loss / d theta of one minibatch accumulated into grads_; returns the loss.
+  double accumulate(std::span<const TrainSample> samples, std::span<const float> old_logp,
+                    std::span<const float> ref_logp, const LossNormalisers& norm,
+                    PolicyLossMetrics& metrics);
+
+  model::Weights& policy_;
+  const model::Weights* reference_;
+  AdamW& optimizer_;
+  const LrSchedule& schedule_;
+  TrainStepConfig config_;
+  model::Weights grads_;
+  std::unique_ptr<model::Decoder> decoder_;
+  int64_t optimizer_steps_ = 0;
+};
+
+}  // namespace tandem::trainer
