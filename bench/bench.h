@@ -78,6 +78,8 @@ int run_generate_bench(const Options& opt, const std::string& model_path);
 // `tandem bench rollout`: the rollout engine at batch 1..64 beside llama.cpp's batched API, and
 // group prefix sharing; returns the exit code.
 int run_rollout_bench(const Options& opt, const std::string& model_path);
+// `tandem bench train`: training tokens/s beside PyTorch and the FLOP ceiling.
+int run_train_bench(const Options& opt, const std::string& model_path);
 
 // The model shapes the kernel benchmarks use.
 struct ModelShape {

@@ -1,0 +1,99 @@
+// `tandem bench train`: training tokens/s — forward, backward of the mean token logprob, AdamW —
+// for a model's shape (default: the bundled SmolLM2-135M) on B x L tokens, beside PyTorch
+// (transformers' LlamaForCausalLM on the CPU, same shapes, bench/peers/torch_train.py) and the
+// FLOP ceiling (6 x parameters per token at the measured GEMM rate).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+
+#include "bench/bench.h"
+#include "bench/peers.h"
+#include "core/parallel.h"
+#include "model/decoder.h"
+#include "model/loader.h"
+#include "trainer/optimizer.h"
+
+namespace tandem::bench {
+
+int run_train_bench(const Options& opt, const std::string& model_path) {
+  namespace fs = std::filesystem;
+  const std::string path =
+      model_path.empty() ? (repo_root() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string()
+                         : model_path;
+  const int64_t B = 4, L = opt.quick ? 65 : 257;  // L tokens: L - 1 targets per sequence
+  const int steps = opt.quick ? 1 : 3;
+  const Ceilings ceilings = measure_ceilings(opt);
+  model::LoadedModel m = model::load_model(path, DType::f32);
+  const model::ModelConfig& c = m.config();
+
+  std::vector<std::vector<int32_t>> seqs;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int32_t> s;
+    for (int64_t t = 0; t < L; ++t)
+      s.push_back(static_cast<int32_t>((b * 7919 + t * 104729) % c.vocab_size));
+    seqs.push_back(std::move(s));
+  }
+  const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
+  const int64_t T = batch.num_tokens();
+  model::Decoder dec(*m.weights, model::DecoderOptions{.max_tokens = T});
+  model::Weights grads(c, DType::f32, Device::cpu(), ArenaClass::gradients);
+  trainer::AdamWConfig ac;
+  ac.max_grad_norm = 1.0f;
+  trainer::AdamW adamw(*m.weights, ac);
+  Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
+  Tensor dlp = Tensor::empty({T}, DType::f32);
+  std::fill_n(dlp.data_as<float>(), T, 1.0f / static_cast<float>(T));
+  std::vector<double> times;
+  for (int i = 0; i <= steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    grads.zero();
+    dec.forward(batch, lp, ent);
+    dec.backward(dlp, Tensor(), grads);
+    adamw.step(grads, 1e-5f);
+    if (i > 0)
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  const double step_s = times[times.size() / 2];
+  const double value = static_cast<double>(T) / step_s;
+  const double flops_per_token = 6.0 * static_cast<double>(m.weights->num_parameters());
+  const double limit = ceilings.gflops * 1e9 / flops_per_token;
+
+  nlohmann::ordered_json j{
+      {"bench", "train"},
+      {"case", fmt::format("{} f32 {} x {} tokens", fs::path(path).stem().string(), B, L - 1)},
+      {"metric", "train_tokens_per_s"},
+      {"unit", "tokens/s"},
+      {"value", value},
+      {"step_ms", 1e3 * step_s},
+      {"threads", num_threads()}};
+  const nlohmann::json cfg{
+      {"vocab", c.vocab_size},  {"hidden", c.hidden_size},    {"intermediate", c.intermediate_size},
+      {"layers", c.num_layers}, {"heads", c.num_heads},       {"kv_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim}, {"rope_theta", c.rope.theta}, {"tied", c.tie_word_embeddings}};
+  const nlohmann::json peer = run_peer_script(
+      "torch_train.py", fmt::format("--config '{}' --batch {} --len {} --threads {} --steps {}",
+                                    cfg.dump(), B, L, num_threads(), steps));
+  int errors = 0;
+  if (peer.contains("error")) {
+    ++errors;
+    j["peer_error"] = peer["error"];
+  } else {
+    const double peer_value =
+        peer["tokens"].get<double>() / std::max(peer["step_s"].get<double>(), 1e-9);
+    j["peer"] = fmt::format("PyTorch {} (transformers {}, CPU)", peer["torch"].get<std::string>(),
+                            peer["transformers"].get<std::string>());
+    j["peer_value"] = peer_value;
+    j["ratio"] = value / peer_value;
+  }
+  j["limit"] = limit;
+  j["limit_source"] = fmt::format("{:.0f} GFLOP/s / {:.2f} GFLOP per token ({})", ceilings.gflops,
+                                  flops_per_token / 1e9, ceilings.gflops_source);
+  j["fraction_of_limit"] = value / limit;
+  print_line(opt, j);
+  return errors == 0 ? 0 : 1;
+}
+
+}  // namespace tandem::bench
