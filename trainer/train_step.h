@@ -65,7 +65,9 @@ class PolicyTrainer {
   // sample order, and optionally the entropies.
   std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
                               std::vector<float>* entropy = nullptr);
+  // Optimizer steps taken (the LR schedule's position); set it when resuming from a checkpoint.
   int64_t steps_done() const { return optimizer_steps_; }
+  void set_steps_done(int64_t steps) { optimizer_steps_ = steps; }
 
  private:
   // d loss / d theta of one minibatch accumulated into grads_; returns the loss.

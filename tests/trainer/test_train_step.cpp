@@ -8,6 +8,7 @@
 #include "rollout/engine.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
+#include "trainer/checkpoint.h"
 #include "trainer/train_step.h"
 
 using namespace tandem;
@@ -170,4 +171,62 @@ TEST_CASE("a tiny model learns to emit small token ids with GRPO", "[unit]") {
   WARN("share of ids below 10: " << first << " at step 0, " << last << " at step 24");
   CHECK(first < 0.2);
   CHECK(last > 0.6);
+}
+
+TEST_CASE("training resumed from a checkpoint is bitwise the same as training straight", "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::qwen2);
+  const auto prompts = prompts_of(4, 4, cfg.vocab_size, 8);
+  LrScheduleConfig lc;
+  lc.kind = LrScheduleKind::cosine;
+  lc.lr = 1e-2f;
+  lc.warmup_steps = 2;
+  lc.total_steps = 8;
+  const LrSchedule lr(lc);
+  TrainStepConfig tc;
+  tc.minibatches = 2;
+  tc.loss.kl_beta = 0.05;
+
+  // A "process": fresh weights, optimizer, trainer and engine; runs trainer steps [from, to),
+  // after loading `resume_dir` when given; returns the checkpoint it writes at the end.
+  const test::TempDir tmp("train-resume");
+  auto run = [&](int from, int to, const std::string& resume_dir, const std::string& root) {
+    model::Weights policy(cfg, DType::f32), ref(cfg, DType::f32);
+    test::fill_random_weights(policy, 21);
+    ref.copy_from(policy);
+    AdamW opt(policy, AdamWConfig{});
+    TrainerState state;
+    if (!resume_dir.empty()) load_checkpoint(resume_dir, policy, opt, state);
+    REQUIRE(state.step == from);
+    PolicyTrainer trainer(policy, &ref, opt, lr, tc);
+    trainer.set_steps_done(state.extra.value("optimizer_steps", int64_t{0}));
+    rollout::Engine engine(policy, engine_options());
+    engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
+    for (int step = from; step < to; ++step) {
+      const auto samples = rollout_samples(engine, prompts, 4, 6, 7 + step, small_ids);
+      trainer.step(samples);
+      state.step = step + 1;
+      state.weight_version = step + 1;
+      engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
+    }
+    state.extra["optimizer_steps"] = trainer.steps_done();
+    return save_checkpoint(root, state.step, policy, opt, state);
+  };
+  const std::string straight = run(0, 4, "", tmp.file("a"));
+  const std::string half = run(0, 2, "", tmp.file("b"));
+  const std::string resumed = run(2, 4, half, tmp.file("b"));
+
+  model::Weights pa(cfg, DType::f32), pb(cfg, DType::f32);
+  AdamW oa(pa, AdamWConfig{}), ob(pb, AdamWConfig{});
+  TrainerState sa, sb;
+  load_checkpoint(straight, pa, oa, sa);
+  load_checkpoint(resumed, pb, ob, sb);
+  CHECK(sa.step == 4);
+  CHECK(sa == sb);
+  CHECK(oa.step_count() == ob.step_count());
+  for (size_t i = 0; i < pa.storage().size(); ++i) {
+    INFO(pa.storage()[i].name);
+    CHECK(test::bitwise_equal(pa.storage()[i].tensor, pb.storage()[i].tensor));
+    CHECK(test::bitwise_equal(oa.m().storage()[i].tensor, ob.m().storage()[i].tensor));
+    CHECK(test::bitwise_equal(oa.v().storage()[i].tensor, ob.v().storage()[i].tensor));
+  }
 }
