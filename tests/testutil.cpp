@@ -208,6 +208,27 @@ void skip_without_gpu() {
   std::_Exit(77);
 }
 
+std::string gpt2_byte_char(int b) {
+  const auto printable = [](int k) {
+    return (k >= 33 && k <= 126) || (k >= 161 && k <= 172) || k >= 174;
+  };
+  int cp = b;
+  if (!printable(b)) {
+    int n = 0;
+    for (int k = 0; k < b; ++k)
+      if (!printable(k)) ++n;
+    cp = 256 + n;
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
 TempDir::TempDir(const std::string& name)
     : path(std::filesystem::temp_directory_path() /
            ("tandem-test-" + name + "-" + std::to_string(static_cast<long>(::getpid())))) {

@@ -55,6 +55,10 @@ double weighted_sum(const Tensor& y, const Tensor& w);
 bool gpu_available();
 void skip_without_gpu();
 
+// GPT-2's byte -> character map of byte-level BPE vocabularies, written out for tests
+// (independent of the tokenizer's own table): the UTF-8 text of byte b's character.
+std::string gpt2_byte_char(int b);
+
 // A fresh directory under the system temp dir (named after the test and the process), removed
 // with everything in it when the object goes.
 struct TempDir {

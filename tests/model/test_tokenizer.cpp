@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "model/tokenizer.h"
+#include "tests/testutil.h"
 
 using namespace tandem;
 using namespace tandem::model;
@@ -36,24 +37,7 @@ struct TempDir {
   }
 };
 
-// GPT-2's byte -> character map, written out for the test (independent of the tokenizer's).
-std::string byte_char(int b) {
-  int cp = b;
-  if (!((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174)) {
-    int n = 0;
-    for (int k = 0; k < b; ++k)
-      if (!((k >= 33 && k <= 126) || (k >= 161 && k <= 172) || k >= 174)) ++n;
-    cp = 256 + n;
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += char(cp);
-  } else {
-    s += char(0xC0 | (cp >> 6));
-    s += char(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
+std::string byte_char(int b) { return tandem::test::gpt2_byte_char(b); }
 
 // Ids 0..255 are the bytes; then the merges' results; then added tokens.
 TokenizerData tiny_data(const std::vector<std::pair<std::string, std::string>>& merges,

@@ -60,6 +60,23 @@ model::ModelConfig tiny_model_config(TinyKind kind) {
   return c;
 }
 
+model::ModelConfig micro_model_config(bool qwen3) {
+  model::ModelConfig c;
+  c.arch = qwen3 ? model::Architecture::qwen3 : model::Architecture::qwen2;
+  c.vocab_size = 37;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 8;
+  c.max_position_embeddings = 64;
+  c.attention_bias = !qwen3;
+  c.qk_norm = qwen3;
+  c.tie_word_embeddings = !qwen3;
+  return c;
+}
+
 void fill_random_weights(model::Weights& w, uint64_t seed) {
   for (const model::NamedTensor& s : w.storage()) {
     ++seed;

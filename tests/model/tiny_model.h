@@ -12,6 +12,9 @@ namespace tandem::test {
 enum class TinyKind { llama_tied, llama_untied_rope3, qwen2, qwen3 };
 const char* tiny_kind_name(TinyKind k);
 model::ModelConfig tiny_model_config(TinyKind kind);
+// Smaller still (C=16, V=37, F=24, H=2, Hkv=1, D=8): Qwen3 (q/k norms, untied) or Qwen2
+// (biases, tied), for optimizer and checkpoint tests.
+model::ModelConfig micro_model_config(bool qwen3);
 // Norm weights near 1, biases small, matrices scaled by 1.7/sqrt(fan-in), embeddings in [-1, 1).
 void fill_random_weights(model::Weights& w, uint64_t seed);
 

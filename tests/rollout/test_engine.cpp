@@ -85,24 +85,7 @@ std::map<std::string, RequestOutput> by_id(std::vector<RequestOutput> outs) {
   return m;
 }
 
-// GPT-2's byte -> character map (as tests/model/test_tokenizer.cpp writes it out).
-std::string byte_char(int b) {
-  int cp = b;
-  if (!((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174)) {
-    int n = 0;
-    for (int k = 0; k < b; ++k)
-      if (!((k >= 33 && k <= 126) || (k >= 161 && k <= 172) || k >= 174)) ++n;
-    cp = 256 + n;
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += char(cp);
-  } else {
-    s += char(0xC0 | (cp >> 6));
-    s += char(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
+std::string byte_char(int b) { return tandem::test::gpt2_byte_char(b); }
 
 // Ids 0..255 are the bytes, then multi-byte merges, then one control token.
 model::Tokenizer tiny_tokenizer() {

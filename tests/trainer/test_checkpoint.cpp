@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/weights.h"
+#include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 #include "trainer/checkpoint.h"
 #include "trainer/lr_schedule.h"
@@ -25,19 +26,7 @@ using model::Weights;
 
 // A tiny Qwen3 (q/k norms, untied lm_head) or Qwen2 (biases, tied).
 ModelConfig tiny_config(bool qwen3 = true) {
-  ModelConfig c;
-  c.arch = qwen3 ? model::Architecture::qwen3 : model::Architecture::qwen2;
-  c.vocab_size = 37;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
-  c.attention_bias = !qwen3;
-  c.qk_norm = qwen3;
-  c.tie_word_embeddings = !qwen3;
+  ModelConfig c = test::micro_model_config(qwen3);
   c.eos_token_ids = {2};
   return c;
 }

@@ -11,6 +11,7 @@
 
 #include "kernels/ops.h"
 #include "model/weights.h"
+#include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/optimizer.h"
@@ -24,19 +25,7 @@ using model::Weights;
 
 // A tiny Qwen2 (q/k/v biases, tied embeddings) or Qwen3 (q/k norms, untied lm_head).
 ModelConfig tiny_config(bool qwen3) {
-  ModelConfig c;
-  c.arch = qwen3 ? model::Architecture::qwen3 : model::Architecture::qwen2;
-  c.vocab_size = 37;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
-  c.attention_bias = !qwen3;
-  c.qk_norm = qwen3;
-  c.tie_word_embeddings = !qwen3;
+  ModelConfig c = test::micro_model_config(qwen3);
   return c;
 }
 
