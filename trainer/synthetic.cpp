@@ -227,6 +227,12 @@ std::vector<Example> make_format(const FormatOptions& opt, int64_t count, uint64
   return out;
 }
 
+std::vector<Example> make_synthetic(const SyntheticOptions& opt, uint64_t seed) {
+  if (opt.task == "arithmetic") return make_arithmetic(opt.arithmetic, opt.count, seed);
+  if (opt.task == "format") return make_format(opt.format, opt.count, seed);
+  TANDEM_FAIL("synthetic task '{}' is unknown: expected 'arithmetic' or 'format'", opt.task);
+}
+
 bool check_format(const json& spec, const std::string& completion, const std::string& answer) {
   TANDEM_CHECK(spec.is_object() && spec.contains("kind") && spec["kind"].is_string(),
                "check_format: spec {} has no string 'kind'", spec.dump());

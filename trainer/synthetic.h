@@ -54,6 +54,16 @@ void check_format_options(const FormatOptions& opt);
 Example format_example(const FormatOptions& opt, uint64_t seed, int64_t index);
 std::vector<Example> make_format(const FormatOptions& opt, int64_t count, uint64_t seed);
 
+// One synthetic task by name, for the config layer: "arithmetic" or "format".
+struct SyntheticOptions {
+  std::string task = "arithmetic";
+  int64_t count = 1000;  // examples generated (then split by split_dataset, say)
+  ArithmeticOptions arithmetic;
+  FormatOptions format;
+};
+// Examples 0..count-1 of the task's stream for `seed`. Throws naming the task when unknown.
+std::vector<Example> make_synthetic(const SyntheticOptions& opt, uint64_t seed);
+
 // Whether a completion follows a format spec (extra["spec"] of a format example), and for
 // "answer_tag" holds `answer` between the tags (whitespace trimmed). Throws on an unknown spec.
 bool check_format(const nlohmann::json& spec, const std::string& completion,

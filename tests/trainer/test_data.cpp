@@ -488,3 +488,20 @@ TEST_CASE("render_prompt applies the chat template and a system prompt", "[unit]
   CHECK(tok.decode(render_prompt(tok, chat, false)) ==
         "system: Be terse.\nuser: Hi\nassistant: Yo\nuser: Bye\nassistant: ");
 }
+
+TEST_CASE("synthetic tasks by name split into disjoint train and eval parts", "[unit]") {
+  SyntheticOptions opt;
+  opt.count = 500;
+  opt.arithmetic.max_digits = 1;  // 200 distinct questions: many duplicates
+  const Dataset d = split_dataset(make_synthetic(opt, 5), 0.2, 5);
+  CHECK(d.train.size() + d.eval.size() == 500);
+  CHECK(!d.eval.empty());
+  std::set<std::string> train_prompts;
+  for (const auto& ex : d.train) train_prompts.insert(ex.prompt);
+  for (const auto& ex : d.eval) CHECK(train_prompts.count(ex.prompt) == 0);
+  opt.task = "format";
+  opt.count = 4;
+  CHECK(make_synthetic(opt, 5) == make_format({}, 4, 5));
+  opt.task = "chess";
+  CHECK(error_of([&] { make_synthetic(opt, 5); }).find("'chess' is unknown") != std::string::npos);
+}
