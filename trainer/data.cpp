@@ -226,7 +226,13 @@ void write_jsonl(const std::string& path, std::span<const Example> examples,
       j[opt.messages_field] = std::move(messages);
     }
     if (!opt.answer_field.empty()) j[opt.answer_field] = ex.answer;
-    for (auto it = ex.extra.begin(); it != ex.extra.end(); ++it) j[it.key()] = it.value();
+    for (auto it = ex.extra.begin(); it != ex.extra.end(); ++it) {
+      TANDEM_CHECK(!j.contains(it.key()),
+                   "write_jsonl '{}': example {}: extra field '{}' clashes with the id, prompt or "
+                   "answer field",
+                   path, ex.id, it.key());
+      j[it.key()] = it.value();
+    }
     out += j.dump();
     out += '\n';
   }

@@ -461,6 +461,9 @@ TEST_CASE("synthetic examples round trip through jsonl", "[unit]") {
   write_jsonl(opt.path, examples, opt);
   opt.extra_fields = {"*"};
   CHECK(read_jsonl(opt.path, opt) == examples);
+  examples[0].extra["answer"] = "x";
+  CHECK(error_of([&] { write_jsonl(opt.path, examples, opt); }).find("'answer' clashes") !=
+        std::string::npos);
 }
 
 TEST_CASE("render_prompt applies the chat template and a system prompt", "[unit]") {
