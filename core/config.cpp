@@ -7,6 +7,7 @@
 #include <toml++/toml.h>
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -537,6 +538,9 @@ Config parse(std::shared_ptr<const Schema> schema, std::string_view text, std::s
 
 Config load(std::shared_ptr<const Schema> schema, const std::string& path,
             std::span<const std::string> overrides) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw Error(fmt::format("{}: is a directory: expected a TOML config file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("{}: cannot open the config file", path));
   std::stringstream ss;

@@ -533,6 +533,7 @@ JobConfig from_config(const Config& c) {
   JobConfig j;
   for (const auto& b : job_bindings()) b.load(c, j);
   j.source = c.source();
+  for (const auto& f : c.schema().fields()) j.origins[f.key] = c.where(f.key);
   check_job(c, j);
   return j;
 }
@@ -566,6 +567,11 @@ std::string to_toml(const JobConfig& job) {
   }
   c.set_tables("rewards", std::move(items));
   return config::print_toml(c);
+}
+
+std::string JobConfig::where(std::string_view key) const {
+  auto it = origins.find(key);
+  return it != origins.end() ? it->second : (source.empty() ? "<job>" : source) + " (default)";
 }
 
 std::string job_config_markdown() { return config::markdown(*job_schema()); }

@@ -4,9 +4,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/config.h"
@@ -124,6 +126,10 @@ struct JobConfig {
   EvalSection eval;
   PlacementSection placement;
   std::string source;  // the file it came from
+  // Where each key's value came from ("job.toml:4:8", "override 'model.path=x'", or
+  // "job.toml (default)"), for errors found later: "model.path 'x' does not exist (job.toml:4:8)".
+  std::map<std::string, std::string, std::less<>> origins;
+  std::string where(std::string_view key) const;
 };
 
 // The schema of a job file: every key, its type, default (from JobConfig's defaults), range and

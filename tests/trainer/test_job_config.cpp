@@ -121,6 +121,10 @@ TEST_CASE("job config overrides win over the file", "[unit]") {
   CHECK(j.trainer.grpo.loss.ratio_level == RatioLevel::kSequence);
   CHECK(j.trainer.step.loss.ratio_level == RatioLevel::kSequence);
   CHECK(j.logging.dir == "runs/y");
+  CHECK(j.where("rollout.n") == "override 'rollout.n=8'");
+  CHECK(j.where("trainer.lr") == "override 'trainer.lr=1e-6'");
+  CHECK(j.where("trainer.epochs") == "job.toml (default)");
+  CHECK(parse_job_config(text, "job.toml").where("model.path") == "job.toml:2:8");
   CHECK_THAT(error_of(text, {"rollout.n=1"}),
              Catch::Contains("override 'rollout.n=1': rollout.n: expected an integer >= 2"));
   CHECK_THAT(error_of(text, {"trainer.minibatches=3"}),
@@ -141,6 +145,8 @@ TEST_CASE("both shipped job configs validate", "[unit]") {
   CHECK(g.trainer.schedule.kind == LrScheduleKind::cosine);
   CHECK_THROWS_WITH(load_job_config("/nonexistent/job.toml"),
                     Catch::Contains("/nonexistent/job.toml: cannot open"));
+  CHECK_THROWS_WITH(load_job_config((repo_root() / "configs").string()),
+                    Catch::Contains("configs: is a directory"));
 }
 
 TEST_CASE("job config printed as TOML parses back to the same job", "[unit]") {
