@@ -1,0 +1,211 @@
+// Tests of the tandem job config: defaults, the error of each kind of bad input with its line or
+// override, overrides, the shipped configs, printing back, and docs/config.md covering the schema.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "trainer/job_config.h"
+
+using namespace tandem::trainer;
+
+namespace {
+
+std::filesystem::path repo_root() {
+  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
+}
+
+const std::string kMinimal =
+    "[model]\npath = \"m.gguf\"\n"
+    "[[rewards]]\nname = \"correct\"\nfunction = \"math_match\"\n";
+
+std::string error_of(const std::string& text, std::vector<std::string> overrides = {}) {
+  try {
+    parse_job_config(text, "job.toml", overrides);
+  } catch (const tandem::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::string read(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST_CASE("job config defaults are the trainer's own defaults", "[unit]") {
+  JobConfig j = parse_job_config(kMinimal, "job.toml");
+  const GrpoConfig grpo;
+  const AdamWConfig adamw;
+  const LrScheduleConfig sched;
+  CHECK(j.model.path == "m.gguf");
+  CHECK(j.source == "job.toml");
+  CHECK(j.trainer.grpo.loss.eps_low == grpo.loss.eps_low);
+  CHECK(j.trainer.grpo.loss.eps_high == grpo.loss.eps_high);
+  CHECK(j.trainer.grpo.loss.aggregation == grpo.loss.aggregation);
+  CHECK(j.trainer.grpo.loss.kl_estimator == KlEstimator::kK3);
+  CHECK(j.trainer.grpo.advantage.eps == grpo.advantage.eps);
+  CHECK(j.trainer.optimizer.beta2 == adamw.beta2);
+  CHECK(j.trainer.optimizer.eps == adamw.eps);
+  CHECK(j.trainer.schedule.lr == sched.lr);
+  CHECK(j.trainer.schedule.kind == sched.kind);
+  CHECK(j.rollout.n == 8);
+  CHECK(j.placement.mode == "colocated");
+  // derived: the schedule spans the run's optimizer steps
+  CHECK(j.trainer.schedule.total_steps == j.trainer.steps);
+  REQUIRE(j.rewards.size() == 1);
+  CHECK(j.rewards[0].kind == "builtin");
+  CHECK(j.rewards[0].weight == 1.0);
+  CHECK(j.rewards[0].fallback == 0.0);
+}
+
+TEST_CASE("job config gives each bad field its own message with the line", "[unit]") {
+  struct Case {
+    std::string text, message;
+  };
+  const std::vector<Case> cases = {
+      {kMinimal + "[rollout]\nnn = 8\n",
+       "job.toml:7:1: unknown key 'rollout.nn' (did you mean "
+       "'rollout.n'?)"},
+      {kMinimal + "[trainer]\nlr = \"fast\"\n",
+       "job.toml:7:6: trainer.lr: expected a number, found the string \"fast\""},
+      {kMinimal + "[rollout]\nn = 1\n", "job.toml:7:5: rollout.n: expected an integer >= 2"},
+      {kMinimal + "[trainer.algorithm]\neps_low = 1.5\n",
+       "job.toml:7:11: trainer.algorithm.eps_low: expected a number >= 0"},
+      {kMinimal + "[trainer.algorithm]\nloss_aggregation = \"mean\"\n",
+       "job.toml:7:20: trainer.algorithm.loss_aggregation: expected one of \"token-mean\""},
+      {kMinimal + "[trainer.algorithm]\ndual_clip_c = 0.5\n",
+       "job.toml:7:15: trainer.algorithm.dual_clip_c: expected 0 (off) or a number > 1"},
+      {kMinimal + "[rollout]\nprompts_per_step = 3\nn = 3\n[trainer]\nminibatches = 2\n",
+       "job.toml:10:15: trainer.minibatches: 2 does not divide the batch "
+       "rollout.prompts_per_step * rollout.n = 3 * 3 = 9 (job.toml:7:20, job.toml:8:5)"},
+      {kMinimal + "[[rewards]]\nname = \"r\"\nkind = \"remote\"\naddress = \"localhost\"\n",
+       "job.toml:9:11: rewards[1].address: expected host:port"},
+      {kMinimal + "[[rewards]]\nname = \"p\"\nkind = \"plugin\"\n",
+       "rewards[1].path: required for kind = \"plugin\""},
+      {kMinimal + "[[rewards]]\nname = \"correct\"\nfunction = \"exact_match\"\n",
+       "job.toml:7:8: rewards[1].name: 'correct' is used twice"},
+      {kMinimal + "[data]\nsource = \"jsonl\"\n", "job.toml (default): data.path: required when"},
+      {kMinimal + "[trainer.schedule]\nwarmup_steps = 500\n",
+       "job.toml:7:16: trainer.schedule.warmup_steps: 500 is more than the schedule's 100"},
+      {"[model]\npath = \"m\"\n", "rewards: at least one [[rewards]] entry is needed"},
+      {"[[rewards]]\nname = \"a\"\nfunction = \"math_match\"\n",
+       "job.toml: model.path: required but not set"},
+      {kMinimal + "[placement]\nmode = \"split\"\n",
+       "job.toml:7:8: placement.mode: expected one of \"colocated\""},
+  };
+  for (const auto& c : cases) {
+    INFO(c.text);
+    CHECK_THAT(error_of(c.text), Catch::Contains(c.message));
+  }
+}
+
+TEST_CASE("job config overrides win over the file", "[unit]") {
+  const std::string text = kMinimal + "[trainer]\nlr = 3e-6\n[rollout]\nn = 4\n";
+  JobConfig j = parse_job_config(
+      text, "job.toml",
+      std::vector<std::string>{"trainer.lr=1e-6", "rollout.n=8", "model.path=\"x\"",
+                               "trainer.algorithm.ratio_level=sequence", "logging.dir=runs/y"});
+  CHECK(j.trainer.schedule.lr == 1e-6f);
+  CHECK(j.rollout.n == 8);
+  CHECK(j.model.path == "x");
+  CHECK(j.trainer.grpo.loss.ratio_level == RatioLevel::kSequence);
+  CHECK(j.trainer.step.loss.ratio_level == RatioLevel::kSequence);
+  CHECK(j.logging.dir == "runs/y");
+  CHECK(j.where("rollout.n") == "override 'rollout.n=8'");
+  CHECK(j.where("trainer.lr") == "override 'trainer.lr=1e-6'");
+  CHECK(j.where("trainer.epochs") == "job.toml (default)");
+  CHECK(parse_job_config(text, "job.toml").where("model.path") == "job.toml:2:8");
+  CHECK_THAT(error_of(text, {"rollout.n=1"}),
+             Catch::Contains("override 'rollout.n=1': rollout.n: expected an integer >= 2"));
+  CHECK_THAT(error_of(text, {"trainer.minibatches=3"}),
+             Catch::Contains("override 'trainer.minibatches=3': trainer.minibatches: 3 does not "
+                             "divide"));
+}
+
+TEST_CASE("both shipped job configs validate", "[unit]") {
+  JobConfig d = load_job_config((repo_root() / "configs/default.toml").string());
+  CHECK(d.model.path == "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  CHECK(d.data.source == "synthetic");
+  CHECK(d.rollout.prompts_per_step * d.rollout.n == 64);
+  CHECK(d.rollout.max_new_tokens == 48);
+  CHECK(d.rewards.size() == 2);
+  JobConfig g = load_job_config((repo_root() / "configs/gsm8k-qwen2.5-0.5b.toml").string());
+  CHECK(g.data.source == "jsonl");
+  CHECK(g.placement.device == "cuda");
+  CHECK(g.trainer.schedule.kind == LrScheduleKind::cosine);
+  CHECK_THROWS_WITH(load_job_config("/nonexistent/job.toml"),
+                    Catch::Contains("/nonexistent/job.toml: cannot open"));
+  CHECK_THROWS_WITH(load_job_config((repo_root() / "configs").string()),
+                    Catch::Contains("configs: is a directory"));
+}
+
+TEST_CASE("job config printed as TOML parses back to the same job", "[unit]") {
+  std::vector<std::string> variants = {"trainer.algorithm.advantage_baseline=leave-one-out",
+                                       "trainer.algorithm.advantage_scale=none",
+                                       "trainer.algorithm.loss_aggregation=seq-mean-token-sum-norm",
+                                       "trainer.algorithm.kl_estimator=k2",
+                                       "trainer.algorithm.kl_beta=0.04",
+                                       "trainer.algorithm.is_level=sequence",
+                                       "trainer.algorithm.is_mode=mask",
+                                       "trainer.optimizer.beta2=0.95",
+                                       "trainer.optimizer.eps=1e-7",
+                                       "trainer.lr=3e-7",
+                                       "trainer.schedule.kind=cosine",
+                                       "data.extra_fields=[\"a\", \"b\"]"};
+  for (const auto& path :
+       {std::string("configs/default.toml"), std::string("configs/gsm8k-qwen2.5-0.5b.toml")}) {
+    JobConfig j = load_job_config((repo_root() / path).string(), variants);
+    std::string printed = to_toml(j);
+    JobConfig back = parse_job_config(printed, "printed.toml");
+    auto body = [](const std::string& s) { return s.substr(s.find('\n')); };  // after the title
+    CHECK(body(to_toml(back)) == body(printed));
+    CHECK(back.trainer.grpo.advantage.baseline == AdvantageBaseline::kLeaveOneOut);
+    CHECK(back.trainer.grpo.loss.aggregation == LossAggregation::kSeqMeanTokenSumNorm);
+    CHECK(back.trainer.grpo.loss.seq_sum_norm == static_cast<double>(j.rollout.max_new_tokens));
+    CHECK(back.trainer.optimizer.beta2 == 0.95f);
+    CHECK(back.trainer.optimizer.eps == 1e-7f);
+    CHECK(back.trainer.schedule.lr == 3e-7f);
+    CHECK(back.trainer.schedule.total_steps == j.trainer.schedule.total_steps);
+    CHECK(back.data.extra_fields == std::vector<std::string>{"a", "b"});
+    REQUIRE(back.rewards.size() == j.rewards.size());
+    CHECK(back.rewards[0].name == j.rewards[0].name);
+    CHECK(back.rewards.back().pattern == j.rewards.back().pattern);
+  }
+}
+
+TEST_CASE("docs config.md documents every key of the job schema", "[unit]") {
+  const auto docs_path = repo_root() / "docs/config.md";
+  const std::string generated = job_config_markdown();
+  if (std::getenv("TANDEM_REGENERATE_DOCS")) {  // rewrites the generated part of docs/config.md
+    std::string doc = read(docs_path);
+    const std::string begin = "<!-- BEGIN GENERATED: job schema -->\n";
+    const std::string end = "<!-- END GENERATED -->";
+    auto b = doc.find(begin), e = doc.find(end);
+    REQUIRE(b != std::string::npos);
+    REQUIRE(e != std::string::npos);
+    doc = doc.substr(0, b + begin.size()) + generated + doc.substr(e);
+    std::ofstream(docs_path) << doc;
+  }
+  const std::string doc = read(docs_path);
+  for (const auto& f : job_schema()->fields()) {
+    INFO(f.key);
+    CHECK_THAT(doc, Catch::Contains("`" + f.key + "`"));
+    if (f.items)
+      for (const auto& item : f.items->fields())
+        CHECK_THAT(doc, Catch::Contains("`" + f.key + "[]." + item.key + "`"));
+  }
+  INFO(
+      "docs/config.md is out of date: run TANDEM_REGENERATE_DOCS=1 build/bin/tandem_tests "
+      "\"docs config.md documents every key of the job schema\"");
+  CHECK_THAT(doc, Catch::Contains(generated));
+}

@@ -1,0 +1,579 @@
+// The tandem job's config schema and its binding to JobConfig: each key is declared once, with
+// the member it fills, so the schema, the defaults (JobConfig's own), loading, printing and the
+// generated docs cannot drift apart.
+#include "trainer/job_config.h"
+
+#include <fmt/format.h>
+
+#include <functional>
+#include <limits>
+#include <set>
+#include <type_traits>
+#include <utility>
+
+#include "core/error.h"
+
+namespace tandem::trainer {
+
+namespace {
+
+using config::Config;
+using config::Field;
+using config::Value;
+
+// A float's shortest decimal form as a double, so that 1e-6f prints as 1e-06 and reads back equal.
+double float_as_double(float f) { return std::stod(fmt::format("{}", f)); }
+
+template <class S>
+struct Binding {
+  Field field;
+  std::function<void(const Config&, S&)> load;
+  std::function<Value(const S&)> save;
+
+  Binding& range(std::optional<double> lo, std::optional<double> hi) {
+    field.range(lo, hi);
+    return *this;
+  }
+  Binding& above(double lo) {
+    field.above(lo);
+    return *this;
+  }
+  Binding& one_of(std::vector<std::string> names) {
+    field.one_of(std::move(names));
+    return *this;
+  }
+  Binding& must_set() {
+    field.must_set();
+    return *this;
+  }
+};
+
+// A key bound to the member acc(s) returns (a bool, integer, floating-point or string member).
+template <class S, class Acc>
+Binding<S> bind(std::string key, Acc acc, std::string doc) {
+  using T = std::remove_cvref_t<decltype(acc(std::declval<S&>()))>;
+  static const S defaults{};
+  const T& def = acc(defaults);
+  Binding<S> b;
+  if constexpr (std::is_same_v<T, bool>) {
+    b.field = config::boolean(key, def, std::move(doc));
+    b.load = [key, acc](const Config& c, S& s) { acc(s) = c.get_bool(key); };
+    b.save = [acc](const S& s) { return Value{acc(s)}; };
+  } else if constexpr (std::is_integral_v<T>) {
+    b.field = config::integer(key, def, std::move(doc));
+    b.field.range(static_cast<double>(std::numeric_limits<T>::min()),
+                  static_cast<double>(std::numeric_limits<T>::max()));
+    b.load = [key, acc](const Config& c, S& s) { acc(s) = static_cast<T>(c.get_int(key)); };
+    b.save = [acc](const S& s) { return Value{static_cast<int64_t>(acc(s))}; };
+  } else if constexpr (std::is_same_v<T, float>) {
+    b.field = config::real(key, float_as_double(def), std::move(doc));
+    b.load = [key, acc](const Config& c, S& s) { acc(s) = static_cast<float>(c.get_float(key)); };
+    b.save = [acc](const S& s) { return Value{float_as_double(acc(s))}; };
+  } else if constexpr (std::is_same_v<T, double>) {
+    b.field = config::real(key, def, std::move(doc));
+    b.load = [key, acc](const Config& c, S& s) { acc(s) = c.get_float(key); };
+    b.save = [acc](const S& s) { return Value{acc(s)}; };
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    b.field = config::text(key, def, std::move(doc));
+    b.load = [key, acc](const Config& c, S& s) { acc(s) = c.get_string(key); };
+    b.save = [acc](const S& s) { return Value{acc(s)}; };
+  } else {
+    static_assert(std::is_same_v<T, std::vector<std::string>>);
+    b.field = config::text_list(key, def, std::move(doc));
+    b.load = [key, acc](const Config& c, S& s) { acc(s) = c.get_strings(key); };
+    b.save = [acc](const S& s) { return Value{acc(s)}; };
+  }
+  return b;
+}
+
+// A key naming one of an enum's values.
+template <class S, class E, class Acc>
+Binding<S> choice(std::string key, Acc acc, std::vector<std::pair<E, std::string>> names,
+                  std::string doc) {
+  static const S defaults{};
+  auto name_of = [names](E e) {
+    for (const auto& [v, n] : names)
+      if (v == e) return n;
+    return std::string("?");
+  };
+  std::vector<std::string> all;
+  for (const auto& [v, n] : names) all.push_back(n);
+  Binding<S> b;
+  b.field = config::text(key, name_of(acc(defaults)), std::move(doc));
+  b.field.one_of(all);
+  b.load = [key, acc, names](const Config& c, S& s) {
+    const auto& n = c.get_string(key);
+    for (const auto& [v, name] : names)
+      if (name == n) acc(s) = v;
+  };
+  b.save = [acc, name_of](const S& s) { return Value{name_of(acc(s))}; };
+  return b;
+}
+
+#define TANDEM_MEMBER(expr) \
+  [](auto& s) -> auto& { return s.expr; }
+
+const std::vector<Binding<RewardSpec>>& reward_bindings() {
+  static const std::vector<Binding<RewardSpec>> b = [] {
+    using R = RewardSpec;
+    std::vector<Binding<R>> v;
+    v.push_back(bind<R>("name", TANDEM_MEMBER(name), "Name in the metrics (unique).").must_set());
+    v.push_back(bind<R>("kind", TANDEM_MEMBER(kind), "Where the function lives.")
+                    .one_of({"builtin", "plugin", "remote"}));
+    v.push_back(bind<R>("weight", TANDEM_MEMBER(weight), "Weight in the summed reward."));
+    v.push_back(bind<R>("fallback", TANDEM_MEMBER(fallback),
+                        "Score of a sample whose reward threw, returned NaN or timed out."));
+    v.push_back(bind<R>("max_consecutive_failures", TANDEM_MEMBER(max_consecutive_failures),
+                        "This many failed batches in a row stop the run.")
+                    .range(1, 1e6));
+    v.push_back(bind<R>("function", TANDEM_MEMBER(function), "builtin: the function.")
+                    .one_of({"", "math_match", "exact_match", "regex_format", "length_penalty"}));
+    v.push_back(bind<R>("pattern", TANDEM_MEMBER(pattern),
+                        "builtin regex_format: the PCRE2 pattern a completion must match."));
+    v.push_back(bind<R>("target_length", TANDEM_MEMBER(target_length),
+                        "builtin length_penalty: completion tokens without penalty.")
+                    .range(0, 1e9));
+    v.push_back(bind<R>("path", TANDEM_MEMBER(path),
+                        "plugin: the shared library exporting tandem_reward_v1."));
+    v.push_back(bind<R>("config", TANDEM_MEMBER(config), "plugin: the string given to its init."));
+    v.push_back(
+        bind<R>("address", TANDEM_MEMBER(address), "remote: the Thrift server, host:port."));
+    v.push_back(bind<R>("timeout_ms", TANDEM_MEMBER(timeout_ms), "remote: timeout per call.")
+                    .range(1, 3.6e6));
+    v.push_back(bind<R>("retries", TANDEM_MEMBER(retries), "remote: retries of a failed call.")
+                    .range(0, 100));
+    v.push_back(bind<R>("max_concurrency", TANDEM_MEMBER(max_concurrency),
+                        "remote: calls in flight at most.")
+                    .range(1, 1024));
+    return v;
+  }();
+  return b;
+}
+
+std::vector<Binding<JobConfig>> make_job_bindings() {
+  using J = JobConfig;
+  std::vector<Binding<J>> v;
+  auto add = [&](Binding<J> b) -> Binding<J>& { return v.emplace_back(std::move(b)); };
+
+  // model
+  add(bind<J>("model.path", TANDEM_MEMBER(model.path),
+              "A GGUF file or a Hugging Face model directory."))
+      .must_set();
+  add(bind<J>("model.chat_template", TANDEM_MEMBER(model.chat_template),
+              "\"auto\" (the model's own), \"none\" (raw prompts), or a template file."));
+  // data
+  add(bind<J>("data.source", TANDEM_MEMBER(data.source), "Where prompts come from."))
+      .one_of({"synthetic", "jsonl"});
+  add(bind<J>("data.task", TANDEM_MEMBER(data.task), "synthetic: the generated task."))
+      .one_of({"arithmetic", "format"});
+  add(bind<J>("data.difficulty", TANDEM_MEMBER(data.difficulty),
+              "synthetic arithmetic: operand digits and terms grow with it."))
+      .range(1, 5);
+  add(bind<J>("data.synthetic_size", TANDEM_MEMBER(data.synthetic_size),
+              "synthetic: prompts generated (train and eval)."))
+      .range(2, 1e9);
+  add(bind<J>("data.path", TANDEM_MEMBER(data.path), "jsonl: the dataset file."));
+  add(bind<J>("data.prompt_field", TANDEM_MEMBER(data.prompt_field),
+              "jsonl: the field holding the prompt text."));
+  add(bind<J>("data.messages_field", TANDEM_MEMBER(data.messages_field),
+              "jsonl: a field of chat messages used instead of prompt_field (\"\": none)."));
+  add(bind<J>("data.answer_field", TANDEM_MEMBER(data.answer_field),
+              "jsonl: the reference answer given to the rewards."));
+  add(bind<J>("data.extra_fields", TANDEM_MEMBER(data.extra_fields),
+              "jsonl: more fields passed to the rewards."));
+  add(bind<J>("data.system_prompt", TANDEM_MEMBER(data.system_prompt),
+              "A system message put before each prompt (\"\": none)."));
+  add(bind<J>("data.max_prompt_tokens", TANDEM_MEMBER(data.max_prompt_tokens),
+              "Longer prompts are skipped."))
+      .range(1, 1e7);
+  add(bind<J>("data.seed", TANDEM_MEMBER(data.seed),
+              "Seed of generation, shuffling and the split."))
+      .range(0, std::nullopt);
+  // rollout
+  add(bind<J>("rollout.prompts_per_step", TANDEM_MEMBER(rollout.prompts_per_step),
+              "B: prompts per GRPO step."))
+      .range(1, 1e6);
+  add(bind<J>("rollout.n", TANDEM_MEMBER(rollout.n), "G: samples per prompt (a group)."))
+      .range(2, 4096);
+  add(bind<J>("rollout.max_new_tokens", TANDEM_MEMBER(rollout.max_new_tokens),
+              "Completion tokens per sample at most."))
+      .range(1, 1e6);
+  add(bind<J>("rollout.temperature", TANDEM_MEMBER(rollout.temperature),
+              "Sampling temperature (also divides the trainer's logits)."))
+      .above(0);
+  add(bind<J>("rollout.top_p", TANDEM_MEMBER(rollout.top_p), "Nucleus sampling; 1: off."))
+      .above(0)
+      .range(0, 1);
+  add(bind<J>("rollout.top_k", TANDEM_MEMBER(rollout.top_k), "Top-k sampling; 0: off."))
+      .range(0, 1e7);
+  add(bind<J>("rollout.min_p", TANDEM_MEMBER(rollout.min_p), "Min-p sampling; 0: off."))
+      .range(0, 1);
+  add(bind<J>("rollout.seed", TANDEM_MEMBER(rollout.seed), "Seed of the sampler."))
+      .range(0, std::nullopt);
+  add(bind<J>("rollout.block_size", TANDEM_MEMBER(rollout.block_size), "Tokens per KV block."))
+      .range(1, 4096);
+  add(bind<J>("rollout.num_blocks", TANDEM_MEMBER(rollout.num_blocks), "KV blocks in the arena."))
+      .range(1, 1e9);
+  add(bind<J>("rollout.max_batch_tokens", TANDEM_MEMBER(rollout.max_batch_tokens),
+              "Tokens computed per engine step."))
+      .range(1, 1e9);
+  add(bind<J>("rollout.max_seqs", TANDEM_MEMBER(rollout.max_seqs), "Sequences per engine step."))
+      .range(1, 1e7);
+  // trainer
+  add(bind<J>("trainer.steps", TANDEM_MEMBER(trainer.steps), "GRPO steps of the run."))
+      .range(1, 1e9);
+  add(bind<J>("trainer.lr", TANDEM_MEMBER(trainer.schedule.lr), "Peak learning rate.")).range(0, 1);
+  add(bind<J>("trainer.epochs", TANDEM_MEMBER(trainer.step.epochs),
+              "mu: passes over each step's batch."))
+      .range(1, 1000);
+  add(bind<J>("trainer.minibatches", TANDEM_MEMBER(trainer.step.minibatches),
+              "Optimizer steps per epoch; must divide prompts_per_step * n."))
+      .range(1, 1e6);
+  add(bind<J>("trainer.micro_batch_tokens", TANDEM_MEMBER(trainer.step.micro_batch_tokens),
+              "Packed tokens per forward/backward at most."))
+      .range(1, 1e9);
+  add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
+              "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch)."));
+  add(bind<J>("trainer.dtype", TANDEM_MEMBER(trainer.dtype), "Master weights' type."))
+      .one_of({"f32"});
+  // trainer.algorithm
+  add(choice<J>("trainer.algorithm.advantage_baseline",
+                TANDEM_MEMBER(trainer.grpo.advantage.baseline),
+                std::vector<std::pair<AdvantageBaseline, std::string>>{
+                    {AdvantageBaseline::kGroupMean, "group-mean"},
+                    {AdvantageBaseline::kLeaveOneOut, "leave-one-out"}},
+                "Subtracted from each reward: the group's mean (GRPO) or the others' (RLOO)."));
+  add(choice<J>(
+      "trainer.algorithm.advantage_scale", TANDEM_MEMBER(trainer.grpo.advantage.scale),
+      std::vector<std::pair<AdvantageScale, std::string>>{{AdvantageScale::kGroupStd, "group-std"},
+                                                          {AdvantageScale::kBatchStd, "batch-std"},
+                                                          {AdvantageScale::kNone, "none"}},
+      "What the centred reward is divided by (none: Dr. GRPO)."));
+  add(bind<J>("trainer.algorithm.advantage_eps", TANDEM_MEMBER(trainer.grpo.advantage.eps),
+              "Added to the std; > 0 when dividing by a std."))
+      .range(0, 1);
+  add(choice<J>("trainer.algorithm.ratio_level", TANDEM_MEMBER(trainer.grpo.loss.ratio_level),
+                std::vector<std::pair<RatioLevel, std::string>>{
+                    {RatioLevel::kToken, "token"}, {RatioLevel::kSequence, "sequence"}},
+                "Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."));
+  add(bind<J>("trainer.algorithm.clip", TANDEM_MEMBER(trainer.grpo.loss.clip),
+              "Clip the ratio (trust region); false: l = -A * ratio."));
+  add(bind<J>("trainer.algorithm.eps_low", TANDEM_MEMBER(trainer.grpo.loss.eps_low),
+              "Ratio clipped below at 1 - eps_low."))
+      .range(0, 0.999999);
+  add(bind<J>("trainer.algorithm.eps_high", TANDEM_MEMBER(trainer.grpo.loss.eps_high),
+              "Ratio clipped above at 1 + eps_high (clip-higher, DAPO, when > eps_low)."))
+      .range(0, 1e6);
+  add(bind<J>("trainer.algorithm.dual_clip_c", TANDEM_MEMBER(trainer.grpo.loss.dual_clip_c),
+              "Dual clip: loss <= -A * c for A < 0; 0: off, else > 1."))
+      .range(0, 1e6);
+  add(choice<J>("trainer.algorithm.loss_aggregation", TANDEM_MEMBER(trainer.grpo.loss.aggregation),
+                std::vector<std::pair<LossAggregation, std::string>>{
+                    {LossAggregation::kTokenMean, "token-mean"},
+                    {LossAggregation::kSeqMeanTokenMean, "seq-mean-token-mean"},
+                    {LossAggregation::kSeqMeanTokenSumNorm, "seq-mean-token-sum-norm"},
+                    {LossAggregation::kTokenSum, "token-sum"}},
+                "How per-token losses become one number (see docs/grpo.md)."));
+  add(bind<J>("trainer.algorithm.seq_sum_norm", TANDEM_MEMBER(trainer.grpo.loss.seq_sum_norm),
+              "seq-mean-token-sum-norm's constant; 0: rollout.max_new_tokens."))
+      .range(0, 1e9);
+  add(choice<J>("trainer.algorithm.kl_estimator", TANDEM_MEMBER(trainer.grpo.loss.kl_estimator),
+                std::vector<std::pair<KlEstimator, std::string>>{
+                    {KlEstimator::kK1, "k1"}, {KlEstimator::kK2, "k2"}, {KlEstimator::kK3, "k3"}},
+                "Estimator of the KL to the reference policy."));
+  add(bind<J>("trainer.algorithm.kl_beta", TANDEM_MEMBER(trainer.grpo.loss.kl_beta),
+              "Weight of the KL term; 0: no reference model."))
+      .range(0, 1e6);
+  add(bind<J>("trainer.algorithm.entropy_coef", TANDEM_MEMBER(trainer.grpo.loss.entropy_coef),
+              "Entropy bonus weight."))
+      .range(0, 1e6);
+  add(choice<J>("trainer.algorithm.is_level", TANDEM_MEMBER(trainer.grpo.loss.is_level),
+                std::vector<std::pair<ImportanceLevel, std::string>>{
+                    {ImportanceLevel::kNone, "none"},
+                    {ImportanceLevel::kToken, "token"},
+                    {ImportanceLevel::kSequence, "sequence"}},
+                "Rollout/trainer mismatch correction exp(old - rollout): off, per token or per "
+                "sequence."));
+  add(choice<J>("trainer.algorithm.is_mode", TANDEM_MEMBER(trainer.grpo.loss.is_mode),
+                std::vector<std::pair<ImportanceMode, std::string>>{
+                    {ImportanceMode::kTruncate, "truncate"}, {ImportanceMode::kMask, "mask"}},
+                "Weights above is_cap: truncated to it (TIS) or set to 0."));
+  add(bind<J>("trainer.algorithm.is_cap", TANDEM_MEMBER(trainer.grpo.loss.is_cap),
+              "Cap of the importance weight."))
+      .above(0);
+  add(bind<J>("trainer.algorithm.dynamic_sampling", TANDEM_MEMBER(trainer.shaping.dynamic_sampling),
+              "Drop groups whose rewards are all equal (DAPO)."));
+  add(bind<J>("trainer.algorithm.mask_truncated", TANDEM_MEMBER(trainer.shaping.mask_truncated),
+              "Leave samples cut by max_new_tokens out of the loss."));
+  add(bind<J>("trainer.algorithm.overlong_buffer", TANDEM_MEMBER(trainer.shaping.overlong_buffer),
+              "DAPO soft overlong penalty: tokens before max_new_tokens where it starts."))
+      .range(0, 1e6);
+  add(bind<J>("trainer.algorithm.overlong_factor", TANDEM_MEMBER(trainer.shaping.overlong_factor),
+              "DAPO soft overlong penalty at max_new_tokens; 0: off."))
+      .range(0, 1e6);
+  // trainer.optimizer
+  add(bind<J>("trainer.optimizer.beta1", TANDEM_MEMBER(trainer.optimizer.beta1), "AdamW beta1."))
+      .range(0, 0.999999);
+  add(bind<J>("trainer.optimizer.beta2", TANDEM_MEMBER(trainer.optimizer.beta2), "AdamW beta2."))
+      .range(0, 0.999999);
+  add(bind<J>("trainer.optimizer.eps", TANDEM_MEMBER(trainer.optimizer.eps), "AdamW epsilon."))
+      .above(0)
+      .range(0, 1);
+  add(bind<J>("trainer.optimizer.weight_decay", TANDEM_MEMBER(trainer.optimizer.weight_decay),
+              "Decoupled weight decay."))
+      .range(0, 10);
+  add(bind<J>("trainer.optimizer.decay_norms", TANDEM_MEMBER(trainer.optimizer.decay_norms),
+              "Decay the norm weights too."));
+  add(bind<J>("trainer.optimizer.decay_biases", TANDEM_MEMBER(trainer.optimizer.decay_biases),
+              "Decay the biases too."));
+  add(bind<J>("trainer.optimizer.decay_embeddings",
+              TANDEM_MEMBER(trainer.optimizer.decay_embeddings),
+              "Decay the embeddings (and an untied lm_head)."));
+  add(bind<J>("trainer.optimizer.max_grad_norm", TANDEM_MEMBER(trainer.optimizer.max_grad_norm),
+              "Global-norm clipping threshold; <= 0: off."))
+      .range(-1e9, 1e9);
+  add(bind<J>("trainer.optimizer.max_consecutive_skips",
+              TANDEM_MEMBER(trainer.optimizer.max_consecutive_skips),
+              "Non-finite gradient steps in a row that stop the run."))
+      .range(1, 1e6);
+  // trainer.schedule
+  add(choice<J>("trainer.schedule.kind", TANDEM_MEMBER(trainer.schedule.kind),
+                std::vector<std::pair<LrScheduleKind, std::string>>{
+                    {LrScheduleKind::constant, "constant"},
+                    {LrScheduleKind::warmup_constant, "warmup_constant"},
+                    {LrScheduleKind::cosine, "cosine"},
+                    {LrScheduleKind::linear, "linear"}},
+                "Learning-rate schedule (warmup is linear)."));
+  add(bind<J>("trainer.schedule.warmup_steps", TANDEM_MEMBER(trainer.schedule.warmup_steps),
+              "Warmup optimizer steps (or warmup_ratio, not both)."))
+      .range(0, 1e9);
+  add(bind<J>("trainer.schedule.warmup_ratio", TANDEM_MEMBER(trainer.schedule.warmup_ratio),
+              "Warmup as a fraction of total_steps."))
+      .range(0, 1);
+  add(bind<J>("trainer.schedule.total_steps", TANDEM_MEMBER(trainer.schedule.total_steps),
+              "Optimizer steps of the schedule; 0: steps * epochs * minibatches."))
+      .range(0, 1e12);
+  add(bind<J>("trainer.schedule.min_lr_ratio", TANDEM_MEMBER(trainer.schedule.min_lr_ratio),
+              "cosine and linear end at min_lr_ratio * lr."))
+      .range(0, 1);
+  add(bind<J>("trainer.schedule.num_cycles", TANDEM_MEMBER(trainer.schedule.num_cycles),
+              "cosine: 0.5 is one half-wave."))
+      .above(0)
+      .range(0, 1e6);
+  // rewards
+  {
+    auto items = std::make_shared<config::Schema>();
+    for (const auto& rb : reward_bindings()) items->add(rb.field);
+    Binding<J> b;
+    b.field = config::table_array("rewards", items,
+                                  "Reward functions, summed with their weights; at least one.");
+    b.load = [](const Config& c, J& j) {
+      j.rewards.clear();
+      for (const auto& item : c.get_tables("rewards")) {
+        RewardSpec r;
+        for (const auto& rb : reward_bindings()) rb.load(item, r);
+        j.rewards.push_back(std::move(r));
+      }
+    };
+    add(std::move(b));  // saved by to_toml through the item bindings
+  }
+  // checkpoint
+  add(bind<J>("checkpoint.dir", TANDEM_MEMBER(checkpoint.dir), "Where checkpoints go."));
+  add(bind<J>("checkpoint.every", TANDEM_MEMBER(checkpoint.every),
+              "Steps between checkpoints; 0: only at the end and on Ctrl-C."))
+      .range(0, 1e9);
+  add(bind<J>("checkpoint.keep_last", TANDEM_MEMBER(checkpoint.keep_last),
+              "Checkpoints kept (older ones are deleted)."))
+      .range(1, 1e6);
+  add(bind<J>("checkpoint.resume", TANDEM_MEMBER(checkpoint.resume),
+              "\"auto\" (the latest in dir, if any), \"none\", or a checkpoint path."));
+  // logging
+  add(bind<J>("logging.dir", TANDEM_MEMBER(logging.dir),
+              "Run directory: metrics.jsonl, report.html, samples."));
+  add(bind<J>("logging.every", TANDEM_MEMBER(logging.every), "Steps between progress lines."))
+      .range(1, 1e9);
+  add(bind<J>("logging.samples_every", TANDEM_MEMBER(logging.samples_every),
+              "Steps between logged sample completions; 0: never."))
+      .range(0, 1e9);
+  add(bind<J>("logging.level", TANDEM_MEMBER(logging.level), "Log level."))
+      .one_of({"trace", "debug", "info", "warn", "error"});
+  // eval
+  add(bind<J>("eval.every", TANDEM_MEMBER(eval.every), "Steps between evaluations; 0: off."))
+      .range(0, 1e9);
+  add(bind<J>("eval.split_fraction", TANDEM_MEMBER(eval.split_fraction),
+              "Share of the data held out for evaluation."))
+      .range(0, 0.9);
+  add(bind<J>("eval.max_prompts", TANDEM_MEMBER(eval.max_prompts),
+              "Held-out prompts evaluated at most."))
+      .range(1, 1e9);
+  add(bind<J>("eval.pass_k", TANDEM_MEMBER(eval.pass_k),
+              "k of pass@k: samples per held-out prompt (pass@1 from the same samples)."))
+      .range(1, 1024);
+  add(bind<J>("eval.temperature", TANDEM_MEMBER(eval.temperature), "Sampling temperature of eval."))
+      .range(0, 100);
+  // placement
+  add(bind<J>("placement.mode", TANDEM_MEMBER(placement.mode),
+              "Rollout and trainer placement; one process for now."))
+      .one_of({"colocated"});
+  add(bind<J>("placement.device", TANDEM_MEMBER(placement.device), "Where the job runs."))
+      .one_of({"cpu", "cuda"});
+  return v;
+}
+
+#undef TANDEM_MEMBER
+
+const std::vector<Binding<JobConfig>>& job_bindings() {
+  static const std::vector<Binding<JobConfig>> b = make_job_bindings();
+  return b;
+}
+
+std::shared_ptr<const config::Schema> make_schema() {
+  auto s = std::make_shared<config::Schema>();
+  s->describe("model", "The policy model (also the reference and the rollout engine's).");
+  s->describe("data", "Prompts: a synthetic task or a JSONL dataset.");
+  s->describe("rollout", "Sampling of G completions per prompt by the rollout engine.");
+  s->describe("trainer", "The GRPO update: steps, batch split and learning rate.");
+  s->describe("trainer.algorithm",
+              "Advantages, the policy loss and sample shaping (docs/grpo.md).");
+  s->describe("trainer.optimizer", "AdamW (docs/trainer-optimizer.md).");
+  s->describe("trainer.schedule", "Learning-rate schedule; the peak is trainer.lr.");
+  s->describe("rewards", "Reward functions ([[rewards]] entries).");
+  s->describe("checkpoint", "Checkpoints and resuming.");
+  s->describe("logging", "Progress, metrics, report and samples.");
+  s->describe("eval", "Held-out evaluation: mean reward, pass@1, pass@k.");
+  s->describe("placement", "Where rollout and training run.");
+  for (const auto& b : job_bindings()) s->add(b.field);
+  return s;
+}
+
+// Cross-field rules, each error at the key that should change.
+void check_job(const Config& c, JobConfig& j) {
+  const auto& ro = j.rollout;
+  auto& t = j.trainer;
+  int64_t batch = ro.prompts_per_step * ro.n;
+  if (batch % t.step.minibatches != 0)
+    c.fail(
+        "trainer.minibatches",
+        fmt::format("{} does not divide the batch rollout.prompts_per_step * rollout.n = {} * {} "
+                    "= {} ({}, {})",
+                    t.step.minibatches, ro.prompts_per_step, ro.n, batch,
+                    c.where("rollout.prompts_per_step"), c.where("rollout.n")));
+  if (t.step.minibatches > 1 && (batch / t.step.minibatches) % ro.n != 0)
+    c.fail("trainer.minibatches",
+           fmt::format("each minibatch of {} samples must hold whole groups of rollout.n = {}",
+                       batch / t.step.minibatches, ro.n));
+  if (t.grpo.loss.dual_clip_c != 0 && t.grpo.loss.dual_clip_c <= 1)
+    c.fail("trainer.algorithm.dual_clip_c",
+           fmt::format("expected 0 (off) or a number > 1, found {}", t.grpo.loss.dual_clip_c));
+  if (t.grpo.advantage.scale != AdvantageScale::kNone && t.grpo.advantage.eps <= 0)
+    c.fail("trainer.algorithm.advantage_eps",
+           "expected > 0 when advantage_scale divides by a std, found 0");
+  if (t.grpo.loss.aggregation == LossAggregation::kSeqMeanTokenSumNorm &&
+      t.grpo.loss.seq_sum_norm == 0)
+    t.grpo.loss.seq_sum_norm = static_cast<double>(ro.max_new_tokens);
+  if (t.schedule.warmup_steps != 0 && t.schedule.warmup_ratio != 0)
+    c.fail("trainer.schedule.warmup_ratio", "set warmup_steps or warmup_ratio, not both");
+  int64_t optimizer_steps = t.steps * t.step.epochs * t.step.minibatches;
+  if (t.schedule.total_steps == 0) t.schedule.total_steps = optimizer_steps;
+  if (t.schedule.warmup_steps > t.schedule.total_steps)
+    c.fail("trainer.schedule.warmup_steps",
+           fmt::format("{} is more than the schedule's {} optimizer steps", t.schedule.warmup_steps,
+                       t.schedule.total_steps));
+  if (j.data.source == "jsonl" && j.data.path.empty())
+    c.fail("data.path", "required when data.source = \"jsonl\"");
+  if (j.data.prompt_field.empty() && j.data.messages_field.empty())
+    c.fail("data.prompt_field", "set prompt_field or messages_field");
+  if (j.eval.every > 0 && j.eval.split_fraction <= 0)
+    c.fail("eval.split_fraction", "expected > 0 when eval.every > 0 (nothing to evaluate on)");
+
+  const auto& items = c.get_tables("rewards");
+  if (items.empty())
+    c.fail("rewards",
+           "at least one [[rewards]] entry is needed (e.g. kind = \"builtin\", "
+           "function = \"math_match\")");
+  std::set<std::string> names;
+  for (size_t i = 0; i < j.rewards.size(); ++i) {
+    const auto& r = j.rewards[i];
+    const auto& item = items[i];
+    auto fail = [&](const char* key, const std::string& msg) {
+      throw Error(fmt::format("{}: rewards[{}].{}: {}",
+                              item.is_set(key) ? item.where(key) : c.where("rewards"), i, key,
+                              msg));
+    };
+    if (!names.insert(r.name).second) fail("name", fmt::format("'{}' is used twice", r.name));
+    if (r.kind == "builtin") {
+      if (r.function.empty()) fail("function", "required for kind = \"builtin\"");
+      if (r.function == "regex_format" && r.pattern.empty())
+        fail("pattern", "required for function = \"regex_format\"");
+    } else if (r.kind == "plugin") {
+      if (r.path.empty()) fail("path", "required for kind = \"plugin\" (the shared library)");
+    } else if (r.kind == "remote") {
+      auto colon = r.address.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == r.address.size() ||
+          r.address.find_first_not_of("0123456789", colon + 1) != std::string::npos)
+        fail("address",
+             fmt::format("expected host:port for kind = \"remote\", found \"{}\"", r.address));
+    }
+  }
+
+  // The trainer's own checks, as a backstop of the ranges above.
+  t.step.loss = t.grpo.loss;
+  t.step.temperature = static_cast<float>(ro.temperature);
+  try {
+    validate(t.grpo, static_cast<int>(ro.n));
+    t.step.validate();
+    t.optimizer.validate();
+    t.schedule.validate();
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: trainer: {}", c.source(), e.what()));
+  }
+}
+
+JobConfig from_config(const Config& c) {
+  JobConfig j;
+  for (const auto& b : job_bindings()) b.load(c, j);
+  j.source = c.source();
+  for (const auto& f : c.schema().fields()) j.origins[f.key] = c.where(f.key);
+  check_job(c, j);
+  return j;
+}
+
+}  // namespace
+
+std::shared_ptr<const config::Schema> job_schema() {
+  static const std::shared_ptr<const config::Schema> s = make_schema();
+  return s;
+}
+
+JobConfig load_job_config(const std::string& path, std::span<const std::string> overrides) {
+  return from_config(config::load(job_schema(), path, overrides));
+}
+
+JobConfig parse_job_config(std::string_view text, const std::string& source,
+                           std::span<const std::string> overrides) {
+  return from_config(config::parse(job_schema(), text, source, overrides));
+}
+
+std::string to_toml(const JobConfig& job) {
+  Config c = Config::defaults(job_schema(), job.source.empty() ? "<job>" : job.source);
+  for (const auto& b : job_bindings())
+    if (b.save) c.set(b.field.key, b.save(job));
+  auto items_schema = job_schema()->find("rewards")->items;
+  std::vector<Config> items;
+  for (const auto& r : job.rewards) {
+    Config item = Config::defaults(items_schema);
+    for (const auto& rb : reward_bindings()) item.set(rb.field.key, rb.save(r));
+    items.push_back(std::move(item));
+  }
+  c.set_tables("rewards", std::move(items));
+  return config::print_toml(c);
+}
+
+std::string JobConfig::where(std::string_view key) const {
+  auto it = origins.find(key);
+  return it != origins.end() ? it->second : (source.empty() ? "<job>" : source) + " (default)";
+}
+
+std::string job_config_markdown() { return config::markdown(*job_schema()); }
+
+}  // namespace tandem::trainer

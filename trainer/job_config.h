@@ -1,0 +1,152 @@
+// The tandem job's config: the schema of a GRPO job's TOML file (model, data, rollout, trainer,
+// rewards, checkpoint, logging, eval, placement), its typed form JobConfig, loading with dotted
+// overrides and the cross-field checks, and printing the resolved job back as TOML.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/config.h"
+#include "trainer/grpo.h"
+#include "trainer/lr_schedule.h"
+#include "trainer/optimizer.h"
+#include "trainer/train_step.h"
+
+namespace tandem::trainer {
+
+struct ModelSection {
+  std::string path;                    // a GGUF file or an HF model directory (required)
+  std::string chat_template = "auto";  // "auto" (the model's), "none", or a template file path
+};
+
+struct DataSection {
+  std::string source = "synthetic";  // "synthetic" or "jsonl"
+  std::string task = "arithmetic";   // synthetic: "arithmetic" or "format"
+  int64_t difficulty = 1;            // synthetic arithmetic: 1 (one-digit) .. 5
+  int64_t synthetic_size = 4096;     // synthetic: prompts generated
+  std::string path;                  // jsonl: the dataset file
+  std::string prompt_field = "prompt";
+  std::string messages_field;  // jsonl: chat messages field (instead of prompt_field)
+  std::string answer_field = "answer";
+  std::vector<std::string> extra_fields;  // passed to the rewards
+  std::string system_prompt;
+  int64_t max_prompt_tokens = 512;
+  int64_t seed = 0;  // shuffling and the eval split
+};
+
+struct RolloutSection {
+  int64_t prompts_per_step = 8;  // B
+  int64_t n = 8;                 // G: samples per prompt
+  int64_t max_new_tokens = 48;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  double min_p = 0.0;
+  int64_t seed = 0;
+  int64_t block_size = 16;
+  int64_t num_blocks = 1024;
+  int64_t max_batch_tokens = 2048;
+  int64_t max_seqs = 256;
+};
+
+struct ShapingSection {
+  bool dynamic_sampling = false;  // drop groups whose rewards are all equal
+  bool mask_truncated = false;    // leave samples cut by max_new_tokens out of the loss
+  int64_t overlong_buffer = 0;    // DAPO soft overlong penalty; 0 with factor 0: off
+  double overlong_factor = 0.0;
+};
+
+struct TrainerSection {
+  int64_t steps = 100;  // GRPO steps of the run
+  GrpoConfig grpo;
+  TrainStepConfig step;  // its .loss is grpo.loss; temperature comes from the rollout
+  ShapingSection shaping;
+  AdamWConfig optimizer;
+  LrScheduleConfig schedule;  // total_steps = steps * epochs * minibatches when 0
+  std::string dtype = "f32";  // master weights
+};
+
+struct RewardSpec {
+  std::string name;
+  std::string kind = "builtin";  // builtin | plugin | remote
+  double weight = 1.0;
+  double fallback = 0.0;  // the score of a sample whose reward failed (threw, NaN, timed out)
+  int64_t max_consecutive_failures = 8;
+  std::string function;       // builtin: math_match | exact_match | regex_format | length_penalty
+  std::string pattern;        // builtin regex_format: the PCRE2 pattern
+  int64_t target_length = 0;  // builtin length_penalty: tokens without penalty
+  std::string path;           // plugin: the shared library
+  std::string config;         // plugin: the string given to init
+  std::string address;        // remote: host:port
+  int64_t timeout_ms = 10000;
+  int64_t retries = 2;
+  int64_t max_concurrency = 4;
+};
+
+struct CheckpointSection {
+  std::string dir = "runs/default/checkpoints";
+  int64_t every = 50;  // steps; 0: only at the end and on Ctrl-C
+  int64_t keep_last = 2;
+  std::string resume = "auto";  // "auto" (latest in dir if any), "none", or a checkpoint path
+};
+
+struct LoggingSection {
+  std::string dir = "runs/default";  // metrics.jsonl, report.html, samples
+  int64_t every = 1;
+  int64_t samples_every = 10;  // 0: never
+  std::string level = "info";
+};
+
+struct EvalSection {
+  int64_t every = 10;  // steps; 0: off
+  double split_fraction = 0.1;
+  int64_t max_prompts = 64;
+  int64_t pass_k = 4;  // pass@k: k samples per prompt
+  double temperature = 1.0;
+};
+
+struct PlacementSection {
+  std::string mode = "colocated";
+  std::string device = "cpu";  // "cpu" or "cuda"
+};
+
+struct JobConfig {
+  ModelSection model;
+  DataSection data;
+  RolloutSection rollout;
+  TrainerSection trainer;
+  std::vector<RewardSpec> rewards;
+  CheckpointSection checkpoint;
+  LoggingSection logging;
+  EvalSection eval;
+  PlacementSection placement;
+  std::string source;  // the file it came from
+  // Where each key's value came from ("job.toml:4:8", "override 'model.path=x'", or
+  // "job.toml (default)"), for errors found later: "model.path 'x' does not exist (job.toml:4:8)".
+  std::map<std::string, std::string, std::less<>> origins;
+  std::string where(std::string_view key) const;
+};
+
+// The schema of a job file: every key, its type, default (from JobConfig's defaults), range and
+// documentation.
+std::shared_ptr<const config::Schema> job_schema();
+
+// Reads a job file, applies "key.sub=value" overrides, validates every key and then the
+// cross-field rules (batch sizes that divide, rewards' kind-specific keys, trainer.grpo's and the
+// optimizer's own validate()). Throws one tandem::Error naming file:line:column or the override.
+JobConfig load_job_config(const std::string& path, std::span<const std::string> overrides = {});
+// The same from TOML text named `source`.
+JobConfig parse_job_config(std::string_view text, const std::string& source,
+                           std::span<const std::string> overrides = {});
+
+// The resolved job as TOML (every key, defaults included); parse_job_config of it gives it back.
+std::string to_toml(const JobConfig& job);
+// docs/config.md's reference section, generated from the schema.
+std::string job_config_markdown();
+
+}  // namespace tandem::trainer
