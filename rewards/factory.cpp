@@ -1,0 +1,129 @@
+// make_reward: the built-ins and plugins by kind, with their options checked.
+#include "rewards/factory.h"
+
+#include <set>
+
+#include "core/error.h"
+#include "rewards/builtins.h"
+#include "rewards/plugin.h"
+
+namespace tandem::rewards {
+namespace {
+
+// Reads options of one reward, checking names and types; unknown keys are an error.
+class OptionReader {
+ public:
+  OptionReader(const std::string& name, const std::string& kind, const nlohmann::json& options)
+      : name_(name), kind_(kind), options_(options) {
+    TANDEM_CHECK(options_.is_null() || options_.is_object(),
+                 "reward '{}' ({}): options must be an object, got {}", name_, kind_,
+                 options_.type_name());
+  }
+
+  template <typename T>
+  void read(const char* key, T& value, bool required = false) {
+    known_.insert(key);
+    if (options_.is_null() || !options_.contains(key)) {
+      TANDEM_CHECK(!required, "reward '{}' ({}): option '{}' is required", name_, kind_, key);
+      return;
+    }
+    const nlohmann::json& v = options_.at(key);
+    bool type_ok = false;
+    const char* expected = "";
+    if constexpr (std::is_same_v<T, bool>) {
+      type_ok = v.is_boolean();
+      expected = "a boolean";
+    } else if constexpr (std::is_integral_v<T>) {
+      type_ok = v.is_number_integer();
+      expected = "an integer";
+    } else if constexpr (std::is_floating_point_v<T>) {
+      type_ok = v.is_number();
+      expected = "a number";
+    } else {
+      type_ok = v.is_string();
+      expected = "a string";
+    }
+    TANDEM_CHECK(type_ok, "reward '{}' ({}): option '{}' must be {}, got {} ({})", name_, kind_,
+                 key, expected, v.type_name(), v.dump());
+    value = v.get<T>();
+  }
+
+  void finish() const {
+    if (options_.is_null()) return;
+    for (const auto& [key, value] : options_.items()) {
+      if (known_.contains(key)) continue;
+      std::string list;
+      for (const auto& k : known_) list += (list.empty() ? "" : ", ") + k;
+      TANDEM_FAIL("reward '{}' ({}): unknown option '{}' (known: {})", name_, kind_, key, list);
+    }
+  }
+
+ private:
+  const std::string& name_;
+  const std::string& kind_;
+  const nlohmann::json& options_;
+  std::set<std::string> known_;
+};
+
+}  // namespace
+
+std::vector<std::string> reward_kinds() {
+  return {"math_answer", "exact_match", "regex_format", "length_penalty", "plugin"};
+}
+
+std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::string& name,
+                                            const nlohmann::json& options) {
+  TANDEM_CHECK(!name.empty(), "a reward of kind '{}' has an empty name", kind);
+  OptionReader r(name, kind, options);
+  if (kind == "math_answer") {
+    MathAnswerReward::Options o;
+    r.read("last_number_fallback", o.last_number_fallback);
+    r.read("allow_percent", o.allow_percent);
+    r.read("correct", o.correct);
+    r.read("wrong", o.wrong);
+    r.finish();
+    return std::make_unique<MathAnswerReward>(name, o);
+  }
+  if (kind == "exact_match") {
+    ExactMatchReward::Options o;
+    r.read("case_insensitive", o.case_insensitive);
+    r.read("match", o.match);
+    r.read("mismatch", o.mismatch);
+    r.finish();
+    return std::make_unique<ExactMatchReward>(name, o);
+  }
+  if (kind == "regex_format") {
+    RegexFormatReward::Options o;
+    r.read("pattern", o.pattern, /*required=*/true);
+    r.read("full_match", o.full_match);
+    r.read("dotall", o.dotall);
+    r.read("multiline", o.multiline);
+    r.read("case_insensitive", o.case_insensitive);
+    r.read("match", o.match);
+    r.read("mismatch", o.mismatch);
+    r.finish();
+    return std::make_unique<RegexFormatReward>(name, o);
+  }
+  if (kind == "length_penalty") {
+    LengthPenaltyReward::Options o;
+    r.read("target_tokens", o.target_tokens, /*required=*/true);
+    r.read("per_token", o.per_token);
+    r.read("max_penalty", o.max_penalty);
+    r.read("truncated_penalty", o.truncated_penalty);
+    r.finish();
+    return std::make_unique<LengthPenaltyReward>(name, o);
+  }
+  if (kind == "plugin") {
+    std::string path;
+    std::string config;
+    r.read("path", path, /*required=*/true);
+    r.read("config", config);
+    r.finish();
+    return std::make_unique<PluginReward>(name, path, config);
+  }
+  std::string list;
+  for (const auto& k : reward_kinds()) list += (list.empty() ? "" : ", ") + k;
+  TANDEM_FAIL("reward '{}': unknown kind '{}' (known: {})", name, kind, list);
+}
+
+}  // namespace tandem::rewards

@@ -1,0 +1,20 @@
+// Building reward functions from a kind, a name and JSON options, as a config layer holds them.
+#pragma once
+
+#include <memory>
+
+#include "rewards/reward.h"
+
+namespace tandem::rewards {
+
+// kind: "math_answer", "exact_match", "regex_format", "length_penalty" (options as the fields of
+// the built-in's Options, see docs/rewards.md) or "plugin" (options {"path": "...so", "config":
+// "string passed to init"}). Throws tandem::Error naming the reward and the kind or option for
+// an unknown kind, an unknown option, an option of the wrong type or a missing required one.
+std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::string& name,
+                                            const nlohmann::json& options);
+
+// The kinds make_reward knows.
+std::vector<std::string> reward_kinds();
+
+}  // namespace tandem::rewards
