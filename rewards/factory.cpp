@@ -126,4 +126,41 @@ std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::
   TANDEM_FAIL("reward '{}': unknown kind '{}' (known: {})", name, kind, list);
 }
 
+RewardSet make_reward_set(const nlohmann::json& entries, const RewardSetOptions& options) {
+  TANDEM_CHECK(entries.is_array() && !entries.empty(),
+               "rewards: expected a non-empty list of reward functions, got {}", entries.dump());
+  std::vector<RewardSet::Entry> set;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const nlohmann::json& e = entries[i];
+    TANDEM_CHECK(e.is_object(), "rewards[{}]: expected an object, got {}", i, e.dump());
+    TANDEM_CHECK(e.contains("kind") && e["kind"].is_string(),
+                 "rewards[{}]: 'kind' must be a string (one of the reward kinds), got {}", i,
+                 e.contains("kind") ? e["kind"].dump() : std::string("nothing"));
+    const std::string kind = e["kind"].get<std::string>();
+    std::string name = kind;
+    RewardSet::Entry entry;
+    nlohmann::json fn_options = nlohmann::json::object();
+    for (const auto& [key, value] : e.items()) {
+      if (key == "kind") continue;
+      const bool type_ok = key == "name"                          ? value.is_string()
+                           : key == "options"                     ? value.is_object()
+                           : key == "weight" || key == "fallback" ? value.is_number()
+                                                                  : true;
+      TANDEM_CHECK(key == "name" || key == "options" || key == "weight" || key == "fallback",
+                   "rewards[{}] ({}): unknown key '{}' (known: kind, name, weight, fallback, "
+                   "options)",
+                   i, kind, key);
+      TANDEM_CHECK(type_ok, "rewards[{}] ({}): '{}' has the wrong type: {}", i, kind, key,
+                   value.dump());
+      if (key == "name") name = value.get<std::string>();
+      if (key == "options") fn_options = value;
+      if (key == "weight") entry.weight = value.get<double>();
+      if (key == "fallback") entry.fallback = value.get<double>();
+    }
+    entry.function = make_reward(kind, name, fn_options);
+    set.push_back(std::move(entry));
+  }
+  return RewardSet(std::move(set), options);
+}
+
 }  // namespace tandem::rewards

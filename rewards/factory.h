@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "rewards/reward.h"
+#include "rewards/reward_set.h"
 
 namespace tandem::rewards {
 
@@ -13,6 +14,12 @@ namespace tandem::rewards {
 // an unknown kind, an unknown option, an option of the wrong type or a missing required one.
 std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::string& name,
                                             const nlohmann::json& options);
+
+// A RewardSet from a list of entries as a config layer holds them:
+//   [{"kind": "math_answer", "name": "math", "weight": 1.0, "fallback": 0.0, "options": {..}}, ..]
+// "name" defaults to the kind, "weight" to 1, "fallback" to options.fallback, "options" to {}.
+// Errors name the entry by its index and name.
+RewardSet make_reward_set(const nlohmann::json& entries, const RewardSetOptions& options = {});
 
 // The kinds make_reward knows.
 std::vector<std::string> reward_kinds();

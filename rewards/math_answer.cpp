@@ -94,15 +94,24 @@ std::optional<std::string> extract_gsm8k_answer(std::string_view text) {
 
 std::optional<std::string> extract_boxed(std::string_view text) {
   size_t best = std::string_view::npos;
-  size_t open = 0;
-  for (std::string_view command : {std::string_view("\\boxed{"), std::string_view("\\fbox{")}) {
+  size_t after = 0;  // just past the command's name
+  for (std::string_view command : {std::string_view("\\boxed"), std::string_view("\\fbox")}) {
     const size_t pos = text.rfind(command);
     if (pos != std::string_view::npos && (best == std::string_view::npos || pos > best)) {
       best = pos;
-      open = pos + command.size();
+      after = pos + command.size();
     }
   }
-  if (best == std::string_view::npos) return std::nullopt;
+  if (best == std::string_view::npos || after >= text.size()) return std::nullopt;
+  if (text[after] == ' ') {  // "\boxed 5": the next word, up to a space or a "$"
+    std::string_view rest = text.substr(after);
+    while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+    const size_t stop = std::min(rest.find_first_of(" \t\n$"), rest.size());
+    if (stop == 0) return std::nullopt;
+    return std::string(rest.substr(0, stop));
+  }
+  if (text[after] != '{') return std::nullopt;
+  const size_t open = after + 1;
   int depth = 1;
   for (size_t i = open; i < text.size(); ++i) {
     if (text[i] == '\\' && i + 1 < text.size()) {  // \{ and \} are literal braces

@@ -12,7 +12,8 @@ namespace tandem::rewards {
 std::optional<std::string> extract_gsm8k_answer(std::string_view text);
 
 // The contents of the last \boxed{...} (or \fbox{...}), braces matched with nesting:
-// "\boxed{\frac{1}{2}}" gives "\frac{1}{2}". nullopt when there is none or it is not closed.
+// "\boxed{\frac{1}{2}}" gives "\frac{1}{2}"; "\boxed 5" gives "5" (the next word). nullopt when
+// there is none or it is not closed.
 std::optional<std::string> extract_boxed(std::string_view text);
 
 // The last number in the text as written: "-1,234.5", "3/4", "0.75", "12%"; nullopt if none.

@@ -81,8 +81,12 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
     st.samples += static_cast<int64_t>(n);
 
     if (abandoned_[f] != nullptr) {
-      std::lock_guard lock(abandoned_[f]->mutex);
-      if (abandoned_[f]->done) abandoned_[f].reset();
+      bool done = false;
+      {
+        std::lock_guard lock(abandoned_[f]->mutex);
+        done = abandoned_[f]->done;
+      }
+      if (done) abandoned_[f].reset();
     }
     if (abandoned_[f] != nullptr) {
       ++st.timed_out;

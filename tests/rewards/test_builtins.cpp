@@ -88,3 +88,25 @@ TEST_CASE("the reward factory builds every built-in and names bad options", "[un
   CHECK_THROWS_WITH(make_reward("exact_match", "e", json::array()),
                     Contains("options must be an object"));
 }
+
+TEST_CASE("a reward set is built from a JSON list and names the bad entry", "[unit]") {
+  using nlohmann::json;
+  const json entries = json::parse(R"([
+    {"kind": "math_answer", "weight": 1.0},
+    {"kind": "regex_format", "name": "format", "weight": 0.5, "fallback": -1,
+     "options": {"pattern": "#### .*", "full_match": false}}
+  ])");
+  RewardSet set = make_reward_set(entries);
+  REQUIRE(set.stats().size() == 2);
+  CHECK(set.stats()[0].name == "math_answer");
+  RewardSample s = completion("so #### 7");
+  s.answer = "#### 7";
+  CHECK(set.score(std::vector{s}).total[0] == Approx(1.5));
+  CHECK_THROWS_WITH(make_reward_set(json::array()), Contains("non-empty list"));
+  CHECK_THROWS_WITH(make_reward_set(json::parse(R"([{"kind": "exact_match", "wieght": 2}])")),
+                    Contains("rewards[0] (exact_match): unknown key 'wieght'"));
+  CHECK_THROWS_WITH(make_reward_set(json::parse(R"([{"kind": "exact_match"}, {"name": "x"}])")),
+                    Contains("rewards[1]: 'kind' must be a string"));
+  CHECK_THROWS_WITH(make_reward_set(json::parse(R"([{"kind": "exact_match", "weight": "2"}])")),
+                    Contains("'weight' has the wrong type"));
+}
