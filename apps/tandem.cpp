@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "apps/model_commands.h"
+#include "apps/train_command.h"
 #include "bench/bench.h"
 #include "core/build_info.h"
 #include "core/device.h"
@@ -44,6 +45,7 @@ int main(int argc, char** argv) {
   bench->add_option("--min-seconds", bench_opt.min_seconds, "time spent on each measurement");
 
   tandem::apps::add_model_commands(app);
+  tandem::apps::add_train_command(app);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -53,6 +55,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (const int rc = tandem::apps::run_model_commands(); rc >= 0) return rc;
+    if (const int rc = tandem::apps::run_train_command(); rc >= 0) return rc;
     if (bench->parsed()) {
       if (bench_device.rfind("cuda", 0) == 0) {
         const int index = bench_device.size() > 5 ? std::stoi(bench_device.substr(5)) : 0;
