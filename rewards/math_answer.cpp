@@ -11,13 +11,6 @@
 namespace tandem::rewards {
 namespace {
 
-std::string_view trim(std::string_view s) {
-  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
-  while (!s.empty() && space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && space(s.back())) s.remove_suffix(1);
-  return s;
-}
-
 void replace_all(std::string& s, std::string_view from, std::string_view to) {
   for (size_t pos = s.find(from); pos != std::string::npos; pos = s.find(from, pos + to.size()))
     s.replace(pos, from.size(), to);
@@ -197,6 +190,13 @@ bool answers_match(std::string_view predicted, std::string_view reference,
     return out;
   };
   return normalise(predicted) == normalise(reference);
+}
+
+std::string_view trim(std::string_view s) {
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
 }
 
 }  // namespace tandem::rewards

@@ -7,6 +7,9 @@
 
 namespace tandem::rewards {
 
+// s without leading and trailing white space.
+std::string_view trim(std::string_view s);
+
 // The text after the last "####" up to the end of its line, trimmed; nullopt when there is none
 // or it is empty. GSM8K reference answers end with "#### 72".
 std::optional<std::string> extract_gsm8k_answer(std::string_view text);

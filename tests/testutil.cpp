@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "core/philox.h"
 
@@ -239,6 +240,11 @@ TempDir::TempDir(const std::string& name)
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path, ec);
+}
+
+std::string TempDir::write(const std::string& name, const std::string& text) const {
+  std::ofstream(path / name, std::ios::binary) << text;
+  return file(name);
 }
 
 CommandResult run_tandem(const std::string& args, bool merge_stderr) {

@@ -68,6 +68,8 @@ struct TempDir {
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   std::string file(const std::string& name) const { return (path / name).string(); }
+  // Writes `text` (bytes as they are) into the file `name` in the directory; returns its path.
+  std::string write(const std::string& name, const std::string& text) const;
 };
 
 // Runs build/bin/tandem with args through the shell, as a user would: exit status and output

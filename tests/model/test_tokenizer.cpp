@@ -22,20 +22,7 @@ namespace {
 
 fs::path golden_dir() { return fs::path(__FILE__).parent_path().parent_path() / "golden/smollm2"; }
 
-// A fresh directory under the system temp directory, removed at the end of the scope.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() / fmt::format("tandem-{}-{}", name, getpid())) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  fs::path write(const std::string& file, const std::string& text) const {
-    std::ofstream(path / file, std::ios::binary) << text;
-    return path / file;
-  }
-};
+using tandem::test::TempDir;
 
 std::string byte_char(int b) { return tandem::test::gpt2_byte_char(b); }
 

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "model/loader.h"
 #include "model/tokenizer.h"
+#include "tests/testutil.h"
 #include "trainer/data.h"
 #include "trainer/synthetic.h"
 
@@ -24,20 +25,7 @@ using json = nlohmann::json;
 
 namespace {
 
-// A fresh directory under the system temp directory, removed at the end of the scope.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() / fmt::format("tandem-data-{}-{}", name, getpid())) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string write(const std::string& file, const std::string& text) const {
-    std::ofstream(path / file, std::ios::binary) << text;
-    return (path / file).string();
-  }
-};
+using tandem::test::TempDir;
 
 std::string error_of(const std::function<void()>& f) {
   try {

@@ -136,8 +136,8 @@ TEST_CASE("both shipped job configs validate", "[unit]") {
   JobConfig d = load_job_config((repo_root() / "configs/default.toml").string());
   CHECK(d.model.path == "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   CHECK(d.data.source == "synthetic");
-  CHECK(d.rollout.prompts_per_step * d.rollout.n == 64);
-  CHECK(d.rollout.max_new_tokens == 48);
+  CHECK(d.rollout.prompts_per_step * d.rollout.n == 32);
+  CHECK(d.rollout.max_new_tokens == 32);
   CHECK(d.rewards.size() == 2);
   JobConfig g = load_job_config((repo_root() / "configs/gsm8k-qwen2.5-0.5b.toml").string());
   CHECK(g.data.source == "jsonl");
