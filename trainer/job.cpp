@@ -19,6 +19,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/grpo.h"
+#include "trainer/report.h"
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
 #include "trainer/train_step.h"
@@ -270,6 +271,9 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
                  static_cast<long long>(step), e.pass1, static_cast<long long>(job.eval.pass_k),
                  e.passk, e.mean_reward);
+    write_report((fs::path(job.logging.dir) / "metrics.jsonl").string(),
+                 (fs::path(job.logging.dir) / "report.html").string(),
+                 fmt::format("tandem: {}", job.source));
     if (result.first_eval_accuracy < 0) result.first_eval_accuracy = e.pass1;
     result.last_eval_accuracy = e.pass1;
   };
@@ -373,6 +377,9 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     j["time/train_s"] = t_train;
     j["time/step_s"] = step_s;
     metrics_out << j.dump() << "\n" << std::flush;
+    write_report((fs::path(job.logging.dir) / "metrics.jsonl").string(),
+                 (fs::path(job.logging.dir) / "report.html").string(),
+                 fmt::format("tandem: {}", job.source));
 
     const double elapsed = seconds_since(run_t0);
     const double per_step = elapsed / static_cast<double>(state.step - first_step);

@@ -41,6 +41,7 @@ TEST_CASE("tandem train runs a short job writes metrics and resumes from its che
   CHECK(r.out.find("step 2/2") != std::string::npos);
   CHECK(fs::exists(tmp.file("run/ckpt/step-2/policy/config.json")));
   CHECK(fs::exists(tmp.file("run/ckpt/step-2/policy/tokenizer.json")));
+  CHECK(fs::exists(tmp.file("run/report.html")));
   auto metrics = read_jsonl(tmp.file("run/metrics.jsonl"));
   int steps = 0, evals = 0;
   for (const auto& m : metrics) {

@@ -1,0 +1,35 @@
+// report.html: every chart drawn from metrics.jsonl, one point per metric line that has the key.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include "tests/testutil.h"
+#include "trainer/report.h"
+
+TEST_CASE("report html draws a chart per metric with one point per step", "[unit]") {
+  const tandem::test::TempDir tmp("report");
+  std::string lines = R"({"step": 0, "eval/pass@1": 0.25, "eval/pass@k": 0.5})"
+                      "\nnot json\n";
+  for (int s = 1; s <= 5; ++s) {
+    lines += "{\"step\": " + std::to_string(s) + ", \"reward/mean\": " + std::to_string(0.1 * s) +
+             ", \"kl_ref\": 0.01, \"entropy\": 1.5, \"tokens_per_s\": 100, \"time/train_s\": 2}\n";
+  }
+  lines += R"({"step": 5, "eval/pass@1": 0.75, "eval/pass@k": 1.0})"
+           "\n";
+  const std::string metrics = tmp.write("metrics.jsonl", lines);
+  const std::string html_path = tmp.file("report.html");
+  tandem::trainer::write_report(metrics, html_path, "run <1>");
+  std::stringstream ss;
+  ss << std::ifstream(html_path).rdbuf();
+  const std::string html = ss.str();
+  CHECK(html.find("<title>run &lt;1&gt;</title>") != std::string::npos);
+  CHECK(html.find("8 metric lines") == std::string::npos);  // "not json" is skipped
+  CHECK(html.find("7 metric lines") != std::string::npos);
+  CHECK(html.find("data-key=\"reward/mean\" data-points=\"5\"") != std::string::npos);
+  CHECK(html.find("data-key=\"eval/pass@1\" data-points=\"2\"") != std::string::npos);
+  CHECK(html.find("data-key=\"time/train_s\" data-points=\"5\"") != std::string::npos);
+  // A chart without data says so instead of drawing nothing.
+  CHECK(html.find("no data yet") != std::string::npos);
+  CHECK(html.find("<script") == std::string::npos);
+}

@@ -1,0 +1,157 @@
+// report.html from metrics.jsonl.
+#include "trainer/report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "core/error.h"
+
+namespace tandem::trainer {
+namespace {
+
+struct Series {
+  std::string key, label, color;
+  std::vector<std::pair<double, double>> points;  // (step, value)
+};
+
+struct Chart {
+  std::string title;
+  std::vector<Series> series;
+};
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+std::string svg(const Chart& c) {
+  constexpr double W = 420, H = 220, L = 52, R = 12, T = 28, B = 30;
+  double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
+  for (const Series& s : c.series)
+    for (const auto& [x, y] : s.points) {
+      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+    }
+  std::string out = fmt::format(
+      "<svg class=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
+      "viewBox=\"0 0 {} {}\"><text x=\"{}\" y=\"18\" class=\"title\">{}</text>",
+      W, H, W, H, L, escape(c.title));
+  if (!std::isfinite(x0)) return out + "<text x=\"60\" y=\"110\">no data yet</text></svg>";
+  if (x1 == x0) x1 = x0 + 1;
+  if (y1 == y0) y0 -= 0.5, y1 += 0.5;
+  const auto px = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
+  const auto py = [&](double y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
+  out += fmt::format(
+      "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" class=\"axis\"/>"
+      "<line x1=\"{0}\" y1=\"{3}\" x2=\"{0}\" y2=\"{1}\" class=\"axis\"/>",
+      L, H - B, W - R, T);
+  for (int i = 0; i <= 2; ++i) {  // y ticks: min, middle, max
+    const double v = y0 + (y1 - y0) * i / 2.0;
+    out +=
+        fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">{:.3g}</text>",
+                    L - 4, py(v) + 4, v);
+  }
+  out += fmt::format(
+      "<text x=\"{}\" y=\"{}\" class=\"tick\">{:.0f}</text>"
+      "<text x=\"{}\" y=\"{}\" class=\"tick\" text-anchor=\"end\">step {:.0f}</text>",
+      L, H - B + 16, x0, W - R, H - B + 16, x1);
+  double legend_x = L + 8;
+  for (const Series& s : c.series) {
+    if (s.points.empty()) continue;
+    std::string pts;
+    for (const auto& [x, y] : s.points) pts += fmt::format("{:.1f},{:.1f} ", px(x), py(y));
+    out += fmt::format(
+        "<polyline class=\"series\" data-key=\"{}\" data-points=\"{}\" "
+        "fill=\"none\" stroke=\"{}\" stroke-width=\"2\" points=\"{}\"/>",
+        escape(s.key), s.points.size(), s.color, pts);
+    for (const auto& [x, y] : s.points)
+      out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\" fill=\"{}\"/>", px(x),
+                         py(y), s.color);
+    if (c.series.size() > 1) {
+      out += fmt::format("<text x=\"{:.0f}\" y=\"{}\" class=\"legend\" fill=\"{}\">{}</text>",
+                         legend_x, T + 12, s.color, escape(s.label));
+      legend_x += 9.0 * static_cast<double>(s.label.size()) + 16;
+    }
+  }
+  return out + "</svg>";
+}
+
+}  // namespace
+
+void write_report(const std::string& metrics_jsonl, const std::string& html_path,
+                  const std::string& title) {
+  std::vector<Chart> charts = {
+      {"reward (mean)", {{"reward/mean", "reward", "#1f77b4", {}}}},
+      {"held-out accuracy",
+       {{"eval/pass@1", "pass@1", "#2ca02c", {}}, {"eval/pass@k", "pass@k", "#98df8a", {}}}},
+      {"KL", {{"kl_ref", "to reference", "#d62728", {}}, {"kl_old", "to old", "#ff9896", {}}}},
+      {"entropy", {{"entropy", "entropy", "#9467bd", {}}}},
+      {"response length",
+       {{"response_length/mean", "mean", "#8c564b", {}},
+        {"response_length/max", "max", "#c49c94", {}}}},
+      {"clip fraction",
+       {{"pg_clipfrac_low", "low", "#e377c2", {}}, {"pg_clipfrac_high", "high", "#f7b6d2", {}}}},
+      {"throughput (tokens/s)", {{"tokens_per_s", "tokens/s", "#17becf", {}}}},
+      {"time per phase (s)",
+       {{"time/rollout_s", "rollout", "#ff7f0e", {}},
+        {"time/reward_s", "reward", "#bcbd22", {}},
+        {"time/train_s", "train", "#7f7f7f", {}}}},
+  };
+  std::ifstream in(metrics_jsonl);
+  std::string line;
+  int64_t rows = 0;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("step") || !j["step"].is_number()) continue;
+    ++rows;
+    const double step = j["step"].get<double>();
+    for (Chart& c : charts)
+      for (Series& s : c.series)
+        if (j.contains(s.key) && j[s.key].is_number()) {
+          const double v = j[s.key].get<double>();
+          if (std::isfinite(v)) s.points.emplace_back(step, v);
+        }
+  }
+  std::string html = fmt::format(
+      "<!doctype html><html><head><meta charset=\"utf-8\"><title>{0}</title><style>"
+      "body{{font-family:sans-serif;margin:24px;color:#222}}"
+      ".charts{{display:flex;flex-wrap:wrap;gap:16px}}"
+      ".chart{{border:1px solid #ddd;background:#fff}}.title{{font-weight:bold;font-size:13px}}"
+      ".axis{{stroke:#888}}.tick{{font-size:10px;fill:#555}}.legend{{font-size:11px}}"
+      "</style></head><body><h1>{0}</h1><p>{1} metric lines from {2}</p><div class=\"charts\">",
+      escape(title), rows, escape(metrics_jsonl));
+  for (const Chart& c : charts) html += svg(c);
+  html += "</div></body></html>\n";
+  const std::string tmp = html_path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    TANDEM_CHECK(out.good(), "report: cannot write {}", tmp);
+    out << html;
+  }
+  std::filesystem::rename(tmp, html_path);
+}
+
+}  // namespace tandem::trainer
