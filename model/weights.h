@@ -27,10 +27,10 @@ struct NamedTensor {
 };
 
 struct LayerWeights {
-  Tensor input_norm;  // (C)
-  Tensor qkv;         // ((H + 2 Hkv) D, C): q rows, then k rows, then v rows
-  Tensor q, k, v;     // views of qkv: (H D, C), (Hkv D, C), (Hkv D, C)
-  Tensor qkv_bias;    // ((H + 2 Hkv) D) when config.attention_bias, else undefined
+  Tensor input_norm;              // (C)
+  Tensor qkv;                     // ((H + 2 Hkv) D, C): q rows, then k rows, then v rows
+  Tensor q, k, v;                 // views of qkv: (H D, C), (Hkv D, C), (Hkv D, C)
+  Tensor qkv_bias;                // ((H + 2 Hkv) D) when config.attention_bias, else undefined
   Tensor q_bias, k_bias, v_bias;  // views of qkv_bias
   Tensor q_norm, k_norm;          // (D) when config.qk_norm, else undefined
   Tensor o;                       // (C, H D)
