@@ -79,11 +79,7 @@ std::vector<rollout::Request> generate_requests(const model::LoadedModel& m) {
   sp.top_p = gen.top_p;
   sp.max_tokens = static_cast<int>(gen.max_tokens);
   sp.seed = gen.seed;
-  sp.stop_token_ids = m.config().eos_token_ids;
-  if (m.tok().eos_id() >= 0) sp.stop_token_ids.push_back(m.tok().eos_id());
-  std::sort(sp.stop_token_ids.begin(), sp.stop_token_ids.end());
-  sp.stop_token_ids.erase(std::unique(sp.stop_token_ids.begin(), sp.stop_token_ids.end()),
-                          sp.stop_token_ids.end());
+  sp.stop_token_ids = m.stop_ids();
   std::vector<rollout::Request> requests;
   if (gen.prompts.empty()) {
     requests.push_back({"prompt", model::encode_prompt(m.tok(), gen.prompt, gen.chat), sp});

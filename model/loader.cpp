@@ -1,6 +1,7 @@
 // load_model: dispatch on what the path is; chat prompts.
 #include "model/loader.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
@@ -16,6 +17,14 @@ const Tokenizer& LoadedModel::tok() const {
   TANDEM_CHECK(tokenizer != nullptr,
                "{}: the model has no tokenizer (an HF directory needs tokenizer.json)", path);
   return *tokenizer;
+}
+
+std::vector<int32_t> LoadedModel::stop_ids() const {
+  std::vector<int32_t> ids = config().eos_token_ids;
+  if (tokenizer != nullptr && tokenizer->eos_id() >= 0) ids.push_back(tokenizer->eos_id());
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
 }
 
 LoadedModel load_model(const std::string& path, DType dtype) {

@@ -23,6 +23,8 @@ struct LoadedModel {
   const ModelConfig& config() const { return weights->config(); }
   // The tokenizer; throws naming the path when the model came without one.
   const Tokenizer& tok() const;
+  // The token ids that end a generation: the config's eos ids and the tokenizer's, sorted, once.
+  std::vector<int32_t> stop_ids() const;
 };
 
 // Loads weights in dtype (f32, bf16 or f16) on the CPU. Errors name the path and what is wrong.

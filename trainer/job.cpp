@@ -100,11 +100,7 @@ rollout::SamplingParams sampling(const JobConfig& job, const model::LoadedModel&
   sp.min_p = static_cast<float>(job.rollout.min_p);
   sp.max_tokens = static_cast<int>(job.rollout.max_new_tokens);
   sp.seed = seed;
-  sp.stop_token_ids = m.config().eos_token_ids;
-  if (m.tok().eos_id() >= 0) sp.stop_token_ids.push_back(m.tok().eos_id());
-  std::sort(sp.stop_token_ids.begin(), sp.stop_token_ids.end());
-  sp.stop_token_ids.erase(std::unique(sp.stop_token_ids.begin(), sp.stop_token_ids.end()),
-                          sp.stop_token_ids.end());
+  sp.stop_token_ids = m.stop_ids();
   return sp;
 }
 

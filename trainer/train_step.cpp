@@ -79,6 +79,10 @@ PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* refer
   TANDEM_CHECK(config_.loss.kl_beta == 0 || reference_ != nullptr,
                "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
   TANDEM_CHECK(&optimizer_.params() == &policy_, "trainer: the optimizer updates other weights");
+  if (reference_ != nullptr) {
+    ref_decoder_ = std::make_unique<model::Decoder>(
+        *reference_, model::DecoderOptions{.max_tokens = config_.micro_batch_tokens});
+  }
 }
 
 PolicyTrainer::~PolicyTrainer() = default;
@@ -86,9 +90,11 @@ PolicyTrainer::~PolicyTrainer() = default;
 std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
                                            std::span<const TrainSample> samples,
                                            std::vector<float>* entropy) {
+  // The policy's and the reference's decoders are planned once; other weights get one for the
+  // call.
   std::unique_ptr<model::Decoder> other;
-  model::Decoder* dec = decoder_.get();
-  if (&weights != &policy_) {
+  model::Decoder* dec = &weights == &policy_ ? decoder_.get() : ref_decoder_.get();
+  if (&weights != &policy_ && &weights != reference_) {
     other = std::make_unique<model::Decoder>(
         weights, model::DecoderOptions{.max_tokens = config_.micro_batch_tokens});
     dec = other.get();

@@ -82,6 +82,7 @@ class PolicyTrainer {
   TrainStepConfig config_;
   model::Weights grads_;
   std::unique_ptr<model::Decoder> decoder_;
+  std::unique_ptr<model::Decoder> ref_decoder_;  // planned once when there is a reference
   int64_t optimizer_steps_ = 0;
 };
 
