@@ -10,6 +10,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/transpose_avx512.h"
 
 #define TANDEM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
@@ -236,29 +237,9 @@ TANDEM_AVX512 void chunk_avx512(const float* x, int64_t ldx, const uint16_t* w, 
 namespace tandem::ops::cpu::detail {
 
 TANDEM_AVX512 void transpose16_avx512(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m512 r[16], t[16];
+  __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-  // Interleave pairs of rows, then pairs of pairs, then 128-bit blocks twice.
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int h = 0; h < 16; h += 8) {
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-  }
+  transpose16x16(r);
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
 }
 
