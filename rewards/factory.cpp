@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "rewards/builtins.h"
 #include "rewards/plugin.h"
+#include "rewards/remote.h"
 
 namespace tandem::rewards {
 namespace {
@@ -68,7 +69,7 @@ class OptionReader {
 }  // namespace
 
 std::vector<std::string> reward_kinds() {
-  return {"math_answer", "exact_match", "regex_format", "length_penalty", "plugin"};
+  return {"math_answer", "exact_match", "regex_format", "length_penalty", "plugin", "remote"};
 }
 
 std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::string& name,
@@ -120,6 +121,20 @@ std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::
     r.read("config", config);
     r.finish();
     return std::make_unique<PluginReward>(name, path, config);
+  }
+  if (kind == "remote") {
+    RemoteReward::Options o;
+    r.read("address", o.address, /*required=*/true);
+    r.read("timeout_ms", o.timeout_ms);
+    r.read("connect_timeout_ms", o.connect_timeout_ms);
+    r.read("retries", o.retries);
+    r.read("backoff_ms", o.backoff_ms);
+    r.read("max_concurrency", o.max_concurrency);
+    r.read("batch_size", o.batch_size);
+    r.read("token", o.token);
+    r.read("check_on_start", o.check_on_start);
+    r.finish();
+    return std::make_unique<RemoteReward>(name, o);
   }
   std::string list;
   for (const auto& k : reward_kinds()) list += (list.empty() ? "" : ", ") + k;

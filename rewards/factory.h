@@ -9,9 +9,10 @@
 namespace tandem::rewards {
 
 // kind: "math_answer", "exact_match", "regex_format", "length_penalty" (options as the fields of
-// the built-in's Options, see docs/rewards.md) or "plugin" (options {"path": "...so", "config":
-// "string passed to init"}). Throws tandem::Error naming the reward and the kind or option for
-// an unknown kind, an unknown option, an option of the wrong type or a missing required one.
+// the built-in's Options, see docs/rewards.md), "plugin" (options {"path": "...so", "config":
+// "string passed to init"}) or "remote" (options as the fields of RemoteReward::Options). Throws
+// tandem::Error naming the reward and the kind or option for an unknown kind, an unknown option, an
+// option of the wrong type or a missing required one.
 std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::string& name,
                                             const nlohmann::json& options);
 

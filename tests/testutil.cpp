@@ -3,14 +3,21 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <array>
 #include <cfloat>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <thread>
 
 #include "core/philox.h"
 
@@ -247,9 +254,12 @@ std::string TempDir::write(const std::string& name, const std::string& text) con
   return file(name);
 }
 
-CommandResult run_tandem(const std::string& args, bool merge_stderr) {
-  const std::string cmd =
-      std::string(TANDEM_BIN_DIR) + "/tandem " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+CommandResult run_tandem(const std::string& args, bool merge_stderr, int timeout_s,
+                         const std::string& env) {
+  const std::string limit =
+      timeout_s > 0 ? "timeout -k 5 " + std::to_string(timeout_s) + " " : std::string();
+  const std::string cmd = (env.empty() ? "" : env + " ") + limit + std::string(TANDEM_BIN_DIR) +
+                          "/tandem " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   std::string out;
@@ -257,6 +267,92 @@ CommandResult run_tandem(const std::string& args, bool merge_stderr) {
   while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
   const int status = pclose(p);
   return {WEXITSTATUS(status), out};
+}
+
+Subprocess::Subprocess(const std::vector<std::string>& argv) {
+  REQUIRE(!argv.empty());
+  int fds[2];
+  REQUIRE(pipe2(fds, O_CLOEXEC) == 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  if (rc != 0) close(fds[0]);
+  INFO("starting " << argv[0] << ": " << std::strerror(rc));
+  REQUIRE(rc == 0);
+  pid_ = pid;
+  out_fd_ = fds[0];
+}
+
+Subprocess::~Subprocess() {
+  if (pid_ > 0) stop();
+  if (out_fd_ >= 0) close(out_fd_);
+}
+
+std::string Subprocess::wait_for_line(const std::string& prefix, int timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    for (size_t nl = pending_.find('\n'); nl != std::string::npos; nl = pending_.find('\n')) {
+      std::string line = pending_.substr(0, nl);
+      pending_.erase(0, nl + 1);
+      output_ += line + "\n";
+      if (line.rfind(prefix, 0) == 0) return line;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || out_fd_ < 0) return "";
+    pollfd p{out_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+    char buf[4096];
+    const ssize_t n = read(out_fd_, buf, sizeof buf);
+    if (n <= 0) {  // the child closed its stdout
+      close(out_fd_);
+      out_fd_ = -1;
+      return "";
+    }
+    pending_.append(buf, static_cast<size_t>(n));
+  }
+}
+
+int Subprocess::stop(int signal, int timeout_ms) {
+  if (pid_ <= 0) return status_;
+  kill(pid_, signal);
+  int status = 0;
+  pid_t done = 0;
+  for (int waited = 0; waited < timeout_ms; waited += 10) {
+    done = waitpid(pid_, &status, WNOHANG);
+    if (done != 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    kill(pid_, SIGKILL);
+    done = waitpid(pid_, &status, 0);
+  }
+  pid_ = -1;
+  status_ = done < 0              ? -1
+            : WIFEXITED(status)   ? WEXITSTATUS(status)
+            : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
+                                  : -1;
+  return status_;
+}
+
+std::string python_with_thrift() {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("TANDEM_PYTHON"); env != nullptr && *env != '\0')
+    candidates.emplace_back(env);
+  candidates.emplace_back("python3");
+  candidates.emplace_back("/usr/bin/python3");
+  for (const auto& py : candidates) {
+    const std::string cmd = "'" + py + "' -c 'import thrift' >/dev/null 2>&1";
+    if (std::system(cmd.c_str()) == 0) return py;
+  }
+  return "";
 }
 
 }  // namespace tandem::test

@@ -73,11 +73,46 @@ struct TempDir {
 };
 
 // Runs build/bin/tandem with args through the shell, as a user would: exit status and output
-// (stdout, and stderr too when merge_stderr).
+// (stdout, and stderr too when merge_stderr). With timeout_s > 0 the command is killed after that
+// long (status 124, or 137 when it ignored SIGTERM for 5 s more). env: shell assignments put
+// before the command ("NAME=value ...").
 struct CommandResult {
   int status;
   std::string out;
 };
-CommandResult run_tandem(const std::string& args, bool merge_stderr = true);
+CommandResult run_tandem(const std::string& args, bool merge_stderr = true, int timeout_s = 0,
+                         const std::string& env = "");
+
+// A child process started from argv (no shell) whose stdout the test reads line by line; its
+// stderr goes to the test's. The destructor stops it (SIGTERM, then SIGKILL after 5 s) and reaps
+// it, so no test leaves a process behind.
+class Subprocess {
+ public:
+  explicit Subprocess(const std::vector<std::string>& argv);
+  ~Subprocess();
+  Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
+
+  // Reads stdout until a line starting with `prefix` and returns that line; "" when the child
+  // closed stdout or timeout_ms passed first. Every line read is kept in output().
+  std::string wait_for_line(const std::string& prefix, int timeout_ms);
+  const std::string& output() const { return output_; }
+  // Sends `signal` and waits up to timeout_ms for the exit (then SIGKILL); the exit status, or
+  // 128 + the signal that ended it.
+  int stop(int signal = 15, int timeout_ms = 5000);
+  int pid() const { return pid_; }
+
+ private:
+  int pid_ = -1;
+  int out_fd_ = -1;
+  std::string pending_;  // stdout read past the last full line
+  std::string output_;
+  int status_ = -1;
+};
+
+// A Python 3 interpreter that can import the thrift package: $TANDEM_PYTHON, else python3, else
+// /usr/bin/python3 (Debian's python3-thrift lives there; a pyenv or venv python3 may lack it);
+// "" when none can.
+std::string python_with_thrift();
 
 }  // namespace tandem::test

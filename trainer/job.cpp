@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -74,6 +75,20 @@ rewards::RewardSet make_rewards(const JobConfig& job) {
     } else if (r.kind == "plugin") {
       opt["path"] = r.path;
       opt["config"] = r.config;
+    } else if (r.kind == "remote") {
+      opt = {{"address", r.address},
+             {"timeout_ms", r.timeout_ms},
+             {"retries", r.retries},
+             {"max_concurrency", r.max_concurrency},
+             {"batch_size", r.batch_size}};
+      if (!r.token_env.empty()) {
+        // The token stays out of the config file (and of --print-config and the run's logs).
+        const char* token = std::getenv(r.token_env.c_str());
+        TANDEM_CHECK(token != nullptr && *token != '\0',
+                     "reward '{}': the environment variable {} (token_env) is not set ({})", r.name,
+                     r.token_env, job.where("rewards"));
+        opt["token"] = token;
+      }
     } else {
       TANDEM_CHECK(false, "reward '{}': kind '{}' is not available in this build ({})", r.name,
                    r.kind, job.where("rewards"));

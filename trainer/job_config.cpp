@@ -138,13 +138,21 @@ const std::vector<Binding<RewardSpec>>& reward_bindings() {
     v.push_back(bind<R>("config", TANDEM_MEMBER(config), "plugin: the string given to its init."));
     v.push_back(
         bind<R>("address", TANDEM_MEMBER(address), "remote: the Thrift server, host:port."));
-    v.push_back(bind<R>("timeout_ms", TANDEM_MEMBER(timeout_ms), "remote: timeout per call.")
+    v.push_back(bind<R>("timeout_ms", TANDEM_MEMBER(timeout_ms),
+                        "remote: send and receive timeout of one request.")
                     .range(1, 3.6e6));
-    v.push_back(bind<R>("retries", TANDEM_MEMBER(retries), "remote: retries of a failed call.")
+    v.push_back(bind<R>("retries", TANDEM_MEMBER(retries),
+                        "remote: retries of a request after a transport error or Overloaded.")
                     .range(0, 100));
     v.push_back(bind<R>("max_concurrency", TANDEM_MEMBER(max_concurrency),
-                        "remote: calls in flight at most.")
+                        "remote: requests in flight at most.")
                     .range(1, 1024));
+    v.push_back(bind<R>("batch_size", TANDEM_MEMBER(batch_size),
+                        "remote: samples per request at most (a step's batch is split).")
+                    .range(1, 1e6));
+    v.push_back(bind<R>("token_env", TANDEM_MEMBER(token_env),
+                        "remote: the environment variable holding the server's shared token "
+                        "(\"\": none)."));
     return v;
   }();
   return b;

@@ -86,6 +86,8 @@ struct RewardSpec {
   int64_t timeout_ms = 10000;
   int64_t retries = 2;
   int64_t max_concurrency = 4;
+  int64_t batch_size = 64;  // remote: samples per request at most
+  std::string token_env;    // remote: the environment variable holding the shared token
 };
 
 struct CheckpointSection {

@@ -14,7 +14,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kRepo = fs::path(__FILE__).parent_path() / ".." / "..";
+const fs::path kRepo = TANDEM_SOURCE_DIR;
 
 std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
   std::vector<nlohmann::json> out;
@@ -78,4 +78,52 @@ TEST_CASE("tandem train names the line of a bad config value and exits non-zero"
   r = tandem::test::run_tandem("train " + path + " trainer.lr=1e-6");
   CHECK(r.status != 0);
   CHECK(r.out.find("x.gguf") != std::string::npos);  // the model path is checked before work
+}
+
+TEST_CASE("tandem train scores its samples with the remote Python reward server", "[e2e]") {
+  REQUIRE(fs::exists(kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"));
+  const std::string python = tandem::test::python_with_thrift();
+  if (python.empty())
+    FAIL(
+        "no python3 with the thrift package (tried $TANDEM_PYTHON, python3, /usr/bin/python3): "
+        "run scripts/setup (it installs python3-thrift and thrift-compiler)");
+  tandem::test::Subprocess server({python, (kRepo / "examples/python/reward_server.py").string(),
+                                   "--port", "0", "--token", "e2e-token"});
+  const std::string line = server.wait_for_line("listening on ", 30000);
+  INFO(server.output());
+  REQUIRE(!line.empty());
+  const std::string port = line.substr(13);
+
+  const tandem::test::TempDir tmp("train-remote");
+  const std::string job = tmp.write(
+      "job.toml",
+      "[model]\npath = \"" + (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string() +
+          "\"\n\n[data]\nsource = \"synthetic\"\ntask = \"arithmetic\"\nsystem_prompt = \"End "
+          "your answer with #### followed by the number.\"\n\n[rollout]\nprompts_per_step = "
+          "2\nn = 2\nmax_new_tokens = 8\n\n[trainer]\nsteps = 3\n\n[eval]\nevery = 0\n\n"
+          "[checkpoint]\ndir = \"" +
+          tmp.file("run/ckpt") + "\"\nevery = 0\n\n[logging]\ndir = \"" + tmp.file("run") +
+          "\"\n\n[[rewards]]\nname = \"remote_math\"\nkind = \"remote\"\naddress = "
+          "\"127.0.0.1:" +
+          port +
+          "\"\ntimeout_ms = 5000\nbatch_size = 3\nmax_concurrency = 2\ntoken_env = "
+          "\"TANDEM_TEST_REWARD_TOKEN\"\n");
+  auto r = tandem::test::run_tandem("train " + job, true, 300);
+  INFO(r.out);
+  CHECK(r.status != 0);  // the token's variable is not set
+  CHECK(r.out.find("TANDEM_TEST_REWARD_TOKEN (token_env) is not set") != std::string::npos);
+
+  r = tandem::test::run_tandem("train " + job, true, 300, "TANDEM_TEST_REWARD_TOKEN=e2e-token");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("step 3/3") != std::string::npos);
+  int steps = 0;
+  for (const auto& m : read_jsonl(tmp.file("run/metrics.jsonl"))) {
+    if (!m.contains("loss")) continue;
+    ++steps;
+    REQUIRE(m.contains("reward/remote_math/failed"));
+    CHECK(m["reward/remote_math/failed"].get<double>() == 0.0);  // every sample was judged
+  }
+  CHECK(steps == 3);
+  CHECK(server.stop() == 0);
 }

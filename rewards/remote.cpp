@@ -1,0 +1,306 @@
+// RemoteReward: batches of samples to a RewardService over framed binary Thrift, with timeouts,
+// retries and bounded concurrency.
+#include "rewards/remote.h"
+
+#include <spdlog/spdlog.h>
+#include <thrift/protocol/TBinaryProtocol.h>
+#include <thrift/transport/TBufferTransports.h>
+#include <thrift/transport/TSocket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "core/error.h"
+#include "rewards/rpc/RewardService.h"
+#include "rewards/rpc/reward_constants.h"
+
+namespace tandem::rewards {
+namespace {
+
+namespace at = apache::thrift;
+
+// Thrift strings are UTF-8 and a server in Python decodes them as such, but a completion cut at
+// the token limit can end inside a character: invalid sequences become U+FFFD.
+std::string valid_utf8(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xE  ? 3
+                 : (c >> 3) == 0x1E ? 4
+                                    : 0;
+    bool ok = len > 0 && i + len <= n;
+    for (size_t k = 1; ok && k < len; ++k) ok = (p[i + k] & 0xC0) == 0x80;
+    if (ok && len > 1) {
+      // Overlong forms, surrogates and code points past U+10FFFF are not valid either.
+      uint32_t cp = c & (0xFF >> (len + 1));
+      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (p[i + k] & 0x3F);
+      const uint32_t min_cp = len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;
+      ok = cp >= min_cp && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
+    }
+    if (ok) {
+      out.append(s, i, len);
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
+}
+
+rpc::Sample to_rpc(const RewardSample& s) {
+  rpc::Sample r;
+  r.prompt = valid_utf8(s.prompt);
+  r.completion = valid_utf8(s.completion);
+  r.answer = valid_utf8(s.answer);
+  r.extra_json = s.extra.is_null()
+                     ? "{}"
+                     : s.extra.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  r.completion_tokens = s.completion_tokens;
+  r.truncated = s.truncated;
+  return r;
+}
+
+// A failure that retrying will not cure: the server refused the request, or broke the contract.
+struct Refused : Error {
+  using Error::Error;
+};
+
+}  // namespace
+
+struct RemoteReward::Connection {
+  std::shared_ptr<at::transport::TSocket> socket;
+  std::shared_ptr<at::transport::TTransport> transport;
+  std::unique_ptr<rpc::RewardServiceClient> client;
+};
+
+void route_thrift_output_to_log() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    at::GlobalOutput.setOutputFunction([](const char* msg) { spdlog::debug("thrift: {}", msg); });
+  });
+}
+
+RemoteReward::RemoteReward(std::string name, Options options)
+    : name_(std::move(name)), options_(std::move(options)) {
+  route_thrift_output_to_log();
+  const std::string& a = options_.address;
+  const size_t colon = a.rfind(':');
+  const bool port_ok = colon != std::string::npos && colon + 1 < a.size() &&
+                       a.size() - colon <= 6 &&
+                       a.find_first_not_of("0123456789", colon + 1) == std::string::npos;
+  TANDEM_CHECK(port_ok && colon > 0,
+               "reward '{}' (remote): address '{}' is not host:port (e.g. 127.0.0.1:9090)", name_,
+               a);
+  host_ = a.substr(0, colon);
+  if (host_.size() > 2 && host_.front() == '[' && host_.back() == ']')  // [::1]:9090
+    host_ = host_.substr(1, host_.size() - 2);
+  port_ = std::stoi(a.substr(colon + 1));
+  TANDEM_CHECK(port_ >= 1 && port_ <= 65535,
+               "reward '{}' (remote): port {} of '{}' is not 1..65535", name_, port_, a);
+  auto check_range = [&](const char* key, int64_t v, int64_t lo, int64_t hi) {
+    TANDEM_CHECK(v >= lo && v <= hi, "reward '{}' (remote): option '{}' is {}, expected {}..{}",
+                 name_, key, v, lo, hi);
+  };
+  // Thrift takes its socket timeouts as int milliseconds.
+  check_range("timeout_ms", options_.timeout_ms, 1, 3'600'000);
+  check_range("connect_timeout_ms", options_.connect_timeout_ms, 1, 3'600'000);
+  check_range("retries", options_.retries, 0, 100);
+  check_range("backoff_ms", options_.backoff_ms, 0, 60'000);
+  check_range("max_concurrency", options_.max_concurrency, 1, 1024);
+  check_range("batch_size", options_.batch_size, 1, 1'000'000);
+  if (!options_.check_on_start) return;
+  const RemoteServerInfo i = info();
+  const int32_t expected = rpc::g_reward_constants.PROTOCOL_VERSION;
+  TANDEM_CHECK(i.protocol_version == expected,
+               "reward '{}' (remote {}): the server '{}' speaks protocol version {}, this client "
+               "{}: update the server to the rewards/reward.thrift of this tandem",
+               name_, a, i.name, i.protocol_version, expected);
+  if (i.max_batch_size > 0 && i.max_batch_size < options_.batch_size) {
+    spdlog::info("reward '{}': server '{}' at {} takes {} samples per request; batch_size {} -> {}",
+                 name_, i.name, a, i.max_batch_size, options_.batch_size, i.max_batch_size);
+    options_.batch_size = i.max_batch_size;
+  }
+}
+
+RemoteReward::~RemoteReward() { drop_pool(); }
+
+std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& reused) {
+  {
+    std::lock_guard lock(pool_mutex_);
+    reused = !pool_.empty();
+    if (reused) {
+      auto c = std::move(pool_.back());
+      pool_.pop_back();
+      return c;
+    }
+  }
+  auto c = std::make_unique<Connection>();
+  c->socket = std::make_shared<at::transport::TSocket>(host_, port_);
+  c->socket->setConnTimeout(static_cast<int>(options_.connect_timeout_ms));
+  c->socket->setSendTimeout(static_cast<int>(options_.timeout_ms));
+  c->socket->setRecvTimeout(static_cast<int>(options_.timeout_ms));
+  c->socket->setNoDelay(true);
+  c->transport = std::make_shared<at::transport::TFramedTransport>(c->socket);
+  c->client = std::make_unique<rpc::RewardServiceClient>(
+      std::make_shared<at::protocol::TBinaryProtocol>(c->transport));
+  c->transport->open();
+  return c;
+}
+
+void RemoteReward::give_back(std::unique_ptr<Connection> c) {
+  std::lock_guard lock(pool_mutex_);
+  pool_.push_back(std::move(c));
+}
+
+void RemoteReward::drop_pool() {
+  std::vector<std::unique_ptr<Connection>> dropped;
+  {
+    std::lock_guard lock(pool_mutex_);
+    dropped.swap(pool_);
+  }
+  for (auto& c : dropped) {
+    try {
+      c->transport->close();
+    } catch (...) {  // closing a dead socket may throw; nothing to do about it here
+    }
+  }
+}
+
+// Transport errors (refused, reset, timed out) and Overloaded are retried after a pause that
+// doubles; the connection of a transport error is dropped (a late answer could still arrive on
+// it). A refusal (InvalidRequest, Unauthorized), a protocol error or the server's own exception
+// are final.
+template <typename Call>
+auto RemoteReward::with_retries(const std::string& what, Call&& call) {
+  const std::string where = fmt::format("reward '{}' (remote {})", name_, options_.address);
+  std::string last;
+  bool stale_retried = false;
+  for (int64_t attempt = 0;;) {
+    std::unique_ptr<Connection> c;
+    bool reused = false;
+    try {
+      c = take_connection(reused);
+      auto result = call(*c->client);
+      give_back(std::move(c));
+      return result;
+    } catch (const at::transport::TTransportException& e) {
+      last = fmt::format("transport error: {}", e.what());
+      drop_pool();
+      // A pooled connection is dead after the server restarted: try a fresh one at once, once.
+      if (reused && !stale_retried &&
+          e.getType() != at::transport::TTransportException::TIMED_OUT) {
+        stale_retried = true;
+        continue;
+      }
+    } catch (const rpc::Overloaded& e) {
+      last = fmt::format("server overloaded: {}", e.message);
+      give_back(std::move(c));
+    } catch (const rpc::Unauthorized& e) {
+      give_back(std::move(c));
+      throw Refused(fmt::format(
+          "{}: {}: the server refused the token ({}): set the reward's token to the server's",
+          where, what, e.message));
+    } catch (const rpc::InvalidRequest& e) {
+      give_back(std::move(c));
+      throw Refused(
+          fmt::format("{}: {}: the server refused the request: {}", where, what, e.message));
+    } catch (const at::protocol::TProtocolException& e) {
+      throw Refused(
+          fmt::format("{}: {}: protocol error (is it a RewardService, framed binary "
+                      "protocol?): {}",
+                      where, what, e.what()));
+    } catch (const at::TApplicationException& e) {
+      throw Refused(fmt::format("{}: {}: the server failed: {}", where, what, e.what()));
+    }
+    if (attempt == options_.retries) break;
+    const int64_t pause =
+        std::min<int64_t>(options_.backoff_ms << std::min<int64_t>(attempt, 16), 5000);
+    spdlog::warn("{}: {}: {}; retry {} of {} in {} ms", where, what, last, attempt + 1,
+                 options_.retries, pause);
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+    ++attempt;
+  }
+  throw Error(
+      fmt::format("{}: {} failed after {} tries: {}", where, what, options_.retries + 1, last));
+}
+
+RemoteServerInfo RemoteReward::info() {
+  const rpc::ServerInfo i = with_retries("info()", [](rpc::RewardServiceClient& c) {
+    rpc::ServerInfo r;
+    c.info(r);
+    return r;
+  });
+  return {i.name, i.version, i.protocol_version, i.max_batch_size};
+}
+
+bool RemoteReward::health() {
+  return with_retries("health()", [](rpc::RewardServiceClient& c) { return c.health(); });
+}
+
+std::vector<RewardResult> RemoteReward::score(std::span<const RewardSample> samples) {
+  std::vector<RewardResult> results(samples.size());
+  if (samples.empty()) return results;
+  const size_t per = static_cast<size_t>(options_.batch_size);
+  const size_t requests = (samples.size() + per - 1) / per;
+  const uint64_t call = next_request_++;
+
+  // Workers take the next request until none is left or one has failed; the first failure is
+  // the call's error.
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  auto work = [&] {
+    for (size_t r = next++; r < requests && !failed; r = next++) {
+      const size_t begin = r * per;
+      const size_t end = std::min(samples.size(), begin + per);
+      try {
+        rpc::ScoreRequest req;
+        req.request_id = fmt::format("{}-{}-{}", name_, call, r);
+        req.token = options_.token;
+        req.samples.reserve(end - begin);
+        for (size_t i = begin; i < end; ++i) req.samples.push_back(to_rpc(samples[i]));
+        const std::string what = fmt::format("request {} (samples {}..{} of {})", req.request_id,
+                                             begin, end - 1, samples.size());
+        const rpc::ScoreResponse resp = with_retries(what, [&](rpc::RewardServiceClient& c) {
+          rpc::ScoreResponse out;
+          c.score(out, req);
+          return out;
+        });
+        if (resp.scores.size() != end - begin)
+          throw Refused(
+              fmt::format("reward '{}' (remote {}): {}: the server returned {} scores "
+                          "for {} samples",
+                          name_, options_.address, what, resp.scores.size(), end - begin));
+        for (size_t i = begin; i < end; ++i) {
+          const rpc::Score& s = resp.scores[i - begin];
+          results[i] = s.ok ? RewardResult::success(s.value)
+                            : RewardResult::failure(
+                                  s.error.empty() ? "the server could not score it" : s.error);
+        }
+      } catch (...) {
+        std::lock_guard lock(error_mutex);
+        if (!error) error = std::current_exception();
+        failed = true;
+      }
+    }
+  };
+  const size_t workers = std::min(requests, static_cast<size_t>(options_.max_concurrency));
+  std::vector<std::jthread> threads;
+  for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  work();
+  threads.clear();  // joins
+  if (error) std::rethrow_exception(error);
+  return results;
+}
+
+}  // namespace tandem::rewards

@@ -1,0 +1,197 @@
+// RewardServer: a TThreadedServer answering RewardService calls with a RewardFunction.
+#include "rewards/remote_server.h"
+
+#include <spdlog/spdlog.h>
+#include <thrift/TConfiguration.h>
+#include <thrift/protocol/TBinaryProtocol.h>
+#include <thrift/server/TThreadedServer.h>
+#include <thrift/transport/TBufferTransports.h>
+#include <thrift/transport/TServerSocket.h>
+
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "core/build_info.h"
+#include "core/error.h"
+#include "rewards/remote.h"
+#include "rewards/rpc/RewardService.h"
+#include "rewards/rpc/reward_constants.h"
+
+namespace tandem::rewards {
+namespace {
+
+namespace at = apache::thrift;
+
+// Equal strings, in a time that does not depend on where they first differ.
+bool same_token(const std::string& given, const std::string& expected) {
+  if (given.size() != expected.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < given.size(); ++i) diff |= given[i] ^ expected[i];
+  return diff == 0;
+}
+
+class Handler : public rpc::RewardServiceIf {
+ public:
+  Handler(std::shared_ptr<RewardFunction> function, const RewardServer::Options& options)
+      : function_(std::move(function)), options_(options) {}
+
+  void score(rpc::ScoreResponse& out, const rpc::ScoreRequest& request) override {
+    if (!options_.token.empty() && !same_token(request.token, options_.token)) {
+      rpc::Unauthorized e;
+      e.message = request.token.empty() ? "this server requires a token" : "wrong token";
+      throw e;
+    }
+    const size_t n = request.samples.size();
+    if (n > static_cast<size_t>(options_.max_batch_size))
+      invalid(fmt::format("{} samples in one request, at most {}", n, options_.max_batch_size));
+    std::vector<RewardSample> samples(n);
+    for (size_t i = 0; i < n; ++i) {
+      const rpc::Sample& s = request.samples[i];
+      RewardSample& r = samples[i];
+      r.prompt = s.prompt;
+      r.completion = s.completion;
+      r.answer = s.answer;
+      r.completion_tokens = s.completion_tokens;
+      r.truncated = s.truncated;
+      r.extra = nlohmann::json::parse(s.extra_json.empty() ? "{}" : s.extra_json, nullptr,
+                                      /*allow_exceptions=*/false);
+      if (!r.extra.is_object())
+        invalid(
+            fmt::format("samples[{}].extra_json is not a JSON object: {:.80}", i, s.extra_json));
+    }
+    out.request_id = request.request_id;
+    out.scores.resize(n);
+    std::vector<RewardResult> results;
+    std::string error;
+    try {
+      std::lock_guard lock(function_mutex_);
+      results = function_->score(samples);
+      if (results.size() != n)
+        error = fmt::format("the function returned {} results for {} samples", results.size(), n);
+    } catch (const std::exception& e) {
+      error = fmt::format("the function threw: {}", e.what());
+    }
+    if (!error.empty())
+      spdlog::warn("reward server '{}': request '{}': {}", options_.name, request.request_id,
+                   error);
+    for (size_t i = 0; i < n; ++i) {
+      rpc::Score& s = out.scores[i];
+      s.ok = error.empty() && results[i].ok;
+      s.value = s.ok ? results[i].value : 0.0;
+      s.error = !error.empty() ? error : results[i].error;
+    }
+  }
+
+  bool health() override { return true; }
+
+  void info(rpc::ServerInfo& out) override {
+    out.name = options_.name;
+    out.version = version_string();
+    out.protocol_version = rpc::g_reward_constants.PROTOCOL_VERSION;
+    out.max_batch_size = static_cast<int32_t>(options_.max_batch_size);
+  }
+
+ private:
+  [[noreturn]] static void invalid(std::string message) {
+    rpc::InvalidRequest e;
+    e.message = std::move(message);
+    throw e;
+  }
+
+  std::shared_ptr<RewardFunction> function_;
+  const RewardServer::Options& options_;
+  std::mutex function_mutex_;
+};
+
+// Framed transports whose frame and message sizes are bounded.
+class BoundedFramedFactory : public at::transport::TTransportFactory {
+ public:
+  explicit BoundedFramedFactory(int max_bytes)
+      : config_(std::make_shared<at::TConfiguration>(max_bytes, max_bytes)) {}
+  std::shared_ptr<at::transport::TTransport> getTransport(
+      std::shared_ptr<at::transport::TTransport> trans) override {
+    return std::make_shared<at::transport::TFramedTransport>(trans, config_);
+  }
+
+ private:
+  std::shared_ptr<at::TConfiguration> config_;
+};
+
+// Tells the constructor that the server listens.
+class ReadySignal : public at::server::TServerEventHandler {
+ public:
+  explicit ReadySignal(std::promise<void>& ready) : ready_(ready) {}
+  void preServe() override { ready_.set_value(); }
+
+ private:
+  std::promise<void>& ready_;
+};
+
+}  // namespace
+
+struct RewardServer::Impl {
+  Options options;
+  std::shared_ptr<at::transport::TServerSocket> socket;
+  std::shared_ptr<at::server::TThreadedServer> server;
+  std::promise<void> ready;  // set when the server listens, or with why it could not
+  std::thread thread;
+};
+
+RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options options)
+    : impl_(std::make_unique<Impl>()) {
+  TANDEM_CHECK(function != nullptr, "reward server: no function to serve");
+  route_thrift_output_to_log();
+  TANDEM_CHECK(options.port >= 0 && options.port <= 65535, "reward server: port {} is not 0..65535",
+               options.port);
+  TANDEM_CHECK(options.max_batch_size >= 1 && options.max_batch_size <= (1 << 30) &&
+                   options.max_message_bytes >= 1024 &&
+                   options.max_message_bytes <= (1ll << 31) - 1 && options.max_connections >= 1 &&
+                   options.idle_timeout_ms >= 1 && options.idle_timeout_ms <= (1ll << 31) - 1,
+               "reward server: a bound is out of range (max_batch_size {}, max_message_bytes {}, "
+               "max_connections {}, idle_timeout_ms {})",
+               options.max_batch_size, options.max_message_bytes, options.max_connections,
+               options.idle_timeout_ms);
+  Impl& m = *impl_;
+  m.options = std::move(options);
+  m.socket = std::make_shared<at::transport::TServerSocket>(m.options.host, m.options.port);
+  m.socket->setRecvTimeout(static_cast<int>(m.options.idle_timeout_ms));
+  m.socket->setSendTimeout(static_cast<int>(m.options.idle_timeout_ms));
+  auto handler = std::make_shared<Handler>(std::move(function), m.options);
+  m.server = std::make_shared<at::server::TThreadedServer>(
+      std::make_shared<rpc::RewardServiceProcessor>(handler), m.socket,
+      std::make_shared<BoundedFramedFactory>(static_cast<int>(m.options.max_message_bytes)),
+      std::make_shared<at::protocol::TBinaryProtocolFactory>());
+  m.server->setConcurrentClientLimit(m.options.max_connections);
+  std::future<void> listening = m.ready.get_future();
+  m.server->setServerEventHandler(std::make_shared<ReadySignal>(m.ready));
+  m.thread = std::thread([&m] {
+    try {
+      m.server->serve();
+    } catch (...) {  // bind or listen failed: before preServe, so the promise is still unset
+      try {
+        m.ready.set_exception(std::current_exception());
+      } catch (const std::future_error&) {  // failed after it listened: nobody is waiting
+        spdlog::error("reward server '{}': stopped serving", m.options.name);
+      }
+    }
+  });
+  try {
+    listening.get();
+  } catch (const std::exception& e) {
+    m.thread.join();
+    TANDEM_FAIL("reward server: cannot listen on {}:{}: {}", m.options.host, m.options.port,
+                e.what());
+  }
+  port_ = m.socket->getPort();
+}
+
+RewardServer::~RewardServer() { stop(); }
+
+void RewardServer::stop() {
+  if (!impl_ || !impl_->thread.joinable()) return;
+  impl_->server->stop();
+  impl_->thread.join();
+}
+
+}  // namespace tandem::rewards

@@ -1,0 +1,44 @@
+// Serving a RewardFunction over Thrift (rewards/reward.thrift): the server side of RemoteReward.
+#pragma once
+
+#include <memory>
+
+#include "rewards/reward.h"
+
+namespace tandem::rewards {
+
+// A threaded server (one thread per connection) on its own thread. Requests are bounded (batch
+// size, message size, connections) and checked (token, extra_json); a bad one is answered with
+// InvalidRequest or Unauthorized, never a crash. The function is called from one thread at a
+// time; requests of several connections wait for each other. A function that throws or returns
+// the wrong number of results fails every sample of that request (ok = false, with the reason).
+class RewardServer {
+ public:
+  struct Options {
+    std::string host = "127.0.0.1";
+    int port = 0;         // 0: a free port (port() says which)
+    std::string token{};  // when not empty, every score request must carry it
+    int64_t max_batch_size = 4096;
+    int64_t max_message_bytes = 64 << 20;  // a bigger request frame closes the connection
+    int64_t max_connections = 64;          // further clients wait to be accepted
+    int64_t idle_timeout_ms = 600'000;     // a connection silent this long is closed
+    std::string name = "tandem";           // info().name
+  };
+
+  // Listens when it returns; throws tandem::Error naming the address when it cannot bind.
+  RewardServer(std::shared_ptr<RewardFunction> function, Options options);
+  ~RewardServer();  // stop()
+  RewardServer(const RewardServer&) = delete;
+  RewardServer& operator=(const RewardServer&) = delete;
+
+  int port() const { return port_; }
+  // Stops accepting, closes the connections and waits for the calls in progress to return.
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+};
+
+}  // namespace tandem::rewards
