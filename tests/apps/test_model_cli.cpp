@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kRepo = fs::path(__FILE__).parent_path() / ".." / "..";
+const fs::path kRepo = TANDEM_SOURCE_DIR;
 const std::string kSmol = (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string();
 
 using Run = tandem::test::CommandResult;

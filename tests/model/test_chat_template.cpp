@@ -13,7 +13,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
-fs::path golden_dir() { return fs::path(__FILE__).parent_path().parent_path() / "golden/smollm2"; }
+fs::path golden_dir() { return fs::path(TANDEM_SOURCE_DIR) / "tests/golden/smollm2"; }
 }  // namespace
 
 TEST_CASE("chat formats are detected by their markers", "[unit]") {

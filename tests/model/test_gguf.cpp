@@ -25,7 +25,7 @@ using namespace tandem::model;
 
 namespace {
 
-const std::filesystem::path kRepo = std::filesystem::path(__FILE__).parent_path() / ".." / "..";
+const std::filesystem::path kRepo = std::filesystem::path(TANDEM_SOURCE_DIR);
 
 // A directory of this process's test files, removed when the tests end.
 struct TempDir {

@@ -22,7 +22,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kRepo = fs::path(__FILE__).parent_path() / ".." / "..";
+const fs::path kRepo = fs::path(TANDEM_SOURCE_DIR);
 const fs::path kGolden = kRepo / "tests" / "golden";
 
 // max |a - b| over max |b|: the error relative to the tensor's scale.

@@ -20,7 +20,7 @@ using Ids = std::vector<int32_t>;
 
 namespace {
 
-fs::path golden_dir() { return fs::path(__FILE__).parent_path().parent_path() / "golden/smollm2"; }
+fs::path golden_dir() { return fs::path(TANDEM_SOURCE_DIR) / "tests/golden/smollm2"; }
 
 using tandem::test::TempDir;
 

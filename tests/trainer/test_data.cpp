@@ -71,7 +71,7 @@ int64_t evaluate_text(const std::string& expr, int* operands) {
   return total;
 }
 
-fs::path smollm2_dir() { return fs::path(__FILE__).parent_path().parent_path() / "golden/smollm2"; }
+fs::path smollm2_dir() { return fs::path(TANDEM_SOURCE_DIR) / "tests/golden/smollm2"; }
 
 }  // namespace
 

@@ -18,7 +18,7 @@ using json = nlohmann::json;
 namespace {
 
 std::filesystem::path golden_dir() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path() / "golden/grpo";
+  return std::filesystem::path(TANDEM_SOURCE_DIR) / "tests/golden/grpo";
 }
 
 json load(const char* name) {

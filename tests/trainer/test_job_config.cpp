@@ -16,9 +16,7 @@ using namespace tandem::trainer;
 
 namespace {
 
-std::filesystem::path repo_root() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
-}
+std::filesystem::path repo_root() { return std::filesystem::path(TANDEM_SOURCE_DIR); }
 
 const std::string kMinimal =
     "[model]\npath = \"m.gguf\"\n"
