@@ -345,6 +345,7 @@ struct Decoder::Impl {
           std::max(count.bytes(), Decoder::plan_bytes(c, T, options.recompute)));
       options.max_tokens = std::max(options.max_tokens, T);
     }
+    arena->reserve();  // after release_activations()
     arena->reset();
     Planner p(arena.get());
     return plan(p, c, T, B, mode, options.recompute);
@@ -370,6 +371,11 @@ Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
 Decoder::~Decoder() = default;
 
 size_t Decoder::activation_bytes() const { return impl_->arena->capacity(); }
+
+void Decoder::release_activations() {
+  impl_->have_forward = false;
+  impl_->arena->release();
+}
 
 void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
                       const Tensor& entropy_out, float temperature) {

@@ -73,6 +73,9 @@ class Decoder {
   Device device() const { return weights_.device(); }
   // Bytes of the activation arena (as planned for max_tokens).
   size_t activation_bytes() const;
+  // Gives the activation arena back to the device (a colocated job's other phase wants the
+  // memory) and drops a pending forward's state; the next call takes it again.
+  void release_activations();
   // Bytes a training forward of T tokens needs under these options.
   static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute);
 

@@ -17,22 +17,64 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The KV arena's size: every layer's K and V, each aligned as the arena hands it out. Checks the
+// sizes first, so a bad one is named before anything is allocated.
+size_t arena_bytes(const model::ModelConfig& config, int64_t block_size, int64_t num_blocks) {
+  TANDEM_CHECK(block_size > 0, "block manager: block_size must be positive, got {}", block_size);
+  TANDEM_CHECK(num_blocks > 0 && num_blocks <= (int64_t{1} << 31) / block_size,
+               "block manager: num_blocks must be in [1, 2^31 / block_size], got {}", num_blocks);
+  const size_t layer =
+      static_cast<size_t>(num_blocks * block_size * config.num_kv_heads * config.head_dim) *
+      sizeof(float);
+  const size_t aligned = (layer + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment;
+  return 2 * static_cast<size_t>(config.num_layers) * aligned;
+}
+
 }  // namespace
 
 BlockManager::BlockManager(const model::ModelConfig& config, int64_t block_size, int64_t num_blocks,
                            Device device)
-    : block_size_(block_size) {
-  TANDEM_CHECK(block_size > 0, "block manager: block_size must be positive, got {}", block_size);
-  TANDEM_CHECK(num_blocks > 0 && num_blocks <= (int64_t{1} << 31) / block_size,
-               "block manager: num_blocks must be in [1, 2^31 / block_size], got {}", num_blocks);
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    const Shape shape{num_blocks, block_size, config.num_kv_heads, config.head_dim};
-    k_cache_.push_back(Tensor::zeros(shape, DType::f32, device));
-    v_cache_.push_back(Tensor::zeros(shape, DType::f32, device));
-  }
-  blocks_.resize(static_cast<size_t>(num_blocks));
+    : block_size_(block_size),
+      arena_(ArenaClass::kv_blocks, device, arena_bytes(config, block_size, num_blocks)),
+      layer_shape_{num_blocks, block_size, config.num_kv_heads, config.head_dim},
+      num_layers_(config.num_layers) {
+  carve();
+}
+
+void BlockManager::reset_blocks(int64_t num_blocks) {
+  blocks_.assign(static_cast<size_t>(num_blocks), Block{});
+  free_list_.clear();
   for (int64_t b = 0; b < num_blocks; ++b) free_list_.emplace_back(0, static_cast<int32_t>(b));
   num_free_ = num_blocks;
+  tick_ = 0;
+  cached_.clear();
+}
+
+void BlockManager::release_memory() {
+  if (!arena_.reserved()) return;
+  TANDEM_CHECK(seqs_.empty(),
+               "block manager: cannot release the KV arena while {} sequences hold blocks",
+               seqs_.size());
+  k_cache_.clear();
+  v_cache_.clear();
+  arena_.release();
+  reset_blocks(layer_shape_[0]);
+}
+
+void BlockManager::reserve_memory() {
+  if (arena_.reserved()) return;
+  arena_.reserve();
+  carve();
+}
+
+void BlockManager::carve() {
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    k_cache_.push_back(arena_.alloc(layer_shape_, DType::f32));
+    v_cache_.push_back(arena_.alloc(layer_shape_, DType::f32));
+    k_cache_.back().zero();
+    v_cache_.back().zero();
+  }
+  reset_blocks(layer_shape_[0]);
 }
 
 size_t BlockManager::bytes_per_block(const model::ModelConfig& config, int64_t block_size) {

@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/device.h"
 #include "core/tensor.h"
 #include "model/config.h"
@@ -20,9 +21,18 @@ class BlockManager {
  public:
   using SeqId = int64_t;
 
-  // k_cache()[l], v_cache()[l]: (num_blocks, P, Hkv, D) f32 on `device`, P = block_size.
+  // k_cache()[l], v_cache()[l]: (num_blocks, P, Hkv, D) f32 on `device`, P = block_size, all
+  // in one kv_blocks arena, zeroed.
   BlockManager(const model::ModelConfig& config, int64_t block_size, int64_t num_blocks,
                Device device = Device::cpu());
+
+  // Gives the KV arena back to the device (a colocated job's training phase wants the memory)
+  // and forgets the prefix cache; every sequence must have been freed. k_cache() and v_cache()
+  // are empty until reserve_memory(), which takes the arena again, zeroed, with every block free
+  // in the order of a new manager. Both do nothing when already in that state.
+  void release_memory();
+  void reserve_memory();
+  bool memory_reserved() const { return arena_.reserved(); }
 
   // Bytes one block takes over all layers (K and V, f32): for sizing num_blocks to a budget.
   static size_t bytes_per_block(const model::ModelConfig& config, int64_t block_size);
@@ -89,8 +99,15 @@ class BlockManager {
   void uncache(int32_t block);
   uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens) const;
 
+  void reset_blocks(int64_t num_blocks);
+  // Cuts the reserved arena into the zeroed per-layer caches; every block free.
+  void carve();
+
   int64_t block_size_;
-  std::vector<Tensor> k_cache_, v_cache_;  // per layer (num_blocks, P, Hkv, D)
+  Arena arena_;        // every layer's K and V; before the shape, as its size checks the arguments
+  Shape layer_shape_;  // (num_blocks, P, Hkv, D)
+  int64_t num_layers_;
+  std::vector<Tensor> k_cache_, v_cache_;  // per layer (num_blocks, P, Hkv, D), in arena_
   std::vector<Block> blocks_;
   std::deque<std::pair<uint64_t, int32_t>>
       free_list_;  // (tick, block), oldest first; stale entries skipped

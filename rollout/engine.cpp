@@ -108,6 +108,11 @@ struct Engine::Impl {
     decoder = make_decoder(w);
   }
 
+  void reserve_memory() {
+    bm.reserve_memory();
+    if (!decoder) decoder = make_decoder(*weights);
+  }
+
   std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const {
     return std::make_unique<model::Decoder>(
         w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens});
@@ -364,6 +369,7 @@ struct Engine::Impl {
 
   void step() {
     if (running.empty() && waiting.empty()) return;
+    reserve_memory();
     std::vector<Item> decodes, prefills;
     schedule(decodes, prefills);
     // The oldest sequence always fits alone (submit() checks), so a round always runs something.
@@ -588,10 +594,25 @@ void Engine::set_weights(const model::Weights& weights, uint64_t version) {
                "engine: set_weights needs weights on the engine's device");
   while (!m.running.empty()) m.preempt(m.running.back());
   m.bm.clear_prefix_cache();
-  m.decoder = m.make_decoder(weights);
   m.weights = &weights;
+  // A released engine stays released: its next step() makes the decoder.
+  m.decoder = m.bm.memory_reserved() ? m.make_decoder(weights) : nullptr;
   m.version = version;
 }
+
+void Engine::release_memory() {
+  Impl& m = *impl_;
+  TANDEM_CHECK(!has_work(),
+               "engine: cannot release memory with {} sequences running and {} waiting: finish "
+               "or abort them first",
+               m.running.size(), m.waiting.size());
+  m.decoder.reset();
+  m.bm.release_memory();
+}
+
+void Engine::reserve_memory() { impl_->reserve_memory(); }
+
+bool Engine::memory_reserved() const { return impl_->bm.memory_reserved(); }
 
 uint64_t Engine::weight_version() const { return impl_->version; }
 const EngineOptions& Engine::options() const { return impl_->opt; }

@@ -133,6 +133,14 @@ class Engine {
   void set_weights(const model::Weights& weights, uint64_t version);
   uint64_t weight_version() const;
 
+  // Memory phases of a colocated job: release_memory() gives the KV arena and the decoder's
+  // activation arena back to the device while the trainer runs (nothing may be in flight; the
+  // prefix cache is forgotten). The next step() with work, or reserve_memory(), takes them
+  // again: the cache zeroed, its blocks handed out as by a new engine.
+  void release_memory();
+  void reserve_memory();
+  bool memory_reserved() const;
+
   const EngineOptions& options() const;
   const EngineStats& stats() const;
   const BlockManager& blocks() const;

@@ -12,6 +12,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
 #include "core/error.h"
 #include "model/loader.h"
 #include "rewards/factory.h"
@@ -159,6 +161,101 @@ Rollout generate(rollout::Engine& engine, const model::LoadedModel& m,
   return r;
 }
 
+// Appends `more` (a later rollout round) to `r`.
+void append(Rollout& r, Rollout&& more) {
+  auto move_all = [](auto& to, auto& from) {
+    to.insert(to.end(), std::make_move_iterator(from.begin()), std::make_move_iterator(from.end()));
+  };
+  move_all(r.reward_samples, more.reward_samples);
+  move_all(r.samples, more.samples);
+  move_all(r.group_sizes, more.group_sizes);
+  r.truncated.insert(r.truncated.end(), more.truncated.begin(), more.truncated.end());
+  r.tokens += more.tokens;
+}
+
+// Appends the scores of a later round (the same functions) to `b`.
+void append(rewards::RewardBreakdown& b, const rewards::RewardBreakdown& more) {
+  if (b.names.empty()) {
+    b = more;
+    return;
+  }
+  b.total.insert(b.total.end(), more.total.begin(), more.total.end());
+  for (size_t f = 0; f < b.names.size(); ++f) {
+    b.values[f].insert(b.values[f].end(), more.values[f].begin(), more.values[f].end());
+    b.failed[f].insert(b.failed[f].end(), more.failed[f].begin(), more.failed[f].end());
+    if (b.call_errors[f].empty()) b.call_errors[f] = more.call_errors[f];
+  }
+}
+
+// A step's samples: one round of rollout.prompts_per_step prompts, and with dynamic sampling
+// refill rounds of more prompts until that many groups carry a reward signal.
+struct StepBatch {
+  Rollout rollout;                     // every generated group, round after round
+  rewards::RewardBreakdown breakdown;  // of every sample
+  std::vector<float> rewards;          // the summed reward plus the overlong penalty
+  std::vector<uint8_t> group_kept;     // per group: it enters the update
+  int64_t groups_kept = 0, refill_rounds = 0;
+  double rollout_s = 0, reward_s = 0;
+};
+
+StepBatch collect_batch(rollout::Engine& engine, const model::LoadedModel& m, PromptStream& stream,
+                        rewards::RewardSet& reward_set, const JobConfig& job, int64_t step) {
+  const ShapingSection& shaping = job.trainer.shaping;
+  const int64_t B = job.rollout.prompts_per_step;
+  StepBatch sb;
+  for (int64_t round = 0;; ++round) {
+    // A refill draws the missing groups divided by the share of groups kept so far (a full batch
+    // while none was), so one round usually suffices; at most B prompts.
+    int64_t draw = B;
+    if (round > 0) {
+      const int64_t need = B - sb.groups_kept;
+      const int64_t generated = static_cast<int64_t>(sb.group_kept.size());
+      draw = std::clamp((need * generated + std::max<int64_t>(sb.groups_kept, 1) - 1) /
+                            std::max<int64_t>(sb.groups_kept, 1),
+                        need, B);
+    }
+    const std::vector<Example> batch = stream.next_batch(draw);
+    // Round 0 keeps the seeds of a job without refill; each round gets its own stream of seeds.
+    const uint64_t seed = static_cast<uint64_t>(job.rollout.seed) * 1000003 +
+                          static_cast<uint64_t>(step) * 7919 +
+                          static_cast<uint64_t>(round) * 0x9e3779b97f4a7c15ull;
+    const auto t0 = Clock::now();
+    Rollout r = generate(engine, m, batch, job, static_cast<int>(job.rollout.n),
+                         job.rollout.temperature, seed);
+    sb.rollout_s += seconds_since(t0);
+
+    const auto t1 = Clock::now();
+    const rewards::RewardBreakdown rb = reward_set.score(r.reward_samples);
+    std::vector<float> rewards(rb.total.begin(), rb.total.end());
+    if (shaping.overlong_factor > 0) {
+      for (size_t i = 0; i < rewards.size(); ++i)
+        rewards[i] +=
+            overlong_penalty(r.reward_samples[i].completion_tokens, job.rollout.max_new_tokens,
+                             shaping.overlong_buffer, static_cast<float>(shaping.overlong_factor));
+    }
+    std::vector<uint8_t> kept(r.group_sizes.size(), shaping.dynamic_sampling ? 0 : 1);
+    if (shaping.dynamic_sampling) {
+      // Groups past the B-th with signal are dropped too: the batch keeps its configured size.
+      for (int32_t g : groups_with_signal(rewards, r.group_sizes))
+        if (sb.groups_kept < B) {
+          kept[static_cast<size_t>(g)] = 1;
+          ++sb.groups_kept;
+        }
+    } else {
+      sb.groups_kept += static_cast<int64_t>(kept.size());
+    }
+    sb.reward_s += seconds_since(t1);
+    append(sb.rollout, std::move(r));
+    append(sb.breakdown, rb);
+    sb.rewards.insert(sb.rewards.end(), rewards.begin(), rewards.end());
+    sb.group_kept.insert(sb.group_kept.end(), kept.begin(), kept.end());
+    if (!shaping.dynamic_sampling || sb.groups_kept >= B || round >= shaping.max_refill_rounds)
+      break;
+    sb.refill_rounds = round + 1;
+  }
+  return sb;
+}
+
 struct EvalResult {
   double mean_reward = 0, pass1 = 0, passk = 0;
 };
@@ -191,6 +288,13 @@ EvalResult evaluate(rollout::Engine& engine, const model::LoadedModel& m,
   e.pass1 = correct_samples / static_cast<double>(at);
   e.passk = solved / static_cast<double>(count);
   return e;
+}
+
+// The process's peak resident memory so far (Linux reports ru_maxrss in KiB).
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
 std::string format_eta(double seconds) {
@@ -240,6 +344,11 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
   tc.loss = job.trainer.grpo.loss;
   tc.temperature = static_cast<float>(job.rollout.temperature);
   PolicyTrainer trainer(policy, reference.get(), adamw, schedule, tc);
+
+  if (job.trainer.optimizer_offload)
+    std::fprintf(stderr,
+                 "tandem: trainer.optimizer.offload: on cpu the optimizer state is in host memory "
+                 "already; nothing to offload\n");
 
   TrainerState state;
   state.config = to_toml(job);
@@ -293,58 +402,74 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
   const int64_t first_step = state.step;
   while (state.step < job.trainer.steps) {
     const auto t0 = Clock::now();
-    const std::vector<Example> batch = stream.next_batch(job.rollout.prompts_per_step);
-    Rollout r =
-        generate(engine, m, batch, job, static_cast<int>(job.rollout.n), job.rollout.temperature,
-                 static_cast<uint64_t>(job.rollout.seed) * 1000003 +
-                     static_cast<uint64_t>(state.step) * 7919);
-    const double t_rollout = seconds_since(t0);
-
-    const auto t1 = Clock::now();
-    rewards::RewardBreakdown rb = reward_set.score(r.reward_samples);
-    std::vector<float> rewards(rb.total.begin(), rb.total.end());
-    if (job.trainer.shaping.overlong_factor > 0) {
-      for (size_t i = 0; i < rewards.size(); ++i)
-        rewards[i] +=
-            overlong_penalty(r.reward_samples[i].completion_tokens, job.rollout.max_new_tokens,
-                             job.trainer.shaping.overlong_buffer,
-                             static_cast<float>(job.trainer.shaping.overlong_factor));
-    }
+    StepBatch sb = collect_batch(engine, m, stream, reward_set, job, state.step);
+    Rollout& r = sb.rollout;
+    const std::vector<float>& rewards = sb.rewards;
+    const rewards::RewardBreakdown& rb = sb.breakdown;
+    // Reward and zero-variance statistics describe every generated group; the update's
+    // advantages are those of the kept groups (the same values unless advantage_scale is
+    // batch-std).
     const Advantages adv = compute_advantages(rewards, r.group_sizes, job.trainer.grpo.advantage);
-    const double t_reward = seconds_since(t1);
 
     // Samples that enter the loss: truncated ones masked on request, groups without signal
-    // dropped with dynamic sampling (this increment does not refill them).
+    // dropped with dynamic sampling.
     const auto truncated_flags = std::make_unique<bool[]>(r.truncated.size());
     std::copy(r.truncated.begin(), r.truncated.end(), truncated_flags.get());
     const std::vector<bool> keep =
         loss_mask(std::span<const bool>(truncated_flags.get(), r.truncated.size()),
                   job.trainer.shaping.mask_truncated);
-    std::vector<uint8_t> group_kept(r.group_sizes.size(), 1);
-    if (job.trainer.shaping.dynamic_sampling) {
-      std::fill(group_kept.begin(), group_kept.end(), 0);
-      for (int32_t g : groups_with_signal(rewards, r.group_sizes))
-        group_kept[static_cast<size_t>(g)] = 1;
-    }
-    std::vector<TrainSample> train;
+    std::vector<float> kept_rewards;
+    std::vector<int32_t> kept_sizes;
     size_t at = 0;
     for (size_t g = 0; g < r.group_sizes.size(); ++g) {
+      if (sb.group_kept[g]) {
+        kept_rewards.insert(kept_rewards.end(), rewards.begin() + static_cast<int64_t>(at),
+                            rewards.begin() + static_cast<int64_t>(at) + r.group_sizes[g]);
+        kept_sizes.push_back(r.group_sizes[g]);
+      }
+      at += static_cast<size_t>(r.group_sizes[g]);
+    }
+    const Advantages kept_adv =
+        kept_sizes.size() == r.group_sizes.size() ? adv
+        : kept_sizes.empty()
+            ? Advantages{}
+            : compute_advantages(kept_rewards, kept_sizes, job.trainer.grpo.advantage);
+    std::vector<TrainSample> train;
+    at = 0;
+    size_t kept_at = 0;
+    for (size_t g = 0; g < r.group_sizes.size(); ++g) {
       for (int32_t j = 0; j < r.group_sizes[g]; ++j, ++at) {
-        if (!group_kept[g] || !keep[at]) continue;
-        r.samples[at].advantage = adv.values[at];
+        if (!sb.group_kept[g]) continue;
+        const float advantage = kept_adv.values[kept_at++];
+        if (!keep[at]) continue;
+        r.samples[at].advantage = advantage;
         train.push_back(std::move(r.samples[at]));
       }
     }
     // Minibatches must divide the batch: trim the remainder (only after filtering).
     train.resize(train.size() - train.size() % static_cast<size_t>(tc.minibatches));
+    if (train.empty())
+      std::fprintf(stderr,
+                   "tandem: step %lld: no sample to train on (%lld groups generated, none with "
+                   "reward variance after %lld refill rounds): update skipped\n",
+                   static_cast<long long>(state.step + 1),
+                   static_cast<long long>(r.group_sizes.size()),
+                   static_cast<long long>(sb.refill_rounds));
+    // The training phase does not need the engine's KV cache and activations: free them for
+    // the trainer; the next rollout or eval takes them again.
+    if (job.placement.release_memory) engine.release_memory();
 
     const auto t2 = Clock::now();
     TrainStepMetrics tm;
-    if (!train.empty()) tm = trainer.step(train);
+    if (!train.empty()) {
+      tm = trainer.step(train);
+      // And the other way round: the rollout and eval that follow take the trainer's memory.
+      if (job.placement.release_memory) trainer.release_activations();
+      state.weight_version += 1;
+      engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
+    }
     const double t_train = seconds_since(t2);
     state.step += 1;
-    state.weight_version += 1;
-    engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
     state.data_epoch = stream.epoch();
     state.data_position = stream.index();
 
@@ -362,10 +487,10 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     j["reward/std"] = adv.stats.reward_std;
     const nlohmann::json reward_metrics = rb.metrics();
     for (auto it = reward_metrics.begin(); it != reward_metrics.end(); ++it) j[it.key()] = *it;
-    j["advantage/mean"] = adv.stats.advantage_mean;
-    j["advantage/std"] = adv.stats.advantage_std;
-    j["advantage/min"] = adv.stats.advantage_min;
-    j["advantage/max"] = adv.stats.advantage_max;
+    j["advantage/mean"] = kept_adv.stats.advantage_mean;
+    j["advantage/std"] = kept_adv.stats.advantage_std;
+    j["advantage/min"] = kept_adv.stats.advantage_min;
+    j["advantage/max"] = kept_adv.stats.advantage_max;
     j["zero_variance_group_fraction"] = adv.stats.zero_variance_fraction;
     j["pg_clipfrac_low"] = tm.policy.pg_clipfrac_low();
     j["pg_clipfrac_high"] = tm.policy.pg_clipfrac_high();
@@ -382,9 +507,14 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
     j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
     j["samples_trained"] = train.size();
+    j["update_skipped"] = train.empty() ? 1 : 0;
+    j["dynamic_sampling/groups_generated"] = r.group_sizes.size();
+    j["dynamic_sampling/groups_kept"] = sb.groups_kept;
+    j["dynamic_sampling/refill_rounds"] = sb.refill_rounds;
+    j["memory/peak_rss_mib"] = peak_rss_mib();
     j["tokens_per_s"] = static_cast<double>(r.tokens) / std::max(step_s, 1e-9);
-    j["time/rollout_s"] = t_rollout;
-    j["time/reward_s"] = t_reward;
+    j["time/rollout_s"] = sb.rollout_s;
+    j["time/reward_s"] = sb.reward_s;
     j["time/train_s"] = t_train;
     j["time/step_s"] = step_s;
     metrics_out << j.dump() << "\n" << std::flush;
@@ -394,14 +524,18 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
 
     const double elapsed = seconds_since(run_t0);
     const double per_step = elapsed / static_cast<double>(state.step - first_step);
+    const std::string groups = job.trainer.shaping.dynamic_sampling
+                                   ? fmt::format(" | groups {}/{} ({} refills)", sb.groups_kept,
+                                                 r.group_sizes.size(), sb.refill_rounds)
+                                   : "";
     std::fprintf(
         stderr,
-        "step %lld/%lld | reward %.3f | kl %.4f | entropy %.3f | len %.1f | %.0f tok/s | "
+        "step %lld/%lld | reward %.3f%s | kl %.4f | entropy %.3f | len %.1f | %.0f tok/s | "
         "%.1fs (rollout %.1f, train %.1f) | eta %s\n",
         static_cast<long long>(state.step), static_cast<long long>(job.trainer.steps),
-        adv.stats.reward_mean, tm.policy.kl_ref_mean(), tm.policy.entropy_mean(),
-        j["response_length/mean"].get<double>(), j["tokens_per_s"].get<double>(), step_s, t_rollout,
-        t_train,
+        adv.stats.reward_mean, groups.c_str(), tm.policy.kl_ref_mean(), tm.policy.entropy_mean(),
+        j["response_length/mean"].get<double>(), j["tokens_per_s"].get<double>(), step_s,
+        sb.rollout_s, t_train,
         format_eta(per_step * static_cast<double>(job.trainer.steps - state.step)).c_str());
     if (job.logging.samples_every > 0 && state.step % job.logging.samples_every == 0 &&
         !r.reward_samples.empty()) {

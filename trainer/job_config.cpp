@@ -310,7 +310,13 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "Cap of the importance weight."))
       .above(0);
   add(bind<J>("trainer.algorithm.dynamic_sampling", TANDEM_MEMBER(trainer.shaping.dynamic_sampling),
-              "Drop groups whose rewards are all equal (DAPO)."));
+              "Drop groups whose rewards are all equal and draw more prompts in their place "
+              "(DAPO)."));
+  add(bind<J>("trainer.algorithm.max_refill_rounds",
+              TANDEM_MEMBER(trainer.shaping.max_refill_rounds),
+              "dynamic_sampling: rounds of more prompts while fewer than prompts_per_step groups "
+              "have reward variance; then the step trains on what it has (0: no refill)."))
+      .range(0, 1000);
   add(bind<J>("trainer.algorithm.mask_truncated", TANDEM_MEMBER(trainer.shaping.mask_truncated),
               "Leave samples cut by max_new_tokens out of the loss."));
   add(bind<J>("trainer.algorithm.overlong_buffer", TANDEM_MEMBER(trainer.shaping.overlong_buffer),
@@ -344,6 +350,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               TANDEM_MEMBER(trainer.optimizer.max_consecutive_skips),
               "Non-finite gradient steps in a row that stop the run."))
       .range(1, 1e6);
+  add(bind<J>("trainer.optimizer.offload", TANDEM_MEMBER(trainer.optimizer_offload),
+              "Keep the AdamW moments in host memory while the rollout runs (CUDA placement). "
+              "On cpu nothing to do: they are in host memory already."));
   // trainer.schedule
   add(choice<J>("trainer.schedule.kind", TANDEM_MEMBER(trainer.schedule.kind),
                 std::vector<std::pair<LrScheduleKind, std::string>>{
@@ -425,6 +434,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
       .one_of({"colocated"});
   add(bind<J>("placement.device", TANDEM_MEMBER(placement.device), "Where the job runs."))
       .one_of({"cpu", "cuda"});
+  add(bind<J>("placement.release_memory", TANDEM_MEMBER(placement.release_memory),
+              "Colocated: free the rollout engine's KV cache and activations during the update, "
+              "and the trainer's activations during rollout; each phase takes its memory again."));
   return v;
 }
 

@@ -55,7 +55,8 @@ struct RolloutSection {
 };
 
 struct ShapingSection {
-  bool dynamic_sampling = false;  // drop groups whose rewards are all equal
+  bool dynamic_sampling = false;  // drop groups whose rewards are all equal, draw more prompts
+  int64_t max_refill_rounds = 3;  // dynamic sampling: rounds of more prompts per step at most
   bool mask_truncated = false;    // leave samples cut by max_new_tokens out of the loss
   int64_t overlong_buffer = 0;    // DAPO soft overlong penalty; 0 with factor 0: off
   double overlong_factor = 0.0;
@@ -67,8 +68,9 @@ struct TrainerSection {
   TrainStepConfig step;  // its .loss is grpo.loss; temperature comes from the rollout
   ShapingSection shaping;
   AdamWConfig optimizer;
-  LrScheduleConfig schedule;  // total_steps = steps * epochs * minibatches when 0
-  std::string dtype = "f32";  // master weights
+  bool optimizer_offload = false;  // moments to host during rollout (CUDA); cpu: already there
+  LrScheduleConfig schedule;       // total_steps = steps * epochs * minibatches when 0
+  std::string dtype = "f32";       // master weights
 };
 
 struct RewardSpec {
@@ -115,6 +117,9 @@ struct EvalSection {
 struct PlacementSection {
   std::string mode = "colocated";
   std::string device = "cpu";  // "cpu" or "cuda"
+  // Each phase frees the other's memory: the engine's KV cache and activations during the
+  // update, the trainer's activations during rollout and eval.
+  bool release_memory = true;
 };
 
 struct JobConfig {

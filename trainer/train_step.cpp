@@ -87,6 +87,11 @@ PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* refer
 
 PolicyTrainer::~PolicyTrainer() = default;
 
+void PolicyTrainer::release_activations() {
+  decoder_->release_activations();
+  if (ref_decoder_) ref_decoder_->release_activations();
+}
+
 std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
                                            std::span<const TrainSample> samples,
                                            std::vector<float>* entropy) {

@@ -65,6 +65,9 @@ class PolicyTrainer {
   // sample order, and optionally the entropies.
   std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
                               std::vector<float>* entropy = nullptr);
+  // Gives the decoders' activation arenas back between steps (the rollout of a colocated job
+  // wants the memory); the next step takes them again.
+  void release_activations();
   // Optimizer steps taken (the LR schedule's position); set it when resuming from a checkpoint.
   int64_t steps_done() const { return optimizer_steps_; }
   void set_steps_done(int64_t steps) { optimizer_steps_ = steps; }

@@ -1,5 +1,5 @@
 // tandem train as a user runs it: a short job on the bundled model, its metrics, checkpoint and
-// resume; config errors with their place.
+// resume; dynamic sampling's refill and its bitwise resume; config errors with their place.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +22,20 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
   std::string line;
   while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
   return out;
+}
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
+  std::vector<nlohmann::json> steps;
+  for (auto& m : read_jsonl(metrics))
+    if (m.contains("loss")) steps.push_back(std::move(m));
+  return steps;
 }
 
 }  // namespace
@@ -126,4 +140,103 @@ TEST_CASE("tandem train scores its samples with the remote Python reward server"
   }
   CHECK(steps == 3);
   CHECK(server.stop() == 0);
+}
+
+TEST_CASE("tandem train with dynamic sampling refills the batch and resumes bitwise", "[e2e]") {
+  REQUIRE(fs::exists(kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"));
+  const tandem::test::TempDir tmp("train-refill");
+  // Whether a completion holds a digit: in groups of two, often the same for both samples (no
+  // signal), so round 0 rarely gives both groups a reward variance.
+  const std::string job = tmp.write("job.toml", R"(
+[model]
+path = ")" + (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string() +
+                                                    R"("
+[data]
+synthetic_size = 256
+system_prompt = "Solve the problem. End your answer with #### followed by the number."
+max_prompt_tokens = 128
+seed = 3
+[rollout]
+prompts_per_step = 2
+n = 2
+max_new_tokens = 8
+seed = 5
+num_blocks = 64
+max_batch_tokens = 512
+[trainer]
+steps = 3
+lr = 1e-5
+micro_batch_tokens = 512
+[trainer.algorithm]
+dynamic_sampling = true
+max_refill_rounds = 2
+[trainer.optimizer]
+weight_decay = 0.0
+[trainer.schedule]
+kind = "constant"
+[[rewards]]
+name = "digit"
+function = "regex_format"
+pattern = '.*\d.*'
+[checkpoint]
+every = 1
+keep_last = 5
+[eval]
+every = 0
+[logging]
+samples_every = 0
+)");
+  auto run = [&](const std::string& dir, int steps) {
+    const auto r = tandem::test::run_tandem("train " + job + " logging.dir=" + tmp.file(dir) +
+                                            " checkpoint.dir=" + tmp.file(dir + "/ckpt") +
+                                            " trainer.steps=" + std::to_string(steps));
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+    return r.out;
+  };
+  const std::string straight = run("a", 3);
+  CHECK(straight.find("refills)") != std::string::npos);  // the progress line shows the groups
+
+  const auto steps = step_lines(tmp.file("a/metrics.jsonl"));
+  REQUIRE(steps.size() == 3);
+  int64_t drawn = 0, refills = 0;
+  for (const auto& m : steps) {
+    INFO(m.dump());
+    const auto generated = m["dynamic_sampling/groups_generated"].get<int64_t>();
+    const auto kept = m["dynamic_sampling/groups_kept"].get<int64_t>();
+    const auto rounds = m["dynamic_sampling/refill_rounds"].get<int64_t>();
+    CHECK(kept <= 2);
+    CHECK(rounds <= 2);
+    CHECK(generated >= 2 + rounds);  // every refill round draws at least one prompt
+    CHECK(generated <= 2 * (1 + rounds));
+    if (kept < 2) CHECK(rounds == 2);  // it only gives up when the rounds run out
+    CHECK(m["samples_trained"].get<int64_t>() == 2 * kept);
+    CHECK(m["update_skipped"].get<int>() == (kept == 0 ? 1 : 0));
+    drawn += generated;
+    refills += rounds;
+  }
+  CHECK(refills > 0);  // the reward left some group without signal: the batch was refilled
+  // The stream's position counts every prompt drawn, refills included.
+  const auto state =
+      nlohmann::json::parse(read_bytes(tmp.file("a/ckpt/step-3/trainer_state.json")));
+  CHECK(state["data_epoch"].get<int64_t>() == 0);
+  CHECK(state["data_position"].get<int64_t>() == drawn);
+
+  // Stopped after step 1 and resumed: the same batches, weights and optimizer state, bitwise.
+  run("b", 1);
+  const std::string resumed = run("b", 3);
+  CHECK(resumed.find("resumed from") != std::string::npos);
+  const auto again = step_lines(tmp.file("b/metrics.jsonl"));
+  REQUIRE(again.size() == 3);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* k : {"loss", "reward/mean", "grad_norm", "dynamic_sampling/groups_generated",
+                          "dynamic_sampling/groups_kept", "dynamic_sampling/refill_rounds"}) {
+      INFO("step " << i + 1 << " " << k);
+      CHECK(again[i][k] == steps[i][k]);
+    }
+  for (const char* f : {"policy/model.safetensors", "optimizer.safetensors"}) {
+    INFO(f);
+    CHECK(read_bytes(tmp.file(std::string("a/ckpt/step-3/") + f)) ==
+          read_bytes(tmp.file(std::string("b/ckpt/step-3/") + f)));
+  }
 }

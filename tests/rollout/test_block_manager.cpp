@@ -141,4 +141,32 @@ TEST_CASE("block manager prefix cache reuses computed full blocks of a shared pr
   CHECK(bm.num_free_blocks() == 10);
 }
 
+TEST_CASE("block manager releases its KV arena and takes it back zeroed with every block free",
+          "[unit]") {
+  BlockManager bm(tiny_config(), 4, 6);
+  CHECK(bm.memory_reserved());
+  CHECK(bm.allocate(1, iota_tokens(9)) == 0);
+  REQUIRE(bm.append_slots(1, 9));
+  bm.mark_computed(1, iota_tokens(9), 9);
+  bm.k_cache()[0].data_as<float>()[bm.slot(1, 2) * 8] = 3.5f;  // a written K
+  CHECK_THROWS_WITH(bm.release_memory(), Catch::Contains("1 sequences hold blocks"));
+  bm.free(1);
+  CHECK(bm.num_cached_blocks() == 2);
+  bm.release_memory();
+  CHECK_FALSE(bm.memory_reserved());
+  CHECK(bm.k_cache().empty());
+  CHECK(bm.num_cached_blocks() == 0);  // the prefix cache went with the memory
+  bm.reserve_memory();
+  REQUIRE(bm.k_cache().size() == 2);
+  CHECK(bm.num_free_blocks() == 6);
+  for (const auto* cache : {&bm.k_cache(), &bm.v_cache()})
+    for (const Tensor& t : *cache) {
+      CHECK(t.shape() == Shape{6, 4, 1, 8});
+      const float* p = t.data_as<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) REQUIRE(p[i] == 0.0f);
+    }
+  CHECK(bm.allocate(2, iota_tokens(9)) == 0);  // nothing cached any more
+  CHECK(bm.append_slots(2, 9));
+}
+
 }  // namespace tandem::rollout

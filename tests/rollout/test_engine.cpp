@@ -451,6 +451,39 @@ TEST_CASE("engine weight swap flushes the prefix cache and stamps the new versio
   check_same_samples(after, fresh.generate({rs[1]})[0]);
 }
 
+TEST_CASE("engine releases its memory between rollouts and then generates as a new engine",
+          "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  model::Weights w1(c, DType::f32), w2(c, DType::f32);
+  fill_random(w1, 811);
+  fill_random(w2, 812);
+  const std::vector<Request> rs = mixed_requests(c.vocab_size);
+  Engine e(w1, small_options());
+  e.generate({rs[0], rs[1]});
+  e.submit(rs[2]);
+  e.step();
+  CHECK_THROWS_WITH(e.release_memory(), Catch::Contains("finish or abort"));
+  while (e.has_work()) e.step();
+  e.poll();
+  e.release_memory();
+  CHECK_FALSE(e.memory_reserved());
+  CHECK(e.blocks().k_cache().empty());
+  CHECK(e.blocks().num_cached_blocks() == 0);
+  e.release_memory();  // twice is fine
+  e.set_weights(w2, 3);
+  CHECK_FALSE(e.memory_reserved());  // a weight swap does not take the memory back
+  const std::vector<RequestOutput> again = e.generate(rs);  // step() reserves it
+  CHECK(e.memory_reserved());
+  CHECK(e.blocks().k_cache().size() == static_cast<size_t>(c.num_layers));
+  Engine fresh(w2, small_options());
+  const std::vector<RequestOutput> want = fresh.generate(rs);
+  for (size_t i = 0; i < rs.size(); ++i) check_same_samples(again[i], want[i]);
+  e.release_memory();
+  e.reserve_memory();
+  CHECK(e.blocks().num_free_blocks() == e.blocks().num_blocks());
+  check_same_samples(e.generate({rs[3]})[0], want[3]);
+}
+
 TEST_CASE("engine top logprobs rank the most likely tokens with the trainer's logprobs", "[unit]") {
   const model::ModelConfig c = tiny_config();
   model::Weights w(c, DType::f32);

@@ -131,6 +131,39 @@ TEST_CASE("train step loss and gradient do not depend on the micro-batch split",
   }
 }
 
+TEST_CASE("train steps with the activations released between them are bitwise unchanged",
+          "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::llama_tied);
+  model::Weights init(cfg, DType::f32);
+  test::fill_random_weights(init, 9);
+  rollout::Engine engine(init, engine_options());
+  const auto samples =
+      rollout_samples(engine, prompts_of(4, 6, cfg.vocab_size, 3), 4, 5, 6, small_ids);
+  std::vector<std::vector<double>> losses;
+  std::vector<std::unique_ptr<model::Weights>> finals;
+  for (bool release : {false, true}) {
+    auto policy = std::make_unique<model::Weights>(cfg, DType::f32);
+    policy->copy_from(init);
+    model::Weights ref(cfg, DType::f32);
+    ref.copy_from(init);
+    AdamW opt(*policy, AdamWConfig{});
+    const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
+    TrainStepConfig tc;
+    tc.loss.kl_beta = 0.01;
+    tc.micro_batch_tokens = 64;
+    PolicyTrainer trainer(*policy, &ref, opt, lr, tc);
+    losses.emplace_back();
+    for (int s = 0; s < 3; ++s) {
+      losses.back().push_back(trainer.step(samples).loss);
+      if (release) trainer.release_activations();
+    }
+    finals.push_back(std::move(policy));
+  }
+  CHECK(losses[0] == losses[1]);
+  for (size_t i = 0; i < finals[0]->storage().size(); ++i)
+    CHECK(test::bitwise_equal(finals[0]->storage()[i].tensor, finals[1]->storage()[i].tensor));
+}
+
 TEST_CASE("train step refuses batches the minibatches do not divide", "[unit]") {
   const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::llama_tied);
   model::Weights policy(cfg, DType::f32);
