@@ -49,7 +49,8 @@ std::string escape(const std::string& s) {
 }
 
 std::string svg(const Chart& c) {
-  constexpr double W = 420, H = 220, L = 52, R = 12, T = 28, B = 30;
+  // The legend has a row of its own between the title and the plot, so it never covers a line.
+  constexpr double W = 420, H = 230, L = 52, R = 12, T = 44, B = 30;
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
   for (const Series& s : c.series)
     for (const auto& [x, y] : s.points) {
@@ -70,9 +71,11 @@ std::string svg(const Chart& c) {
       L, H - B, W - R, T);
   for (int i = 0; i <= 2; ++i) {  // y ticks: min, middle, max
     const double v = y0 + (y1 - y0) * i / 2.0;
-    out +=
-        fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">{:.3g}</text>",
-                    L - 4, py(v) + 4, v);
+    // Large values as integers: "2760" fits the margin, "2.76e+03" does not.
+    const std::string label =
+        std::fabs(v) >= 1000 ? fmt::format("{:.0f}", v) : fmt::format("{:.3g}", v);
+    out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">{}</text>",
+                       L - 4, py(v) + 4, label);
   }
   out += fmt::format(
       "<text x=\"{}\" y=\"{}\" class=\"tick\">{:.0f}</text>"
@@ -91,9 +94,11 @@ std::string svg(const Chart& c) {
       out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\" fill=\"{}\"/>", px(x),
                          py(y), s.color);
     if (c.series.size() > 1) {
-      out += fmt::format("<text x=\"{:.0f}\" y=\"{}\" class=\"legend\" fill=\"{}\">{}</text>",
-                         legend_x, T + 12, s.color, escape(s.label));
-      legend_x += 9.0 * static_cast<double>(s.label.size()) + 16;
+      out += fmt::format(
+          "<rect x=\"{:.0f}\" y=\"{}\" width=\"10\" height=\"3\" fill=\"{}\"/>"
+          "<text x=\"{:.0f}\" y=\"{}\" class=\"legend\">{}</text>",
+          legend_x, T - 12, s.color, legend_x + 14, T - 8, escape(s.label));
+      legend_x += 6.5 * static_cast<double>(s.label.size()) + 30;
     }
   }
   return out + "</svg>";
@@ -115,6 +120,10 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
       {"clip fraction",
        {{"pg_clipfrac_low", "low", "#e377c2", {}}, {"pg_clipfrac_high", "high", "#f7b6d2", {}}}},
       {"throughput (tokens/s)", {{"tokens_per_s", "tokens/s", "#17becf", {}}}},
+      {"dynamic sampling (groups)",
+       {{"dynamic_sampling/groups_generated", "generated", "#393b79", {}},
+        {"dynamic_sampling/groups_kept", "kept", "#6b6ecf", {}}}},
+      {"peak memory (RSS, MiB)", {{"memory/peak_rss_mib", "peak RSS", "#843c39", {}}}},
       {"time per phase (s)",
        {{"time/rollout_s", "rollout", "#ff7f0e", {}},
         {"time/reward_s", "reward", "#bcbd22", {}},
@@ -140,7 +149,7 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
       "body{{font-family:sans-serif;margin:24px;color:#222}}"
       ".charts{{display:flex;flex-wrap:wrap;gap:16px}}"
       ".chart{{border:1px solid #ddd;background:#fff}}.title{{font-weight:bold;font-size:13px}}"
-      ".axis{{stroke:#888}}.tick{{font-size:10px;fill:#555}}.legend{{font-size:11px}}"
+      ".axis{{stroke:#888}}.tick{{font-size:10px;fill:#555}}.legend{{font-size:11px;fill:#333}}"
       "</style></head><body><h1>{0}</h1><p>{1} metric lines from {2}</p><div class=\"charts\">",
       escape(title), rows, escape(metrics_jsonl));
   for (const Chart& c : charts) html += svg(c);
