@@ -188,8 +188,9 @@ samples_every = 0
 )");
   auto run = [&](const std::string& dir, int steps) {
     const auto r = tandem::test::run_tandem("train " + job + " logging.dir=" + tmp.file(dir) +
-                                            " checkpoint.dir=" + tmp.file(dir + "/ckpt") +
-                                            " trainer.steps=" + std::to_string(steps));
+                                                " checkpoint.dir=" + tmp.file(dir + "/ckpt") +
+                                                " trainer.steps=" + std::to_string(steps),
+                                            true, 600);
     INFO(r.out);
     REQUIRE(r.status == 0);
     return r.out;
