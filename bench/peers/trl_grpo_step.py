@@ -16,6 +16,7 @@ response_tokens (completion tokens per step), same_prompt_ids (the fraction of p
 tokenization here gives tandem's ids), versions and threads; or {"error": why}.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -162,11 +163,17 @@ def main() -> int:
 
     timer = StepTimer()
     samples = cfg["batch"] * cfg["group"]
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-trl-") as out:
+    # One generation of every sample, then the update in micro-batches of 16 completions (one
+    # optimizer step), as tandem packs its update under a token budget: the whole batch of 64 in
+    # one forward holds (64, T, V) f32 logits several times over.
+    micro = 16 if samples % 16 == 0 else samples
+    # The Trainer prints its logs on stdout: keep stdout for the one result line.
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-trl-") as out, \
+            contextlib.redirect_stdout(sys.stderr):
         config = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=samples,  # completions: batch prompts x group
-            gradient_accumulation_steps=1,
+            per_device_train_batch_size=micro,  # completions per forward/backward
+            gradient_accumulation_steps=samples // micro,  # generation batch: batch x group
             num_generations=cfg["group"],
             max_completion_length=cfg["max_new_tokens"],
             max_steps=cfg["steps"] + 1,
@@ -197,6 +204,7 @@ def main() -> int:
             save_strategy="no",
             log_completions=False,
             dataloader_num_workers=0,
+            disable_tqdm=True,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, train_dataset=data,
                               processing_class=tokenizer, callbacks=[timer])
@@ -220,6 +228,9 @@ def main() -> int:
             trainer._get_per_token_logps_and_entropies, "old_ref_logp", only_no_grad=True)
         trainer.train()
 
+    if len(timer.seconds) != cfg["steps"] + 1:
+        print(json.dumps({"error": f"timed {len(timer.seconds)} steps, expected {cfg['steps'] + 1}"}))
+        return 0
     timed_steps = timer.seconds[1:]
     step_s = sum(timed_steps) / len(timed_steps)
     phases = {name: sum(t for step, t in v if step >= 1) / len(timed_steps) for name, v in phase.items()}
