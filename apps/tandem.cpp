@@ -33,11 +33,11 @@ int main(int argc, char** argv) {
   std::string bench_what, bench_device = "cpu";
   CLI::App* bench = app.add_subcommand("bench", "measure tandem (and peers side by side)");
   std::string bench_model;
-  bench->add_option("what", bench_what, "what to measure: kernels, generate, rollout, train")
+  bench->add_option("what", bench_what, "what to measure: kernels, generate, rollout, train, step")
       ->required()
-      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train"}));
+      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step"}));
   bench->add_option("--model", bench_model,
-                    "generate, rollout, train: the model (default: bundled SmolLM2)");
+                    "generate, rollout, train, step: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
   bench->add_flag("--quick", bench_opt.quick, "small sizes and few repetitions (smoke test)");
   bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
         TANDEM_CHECK(bench_device == "cpu", "--device '{}': use cpu or cuda[:N]", bench_device);
       }
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
+      if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);
       if (bench_what == "generate")
         return tandem::bench::run_generate_bench(bench_opt, bench_model);

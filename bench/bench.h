@@ -80,6 +80,9 @@ int run_generate_bench(const Options& opt, const std::string& model_path);
 int run_rollout_bench(const Options& opt, const std::string& model_path);
 // `tandem bench train`: training tokens/s beside PyTorch and the FLOP ceiling.
 int run_train_bench(const Options& opt, const std::string& model_path);
+// `tandem bench step`: seconds per GRPO step of the colocated job, by phase, beside TRL's
+// GRPOTrainer on the same model, prompts and lengths.
+int run_step_bench(const Options& opt, const std::string& model_path);
 
 // The model shapes the kernel benchmarks use.
 struct ModelShape {

@@ -306,7 +306,9 @@ std::string format_eta(double seconds) {
 
 }  // namespace
 
-JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
+Dataset job_dataset(const JobConfig& job) { return make_data(job); }
+
+JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks) {
   TANDEM_CHECK(job.placement.mode == "colocated" && job.placement.device == "cpu",
                "placement {} on {} is not available yet: use colocated on cpu ({})",
                job.placement.mode, job.placement.device, job.where("placement.mode"));
@@ -461,12 +463,15 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
 
     const auto t2 = Clock::now();
     TrainStepMetrics tm;
+    double t_publish = 0;
     if (!train.empty()) {
       tm = trainer.step(train);
       // And the other way round: the rollout and eval that follow take the trainer's memory.
       if (job.placement.release_memory) trainer.release_activations();
       state.weight_version += 1;
+      const auto t3 = Clock::now();
       engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
+      t_publish = seconds_since(t3);
     }
     const double t_train = seconds_since(t2);
     state.step += 1;
@@ -502,6 +507,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     j["skipped_steps"] = tm.skipped_steps;
     j["response_length/mean"] = static_cast<double>(r.tokens) / std::max(n_samples, 1.0);
     j["response_length/max"] = max_len;
+    j["response_tokens"] = r.tokens;
     j["truncation_rate"] = static_cast<double>(truncated) / std::max(n_samples, 1.0);
     j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
     j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
@@ -516,8 +522,13 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     j["time/rollout_s"] = sb.rollout_s;
     j["time/reward_s"] = sb.reward_s;
     j["time/train_s"] = t_train;
+    j["time/old_logp_s"] = tm.seconds_old;
+    j["time/ref_logp_s"] = tm.seconds_ref;
+    j["time/update_s"] = tm.seconds_update;
+    j["time/publish_s"] = t_publish;
     j["time/step_s"] = step_s;
     metrics_out << j.dump() << "\n" << std::flush;
+    if (hooks.on_step) hooks.on_step(j);
     write_report((fs::path(job.logging.dir) / "metrics.jsonl").string(),
                  (fs::path(job.logging.dir) / "report.html").string(),
                  fmt::format("tandem: {}", job.source));
@@ -552,7 +563,8 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop) {
     if (job.eval.every > 0 && !data.eval.empty() && state.step % job.eval.every == 0)
       run_eval(state.step);
     const bool last = state.step >= job.trainer.steps;
-    if (stop.load() || last || (job.checkpoint.every > 0 && state.step % job.checkpoint.every == 0))
+    if (hooks.checkpoints && (stop.load() || last ||
+                              (job.checkpoint.every > 0 && state.step % job.checkpoint.every == 0)))
       checkpoint();
     if (stop.load()) {
       result.interrupted = true;

@@ -3,8 +3,11 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 
+#include "trainer/data.h"
 #include "trainer/job_config.h"
 
 namespace tandem::trainer {
@@ -15,9 +18,20 @@ struct JobResult {
   double first_eval_accuracy = -1, last_eval_accuracy = -1;  // pass@1; -1 when no eval ran
 };
 
+// What a caller other than `tandem train` (the step benchmark) asks of the job.
+struct JobHooks {
+  // Called after every step with its metrics line, as written to metrics.jsonl.
+  std::function<void(const nlohmann::ordered_json& metrics)> on_step;
+  bool checkpoints = true;  // false: never write one (not even at the end or on `stop`)
+};
+
 // Runs the job to trainer.steps (resuming from checkpoint.resume), writing
 // <logging.dir>/metrics.jsonl, samples.jsonl and checkpoints; prints a progress line per step.
 // `stop` (set by a signal handler) ends the run after the current step with a checkpoint.
-JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop);
+JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks = {});
+
+// The job's prompts: the training and eval splits as run_job makes them (its PromptStream then
+// visits the training split in an order drawn from data.seed).
+Dataset job_dataset(const JobConfig& job);
 
 }  // namespace tandem::trainer

@@ -1,9 +1,11 @@
-// The tandem command: --version and `bench kernels --json` as a user runs them.
+// The tandem command: --version, `bench kernels --json` and `bench step --json` (on the bundled
+// model, scripts/fetch-model) as a user runs them.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -44,6 +46,47 @@ TEST_CASE("tandem bench kernels --json prints one valid measurement per line", "
     CHECK(j.contains("fraction_of_limit"));
   }
   CHECK(measurements >= 1);
+}
+
+TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps", "[e2e]") {
+  // The TRL peer is minutes of work: leave it out, so the run reports it missing.
+  ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
+  const Run r = run("bench step --quick --json", /*merge_stderr=*/false);
+  ::unsetenv("TANDEM_BENCH_PYTHON");
+  INFO(r.out);
+  CHECK(r.status == 1);  // a missing peer fails the run
+  std::istringstream lines(r.out);
+  std::string line;
+  REQUIRE(std::getline(lines, line));
+  const auto step = nlohmann::json::parse(line);
+  CHECK(step["bench"] == "step");
+  CHECK(step["metric"] == "seconds_per_step");
+  const double seconds = step["value"].get<double>();
+  CHECK(seconds > 0);
+  // 2 prompts x 2 samples of at most 8 new tokens, one measured step.
+  CHECK(step["response_tokens"].get<double>() >= 4);
+  CHECK(step["response_tokens"].get<double>() <= 32);
+  CHECK(step["step_seconds"].size() == 1);
+  CHECK(step["peer_error"].get<std::string>().find("/nonexistent/python") != std::string::npos);
+  double phases = 0;
+  for (const char* p : {"rollout", "reward", "old_ref_logp", "update", "publish"}) {
+    REQUIRE(step["phases"].contains(p));
+    CHECK(step["phases"][p].get<double>() >= 0);
+    phases += step["phases"][p].get<double>();
+  }
+  CHECK(step["phases"]["rollout"].get<double>() > 0);
+  CHECK(step["phases"]["update"].get<double>() > 0);
+  // The phases are the step, except the advantages' shaping and bookkeeping.
+  CHECK(phases <= seconds);
+  CHECK(phases >= 0.9 * seconds);
+  int phase_lines = 0;
+  while (std::getline(lines, line)) {
+    const auto j = nlohmann::json::parse(line);
+    CHECK(j["metric"] == "phase_seconds_per_step");
+    CHECK(j["value"].get<double>() >= 0);
+    ++phase_lines;
+  }
+  CHECK(phase_lines == 5);
 }
 
 TEST_CASE("tandem rejects an unknown benchmark with a non-zero exit", "[e2e]") {
