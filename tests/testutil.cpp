@@ -260,6 +260,10 @@ CommandResult run_tandem(const std::string& args, bool merge_stderr, int timeout
       timeout_s > 0 ? "timeout -k 5 " + std::to_string(timeout_s) + " " : std::string();
   const std::string cmd = (env.empty() ? "" : env + " ") + limit + std::string(TANDEM_BIN_DIR) +
                           "/tandem " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  return run_shell(cmd);
+}
+
+CommandResult run_shell(const std::string& cmd) {
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   std::string out;
@@ -353,6 +357,15 @@ std::string python_with_thrift() {
     if (std::system(cmd.c_str()) == 0) return py;
   }
   return "";
+}
+
+std::string require_python_with_thrift() {
+  const std::string python = python_with_thrift();
+  if (python.empty())
+    FAIL(
+        "no python3 with the thrift package (tried $TANDEM_PYTHON, python3, /usr/bin/python3): "
+        "run scripts/setup (it installs python3-thrift and thrift-compiler)");
+  return python;
 }
 
 }  // namespace tandem::test

@@ -82,6 +82,8 @@ struct CommandResult {
 };
 CommandResult run_tandem(const std::string& args, bool merge_stderr = true, int timeout_s = 0,
                          const std::string& env = "");
+// A shell command line as it is: its exit status and stdout.
+CommandResult run_shell(const std::string& cmd);
 
 // A child process started from argv (no shell) whose stdout the test reads line by line; its
 // stderr goes to the test's. The destructor stops it (SIGTERM, then SIGKILL after 5 s) and reaps
@@ -114,5 +116,7 @@ class Subprocess {
 // /usr/bin/python3 (Debian's python3-thrift lives there; a pyenv or venv python3 may lack it);
 // "" when none can.
 std::string python_with_thrift();
+// The same, failing the test with what to install when there is none.
+std::string require_python_with_thrift();
 
 }  // namespace tandem::test

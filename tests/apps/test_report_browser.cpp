@@ -18,16 +18,7 @@ namespace {
 
 const fs::path kRepo = TANDEM_SOURCE_DIR;
 
-// Runs a shell command; its exit status and stdout.
-tandem::test::CommandResult shell(const std::string& cmd) {
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+tandem::test::CommandResult shell(const std::string& cmd) { return tandem::test::run_shell(cmd); }
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -96,11 +96,7 @@ TEST_CASE("tandem train names the line of a bad config value and exits non-zero"
 
 TEST_CASE("tandem train scores its samples with the remote Python reward server", "[e2e]") {
   REQUIRE(fs::exists(kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"));
-  const std::string python = tandem::test::python_with_thrift();
-  if (python.empty())
-    FAIL(
-        "no python3 with the thrift package (tried $TANDEM_PYTHON, python3, /usr/bin/python3): "
-        "run scripts/setup (it installs python3-thrift and thrift-compiler)");
+  const std::string python = tandem::test::require_python_with_thrift();
   tandem::test::Subprocess server({python, (kRepo / "examples/python/reward_server.py").string(),
                                    "--port", "0", "--token", "e2e-token"});
   const std::string line = server.wait_for_line("listening on ", 30000);

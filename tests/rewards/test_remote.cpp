@@ -341,11 +341,7 @@ TEST_CASE("the example C++ reward server serves a built-in until SIGTERM", "[e2e
 }
 
 TEST_CASE("the example Python reward server scores through the remote client", "[interop]") {
-  const std::string python = tandem::test::python_with_thrift();
-  if (python.empty())
-    FAIL(
-        "no python3 with the thrift package (tried $TANDEM_PYTHON, python3, /usr/bin/python3): "
-        "run scripts/setup (it installs python3-thrift and thrift-compiler)");
+  const std::string python = tandem::test::require_python_with_thrift();
   tandem::test::Subprocess server({python, (kRepo / "examples/python/reward_server.py").string(),
                                    "--port", "0", "--token", "py-t0k", "--max-batch-size", "16"});
   const std::string line = server.wait_for_line("listening on ", 30000);
