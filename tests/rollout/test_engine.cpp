@@ -113,6 +113,45 @@ EngineOptions small_options() {
   return o;
 }
 
+// Every sample's logprobs against the training forward of prompt + completion on w's device
+// (the decoder at the same temperature): how many tokens, how many bitwise equal, the largest
+// |difference|.
+struct ForwardComparison {
+  int64_t compared = 0, equal = 0;
+  double max_abs = 0;
+};
+
+ForwardComparison compare_with_forward(const model::Weights& w, const std::vector<Request>& rs,
+                                       const std::vector<RequestOutput>& outs, float temperature) {
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<std::pair<size_t, size_t>> who;
+  for (size_t r = 0; r < outs.size(); ++r)
+    for (size_t i = 0; i < outs[r].samples.size(); ++i) {
+      std::vector<int32_t> seq = rs[r].prompt;
+      seq.insert(seq.end(), outs[r].samples[i].tokens.begin(), outs[r].samples[i].tokens.end());
+      seqs.push_back(seq);
+      who.emplace_back(r, i);
+    }
+  model::Decoder dec(w, {.max_tokens = 256});
+  const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
+  Tensor lpd = Tensor::empty({batch.num_tokens()}, DType::f32, w.device());
+  dec.forward(batch, lpd, Tensor(), temperature);
+  const Tensor lp = lpd.to(Device::cpu());
+  ForwardComparison c;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const auto [r, i] = who[b];
+    const SampleOutput& s = outs[r].samples[i];
+    const int64_t n = static_cast<int64_t>(rs[r].prompt.size());
+    for (size_t t = 0; t < s.tokens.size(); ++t) {
+      const float want =
+          lp.data_as<float>()[batch.row_of(static_cast<int64_t>(b), n + static_cast<int64_t>(t))];
+      c.max_abs = std::max(c.max_abs, std::fabs(static_cast<double>(s.logprobs[t]) - want));
+      c.equal += std::memcmp(&s.logprobs[t], &want, 4) == 0 ? 1 : 0;
+      ++c.compared;
+    }
+  }
+  return c;
+}
 }  // namespace
 
 TEST_CASE("engine logprobs equal the training forward's logprobs bitwise for a ragged batch",
@@ -129,40 +168,18 @@ TEST_CASE("engine logprobs equal the training forward's logprobs bitwise for a r
     std::vector<Request> rs = mixed_requests(c.vocab_size);
     for (Request& r : rs) r.params.temperature = 0.7f;  // the trainer's temperature below
     const std::vector<RequestOutput> outs = engine.generate(rs);
-
-    std::vector<std::vector<int32_t>> seqs;
-    std::vector<std::pair<size_t, size_t>> who;
     for (size_t r = 0; r < outs.size(); ++r) {
       REQUIRE(outs[r].status == RequestStatus::done);
       REQUIRE(outs[r].samples.size() == static_cast<size_t>(rs[r].params.n));
-      for (size_t i = 0; i < outs[r].samples.size(); ++i) {
-        const SampleOutput& s = outs[r].samples[i];
-        CHECK(s.tokens.size() == static_cast<size_t>(rs[r].params.max_tokens));
-        CHECK(s.finish_reason == FinishReason::length);
-        std::vector<int32_t> seq = rs[r].prompt;
-        seq.insert(seq.end(), s.tokens.begin(), s.tokens.end());
-        seqs.push_back(seq);
-        who.emplace_back(r, i);
+      for (const SampleOutput& smp : outs[r].samples) {
+        CHECK(smp.tokens.size() == static_cast<size_t>(rs[r].params.max_tokens));
+        CHECK(smp.finish_reason == FinishReason::length);
       }
     }
-    model::Decoder dec(w, {.max_tokens = 256});
-    const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
-    Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
-    dec.forward(batch, lp, Tensor(), 0.7f);
-    int64_t compared = 0;
-    for (size_t b = 0; b < seqs.size(); ++b) {
-      const auto [r, i] = who[b];
-      const SampleOutput& s = outs[r].samples[i];
-      const int64_t n = static_cast<int64_t>(rs[r].prompt.size());
-      for (size_t t = 0; t < s.tokens.size(); ++t) {
-        INFO("request " << outs[r].id << " sample " << i << " token " << t);
-        const float want =
-            lp.data_as<float>()[batch.row_of(static_cast<int64_t>(b), n + static_cast<int64_t>(t))];
-        CHECK(std::memcmp(&s.logprobs[t], &want, 4) == 0);
-        ++compared;
-      }
-    }
-    CHECK(compared == 7 + 3 * 9 + 2 * 6 + 11);
+    const ForwardComparison cmp = compare_with_forward(w, rs, outs, 0.7f);
+    INFO("max |delta| " << cmp.max_abs);
+    CHECK(cmp.equal == cmp.compared);  // bitwise
+    CHECK(cmp.compared == 7 + 3 * 9 + 2 * 6 + 11);
     CHECK(engine.stats().forks == 2 + 1);
     CHECK(engine.blocks().num_free_blocks() == o.num_blocks);
   }
@@ -556,44 +573,15 @@ TEST_CASE("engine on CUDA serves mixed groups with the CUDA training forward's l
     std::vector<Request> rs = mixed_requests(c.vocab_size);
     for (Request& r : rs) r.params.temperature = 0.7f;
     const std::vector<RequestOutput> outs = engine.generate(rs);
-
-    std::vector<std::vector<int32_t>> seqs;
-    std::vector<std::pair<size_t, size_t>> who;
-    for (size_t r = 0; r < outs.size(); ++r) {
-      REQUIRE(outs[r].status == RequestStatus::done);
-      REQUIRE(outs[r].samples.size() == static_cast<size_t>(rs[r].params.n));
-      for (size_t i = 0; i < outs[r].samples.size(); ++i) {
-        std::vector<int32_t> seq = rs[r].prompt;
-        seq.insert(seq.end(), outs[r].samples[i].tokens.begin(), outs[r].samples[i].tokens.end());
-        seqs.push_back(seq);
-        who.emplace_back(r, i);
-      }
-    }
-    // The same tokens through the CUDA training forward: the engine's logprobs should be its
-    // bits (one set of kernels); the difference is measured and reported either way.
-    model::Decoder dec(w, {.max_tokens = 256});
-    const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
-    Tensor lpg = Tensor::empty({batch.num_tokens()}, DType::f32, Device::cuda());
-    dec.forward(batch, lpg, Tensor(), 0.7f);
-    const Tensor lp = lpg.to(Device::cpu());
-    int64_t compared = 0, equal = 0;
-    double max_abs = 0;
-    for (size_t b = 0; b < seqs.size(); ++b) {
-      const auto [r, i] = who[b];
-      const SampleOutput& s = outs[r].samples[i];
-      const int64_t n = static_cast<int64_t>(rs[r].prompt.size());
-      for (size_t t = 0; t < s.tokens.size(); ++t) {
-        const float want =
-            lp.data_as<float>()[batch.row_of(static_cast<int64_t>(b), n + static_cast<int64_t>(t))];
-        max_abs = std::max(max_abs, std::fabs(static_cast<double>(s.logprobs[t]) - want));
-        equal += std::memcmp(&s.logprobs[t], &want, 4) == 0 ? 1 : 0;
-        ++compared;
-      }
-    }
-    WARN("CUDA engine vs CUDA training forward: "
-         << equal << " of " << compared << " logprobs bitwise equal, max |delta| " << max_abs);
-    CHECK(compared == 7 + 3 * 9 + 2 * 6 + 11);
-    CHECK(max_abs < 1e-4);
+    for (const RequestOutput& o : outs) REQUIRE(o.status == RequestStatus::done);
+    // The engine's logprobs should be the CUDA training forward's bits (one set of kernels); the
+    // difference is measured and reported either way.
+    const ForwardComparison cmp = compare_with_forward(w, rs, outs, 0.7f);
+    WARN("CUDA engine vs CUDA training forward: " << cmp.equal << " of " << cmp.compared
+                                                  << " logprobs bitwise equal, max |delta| "
+                                                  << cmp.max_abs);
+    CHECK(cmp.compared == 7 + 3 * 9 + 2 * 6 + 11);
+    CHECK(cmp.max_abs < 1e-4);
     CHECK(engine.blocks().num_free_blocks() == o.num_blocks);
   }
 }
