@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "core/error.h"
+#include "core/utf8.h"
 
 namespace tandem::model {
 namespace {
@@ -61,32 +62,6 @@ void append_utf8(std::string& out, uint32_t cp) {
     out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
     out += static_cast<char>(0x80 | (cp & 0x3F));
   }
-}
-
-// Length of the valid UTF-8 sequence starting at s[i], or 0 when it is not valid there
-// (overlong forms, surrogates and code points above U+10FFFF are invalid).
-size_t utf8_length(std::string_view s, size_t i) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  auto cont = [&](size_t k) {
-    return i + k < s.size() && (static_cast<unsigned char>(s[i + k]) & 0xC0) == 0x80;
-  };
-  if (c < 0x80) return 1;
-  if (c >= 0xC2 && c <= 0xDF) return cont(1) ? 2 : 0;
-  if (c >= 0xE0 && c <= 0xEF) {
-    if (!cont(1) || !cont(2)) return 0;
-    const auto c1 = static_cast<unsigned char>(s[i + 1]);
-    if (c == 0xE0 && c1 < 0xA0) return 0;   // overlong
-    if (c == 0xED && c1 >= 0xA0) return 0;  // surrogate
-    return 3;
-  }
-  if (c >= 0xF0 && c <= 0xF4) {
-    if (!cont(1) || !cont(2) || !cont(3)) return 0;
-    const auto c1 = static_cast<unsigned char>(s[i + 1]);
-    if (c == 0xF0 && c1 < 0x90) return 0;   // overlong
-    if (c == 0xF4 && c1 >= 0x90) return 0;  // above U+10FFFF
-    return 4;
-  }
-  return 0;
 }
 
 uint32_t decode_utf8(std::string_view s, size_t i, size_t n) {

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/utf8.h"
 #include "rewards/rpc/RewardService.h"
 #include "rewards/rpc/reward_constants.h"
 
@@ -21,46 +22,12 @@ namespace {
 
 namespace at = apache::thrift;
 
-// Thrift strings are UTF-8 and a server in Python decodes them as such, but a completion cut at
-// the token limit can end inside a character: invalid sequences become U+FFFD.
-std::string valid_utf8(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned char c = p[i];
-    size_t len = c < 0x80           ? 1
-                 : (c >> 5) == 0x6  ? 2
-                 : (c >> 4) == 0xE  ? 3
-                 : (c >> 3) == 0x1E ? 4
-                                    : 0;
-    bool ok = len > 0 && i + len <= n;
-    for (size_t k = 1; ok && k < len; ++k) ok = (p[i + k] & 0xC0) == 0x80;
-    if (ok && len > 1) {
-      // Overlong forms, surrogates and code points past U+10FFFF are not valid either.
-      uint32_t cp = c & (0xFF >> (len + 1));
-      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (p[i + k] & 0x3F);
-      const uint32_t min_cp = len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;
-      ok = cp >= min_cp && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
-    }
-    if (ok) {
-      out.append(s, i, len);
-      i += len;
-    } else {
-      out += "\xEF\xBF\xBD";
-      ++i;
-    }
-  }
-  return out;
-}
-
+// Thrift strings are UTF-8, and a server in Python decodes them as such.
 rpc::Sample to_rpc(const RewardSample& s) {
   rpc::Sample r;
-  r.prompt = valid_utf8(s.prompt);
-  r.completion = valid_utf8(s.completion);
-  r.answer = valid_utf8(s.answer);
+  r.prompt = to_valid_utf8(s.prompt);
+  r.completion = to_valid_utf8(s.completion);
+  r.answer = to_valid_utf8(s.answer);
   r.extra_json = s.extra.is_null()
                      ? "{}"
                      : s.extra.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
