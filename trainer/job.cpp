@@ -26,6 +26,7 @@
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
 #include "trainer/train_step.h"
+#include "weight_sync/local.h"
 
 namespace tandem::trainer {
 namespace {
@@ -336,6 +337,12 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   eo.max_context = std::min<int64_t>(job.data.max_prompt_tokens + job.rollout.max_new_tokens + 1,
                                      m.config().max_position_embeddings);
   rollout::Engine engine(policy, eo, &m.tok());
+  // Weight publish, weight_sync's single-rank path: the engine reads the trainer's f32 tensors
+  // as they are, so publishing moves no bytes (an engine copy in another dtype would take one
+  // cast-copy per tensor here); the engine then drops its prefix cache and stamps the version.
+  std::vector<weight_sync::Param> policy_params;
+  for (const model::NamedTensor& t : policy.storage()) policy_params.push_back({t.name, t.tensor});
+  const weight_sync::LocalPublisher publisher(policy_params, policy_params);
 
   AdamW adamw(policy, job.trainer.optimizer);
   LrScheduleConfig sc = job.trainer.schedule;
@@ -353,6 +360,11 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                  "already; nothing to offload\n");
 
   TrainerState state;
+  auto publish = [&] {
+    const auto version = static_cast<uint64_t>(state.weight_version);
+    publisher.publish(version);
+    engine.set_weights(policy, version);
+  };
   state.config = to_toml(job);
   std::string resume = job.checkpoint.resume;
   if (resume == "auto") resume = latest_checkpoint(job.checkpoint.dir).value_or("");
@@ -361,7 +373,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     load_checkpoint(resume, policy, adamw, state);
     if (state.extra.contains("stream")) stream.restore(state.extra["stream"]);
     trainer.set_steps_done(state.extra.value("optimizer_steps", int64_t{0}));
-    engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
+    publish();
     std::fprintf(stderr, "tandem: resumed from %s at step %lld\n", resume.c_str(),
                  static_cast<long long>(state.step));
   }
@@ -470,7 +482,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
       if (job.placement.release_memory) trainer.release_activations();
       state.weight_version += 1;
       const auto t3 = Clock::now();
-      engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
+      publish();
       t_publish = seconds_since(t3);
     }
     const double t_train = seconds_since(t2);
