@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "core/parallel.h"
+#include "kernels/cpu/exp_avx512.h"
 #include "kernels/cpu/transpose_avx512.h"
 #include "kernels/exp.h"
 #include "kernels/ops.h"
@@ -363,14 +364,14 @@ double causal_macs(const std::vector<TileItem>& items, int64_t H, int64_t D) {
 // operations in the same order, so they agree bitwise.
 
 // out[i * 16 + j] = sum over d of x[i * xs + d] * xt[d * 16 + j] for rows i < rows, in 4
-// partial sums over d = r (mod 4) combined as (p0 + p1) + (p2 + p3); multiply, then add.
+// partial fma chains over d = r (mod 4) combined as (p0 + p1) + (p2 + p3).
 void tile_dots_portable(const float* x, int64_t xs, int64_t rows, const float* xt, int64_t D,
                         float* out) {
   for (int64_t i = 0; i < rows; ++i) {
     float part[4][kBlk] = {};
     for (int64_t d = 0; d < D; ++d) {
       float* pr = part[d & 3];
-      for (int j = 0; j < kBlk; ++j) pr[j] = pr[j] + x[i * xs + d] * xt[d * kBlk + j];
+      for (int j = 0; j < kBlk; ++j) pr[j] = std::fma(x[i * xs + d], xt[d * kBlk + j], pr[j]);
     }
     for (int j = 0; j < kBlk; ++j)
       out[i * kBlk + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
@@ -378,42 +379,51 @@ void tile_dots_portable(const float* x, int64_t xs, int64_t rows, const float* x
 }
 
 template <int R>
-__attribute__((target("avx512f"), always_inline)) inline void tile_dots_rows_avx512(
+__attribute__((target("avx512f,fma"), always_inline)) inline void tile_dots_rows_avx512(
     const float* x, int64_t xs, const float* xt, int64_t D, float* out) {
+  // The partial sum of d is part[d & 3]; d runs in steps of 4 so that every index is a constant
+  // and the 4 R accumulators stay in registers.
   __m512 part[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 kv = _mm512_loadu_ps(xt + d * kBlk);
+  int64_t d = 0;
+  for (; d + 4 <= D; d += 4)
+    for (int c = 0; c < 4; ++c) {
+      const __m512 kv = _mm512_loadu_ps(xt + (d + c) * kBlk);
+      for (int r = 0; r < R; ++r)
+        part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + d + c]), kv, part[r][c]);
+    }
+  for (int c = 0; d + c < D; ++c) {
+    const __m512 kv = _mm512_loadu_ps(xt + (d + c) * kBlk);
     for (int r = 0; r < R; ++r)
-      part[r][d & 3] =
-          _mm512_add_ps(part[r][d & 3], _mm512_mul_ps(_mm512_set1_ps(x[r * xs + d]), kv));
+      part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + d + c]), kv, part[r][c]);
   }
   for (int r = 0; r < R; ++r)
     _mm512_storeu_ps(out + r * kBlk, _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
                                                    _mm512_add_ps(part[r][2], part[r][3])));
 }
 
-__attribute__((target("avx512f"))) void tile_dots_avx512(const float* x, int64_t xs, int64_t rows,
-                                                         const float* xt, int64_t D, float* out) {
+__attribute__((target("avx512f,fma"))) void tile_dots_avx512(const float* x, int64_t xs,
+                                                             int64_t rows, const float* xt,
+                                                             int64_t D, float* out) {
   int64_t i = 0;
   for (; i + 4 <= rows; i += 4) tile_dots_rows_avx512<4>(x + i * xs, xs, xt, D, out + i * kBlk);
   for (; i < rows; ++i) tile_dots_rows_avx512<1>(x + i * xs, xs, xt, D, out + i * kBlk);
 }
 
-// acc[d] = acc[d] + c[t * cs] * x[t * xs + d], for t = 0..count-1 in order (multiply, then add).
+// acc[d] = fma(c[t * cs], x[t * xs + d], acc[d]), for t = 0..count-1 in order.
 void axpys_portable(float* acc, const float* c, int64_t cs, const float* x, int64_t xs, int count,
                     int64_t D) {
   for (int64_t d = 0; d < D; ++d) {
     float v = acc[d];
-    for (int t = 0; t < count; ++t) v = v + c[t * cs] * x[t * xs + d];
+    for (int t = 0; t < count; ++t) v = std::fma(c[t * cs], x[t * xs + d], v);
     acc[d] = v;
   }
 }
 
-__attribute__((target("avx512f"))) void axpys_avx512(float* acc, const float* c, int64_t cs,
-                                                     const float* x, int64_t xs, int count,
-                                                     int64_t D) {
+__attribute__((target("avx512f,fma"))) void axpys_avx512(float* acc, const float* c, int64_t cs,
+                                                         const float* x, int64_t xs, int count,
+                                                         int64_t D) {
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) {
     __m512 v0 = _mm512_loadu_ps(acc + d), v1 = _mm512_loadu_ps(acc + d + 16);
@@ -421,10 +431,10 @@ __attribute__((target("avx512f"))) void axpys_avx512(float* acc, const float* c,
     for (int t = 0; t < count; ++t) {
       const __m512 ct = _mm512_set1_ps(c[t * cs]);
       const float* xr = x + t * xs + d;
-      v0 = _mm512_add_ps(v0, _mm512_mul_ps(ct, _mm512_loadu_ps(xr)));
-      v1 = _mm512_add_ps(v1, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 16)));
-      v2 = _mm512_add_ps(v2, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 32)));
-      v3 = _mm512_add_ps(v3, _mm512_mul_ps(ct, _mm512_loadu_ps(xr + 48)));
+      v0 = _mm512_fmadd_ps(ct, _mm512_loadu_ps(xr), v0);
+      v1 = _mm512_fmadd_ps(ct, _mm512_loadu_ps(xr + 16), v1);
+      v2 = _mm512_fmadd_ps(ct, _mm512_loadu_ps(xr + 32), v2);
+      v3 = _mm512_fmadd_ps(ct, _mm512_loadu_ps(xr + 48), v3);
     }
     _mm512_storeu_ps(acc + d, v0);
     _mm512_storeu_ps(acc + d + 16, v1);
@@ -434,13 +444,12 @@ __attribute__((target("avx512f"))) void axpys_avx512(float* acc, const float* c,
   for (; d + 16 <= D; d += 16) {
     __m512 v = _mm512_loadu_ps(acc + d);
     for (int t = 0; t < count; ++t)
-      v = _mm512_add_ps(v,
-                        _mm512_mul_ps(_mm512_set1_ps(c[t * cs]), _mm512_loadu_ps(x + t * xs + d)));
+      v = _mm512_fmadd_ps(_mm512_set1_ps(c[t * cs]), _mm512_loadu_ps(x + t * xs + d), v);
     _mm512_storeu_ps(acc + d, v);
   }
   for (; d < D; ++d) {
     float v = acc[d];
-    for (int t = 0; t < count; ++t) v = v + c[t * cs] * x[t * xs + d];
+    for (int t = 0; t < count; ++t) v = std::fma(c[t * cs], x[t * xs + d], v);
     acc[d] = v;
   }
 }
@@ -452,11 +461,32 @@ struct BackwardArgs {
   float scale;
 };
 
-// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero.
+// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero;
+// for D a multiple of 16, in 16 x 16 register blocks (data movement only: the same floats).
+__attribute__((target("avx512f"))) void gather_kv_transposed_avx512(const BackwardArgs& a,
+                                                                    const TileItem& it, int64_t k0,
+                                                                    int n, float* kt, float* vt) {
+  const int64_t D = a.D;
+  for (int which = 0; which < 2; ++which) {
+    const float* src = which == 0 ? a.k : a.v;
+    float* dst = which == 0 ? kt : vt;
+    for (int64_t d0 = 0; d0 < D; d0 += kBlk) {
+      __m512 r[kBlk];
+      for (int j = 0; j < kBlk; ++j)
+        r[j] = j < n ? _mm512_loadu_ps(src + ((it.start + k0 + j) * a.Hkv + it.kvh) * D + d0)
+                     : _mm512_setzero_ps();
+      detail::transpose16x16(r);
+      for (int i = 0; i < kBlk; ++i) _mm512_storeu_ps(dst + (d0 + i) * kBlk, r[i]);
+    }
+  }
+}
+
+template <bool kSimd>
 __attribute__((always_inline)) inline void gather_kv_transposed(const BackwardArgs& a,
                                                                 const TileItem& it, int64_t k0,
                                                                 int n, float* kt, float* vt) {
   const int64_t D = a.D;
+  if (kSimd && D % kBlk == 0) return gather_kv_transposed_avx512(a, it, k0, n, kt, vt);
   for (int j = 0; j < kBlk; ++j) {
     if (j < n) {
       const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
@@ -469,6 +499,19 @@ __attribute__((always_inline)) inline void gather_kv_transposed(const BackwardAr
       for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = vt[d * kBlk + j] = 0.0f;
     }
   }
+}
+
+// One row of tile_probs' scalar loop on 16 lanes: the same operations, lane by lane.
+__attribute__((target("avx512f"))) void probs_row_avx512(const float* s, float scale, float lse,
+                                                         float delta, int nv, float* p_out,
+                                                         float* ds) {
+  const auto valid = static_cast<__mmask16>((1u << std::max(nv, 0)) - 1u);
+  const __m512 x = _mm512_mask_mov_ps(
+      _mm512_set1_ps(kNegInf), valid,
+      _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(scale)), _mm512_set1_ps(lse)));
+  const __m512 p = detail::softmax_exp_avx512(x);
+  _mm512_storeu_ps(p_out, p);
+  _mm512_storeu_ps(ds, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(ds), _mm512_set1_ps(delta))));
 }
 
 // P (16, 16) and dS (16, 16) of query rows [q0, q0 + rows) of head h against the key block at
@@ -491,10 +534,15 @@ __attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, con
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = first + i * a.H;
     const int64_t nv = std::min<int64_t>(n, q0 + i - k0 + 1);
-    for (int j = 0; j < kBlk; ++j) {
-      const float p = softmax_exp(j < nv ? S[i * kBlk + j] * a.scale - a.lse[row] : kNegInf);
-      P[i * kBlk + j] = p;
-      dS[i * kBlk + j] = p * (dS[i * kBlk + j] - a.delta[row]);
+    if constexpr (kSimd) {
+      probs_row_avx512(S + i * kBlk, a.scale, a.lse[row], a.delta[row], static_cast<int>(nv),
+                       P + i * kBlk, dS + i * kBlk);
+    } else {
+      for (int j = 0; j < kBlk; ++j) {
+        const float p = softmax_exp(j < nv ? S[i * kBlk + j] * a.scale - a.lse[row] : kNegInf);
+        P[i * kBlk + j] = p;
+        dS[i * kBlk + j] = p * (dS[i * kBlk + j] - a.delta[row]);
+      }
     }
   }
 }
@@ -518,7 +566,7 @@ __attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const 
       }
     for (int64_t k0 = 0; k0 < q0 + rows; k0 += kBlk) {
       const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-      gather_kv_transposed(a, it, k0, n, kt, vt);
+      gather_kv_transposed<kSimd>(a, it, k0, n, kt, vt);
       const float* kb = a.k + ((it.start + k0) * a.Hkv + it.kvh) * D;  // rows Hkv * D apart
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = it.kvh * G + g;
@@ -556,7 +604,7 @@ __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, cons
   for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
     const int64_t k0 = tiles[ti] * kBlk;
     const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-    gather_kv_transposed(a, it, k0, n, kt, vt);
+    gather_kv_transposed<kSimd>(a, it, k0, n, kt, vt);
     std::fill(dk, dk + 2 * kBlk * D, 0.0f);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = it.kvh * G + g;
