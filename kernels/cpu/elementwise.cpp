@@ -1,16 +1,38 @@
 // CPU cast, scale, random_uniform and sum_squares.
 #include "kernels/cpu/elementwise.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/parallel.h"
 #include "core/philox.h"
+#include "kernels/cpu/clones.h"
 
 namespace tandem::ops::cpu {
 namespace {
 
 // Elements per chunk of a reduction: fixed, so the sum does not depend on the thread count.
 constexpr int64_t kReduceChunk = 4096;
+
+// The sum of squares of x[0, n) in f64: lane j sums the elements i = j (mod 16) in increasing i,
+// then the lanes combine in a fixed tree (8, 4, 2, 1). The order depends on n alone.
+TANDEM_CPU_CLONES double chunk_sum_squares(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  double lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const double v = x[i + j];
+      lane[j] = lane[j] + v * v;
+    }
+  for (int j = 0; i + j < n; ++j) {
+    const double v = x[i + j];
+    lane[j] = lane[j] + v * v;
+  }
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] = lane[j] + lane[j + w];
+  return lane[0];
+}
 
 template <class S, class D>
 void cast_typed(const Tensor& src, const Tensor& dst) {
@@ -90,12 +112,9 @@ void sum_squares(const Tensor& x, const Tensor& out, bool accumulate) {
   const int64_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
   std::vector<double> partial(static_cast<size_t>(chunks));
   parallel_for(chunks, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) {
-      double s = 0;
-      const int64_t end = std::min(n, (c + 1) * kReduceChunk);
-      for (int64_t i = c * kReduceChunk; i < end; ++i) s += static_cast<double>(p[i]) * p[i];
-      partial[static_cast<size_t>(c)] = s;
-    }
+    for (int64_t c = b; c < e; ++c)
+      partial[static_cast<size_t>(c)] =
+          chunk_sum_squares(p + c * kReduceChunk, std::min(kReduceChunk, n - c * kReduceChunk));
   });
   double total = 0;
   for (double s : partial) total += s;

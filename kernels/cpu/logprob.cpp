@@ -104,7 +104,7 @@ template <bool kEntropy, bool kAccumulate, bool kUnit>
   }
 }
 
-TANDEM_ROW_CLONES void backward_row_any(const float* x, int64_t V, int32_t target,
+TANDEM_CPU_CLONES void backward_row_any(const float* x, int64_t V, int32_t target,
                                         float temperature, float lse, float a, const float* b,
                                         bool accumulate, float* g) {
   const float bv = b ? *b : 0.0f;
@@ -126,7 +126,7 @@ TANDEM_ROW_CLONES void backward_row_any(const float* x, int64_t V, int32_t targe
 
 }  // namespace
 
-TANDEM_ROW_CLONES RowSoftmax row_softmax(const float* x, int64_t V, float temperature,
+TANDEM_CPU_CLONES RowSoftmax row_softmax(const float* x, int64_t V, float temperature,
                                          bool with_entropy) {
   if (temperature == 1.0f) {
     return with_entropy ? row_softmax_impl<true, true>(x, V, temperature)

@@ -4,18 +4,10 @@
 #include <cstdint>
 
 #include "core/tensor.h"
+#include "kernels/cpu/clones.h"
 #include "kernels/cuda/logprob.h"  // the arithmetic CPU and CUDA share (free of CUDA itself)
 
 namespace tandem::ops::cpu {
-
-// The row loops are built twice, for AVX2 and for the x86-64 baseline, and picked when the
-// program loads. AVX2 brings wider vectors but no FMA (GCC would contract a * b + c with it), and
-// every lane op is the same IEEE operation at any width, so both builds give the same bits.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define TANDEM_ROW_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TANDEM_ROW_CLONES
-#endif
 
 // Row reductions run over 16 lanes: lane j sums the elements v = j (mod 16) in increasing v,
 // then the lanes combine in a fixed tree (8, 4, 2, 1). The order depends on V alone.

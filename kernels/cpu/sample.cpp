@@ -61,20 +61,20 @@ Scratch& scratch_for(int64_t V) {
   return s;
 }
 
-TANDEM_ROW_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
+TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
   int32_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
   return c;
 }
 
-TANDEM_ROW_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
+TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
   int32_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
   return c;
 }
 
 // Sum of e over the entries with z >= t, in the lane order of row_softmax.
-TANDEM_ROW_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
+TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
   const int64_t full = n - n % L;
   float acc[L] = {};
   for (int64_t i0 = 0; i0 < full; i0 += L) {
@@ -93,7 +93,7 @@ TANDEM_ROW_CLONES float mass_at_least(const float* z, const float* e, int64_t n,
 }
 
 // z = x / tau and e = exp(z - max), as row_softmax computes them.
-TANDEM_ROW_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
+TANDEM_CPU_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
                                      float* e) {
   for (int64_t v = 0; v < V; ++v) {
     z[v] = scaled_logit(x[v], tau);
