@@ -61,7 +61,12 @@ struct Buffers {
   Tensor xf, rstdf;             // (T, C), (T): final rmsnorm
   Tensor logits, lse;           // (T, V), (T) (training)
   Tensor dlogits;               // (T, V) (training)
-  LayerGrads grads;             // (training)
+  // Training with PackedBatch::head_rows: R of the T rows go through the head. head_ids (T) i32
+  // holds them (the first R entries), head_in (T, C) their final hidden states, dhead_in (T, C)
+  // the gradient there; head_rows = R (T when every row goes).
+  Tensor head_ids, head_in, dhead_in;
+  int64_t head_rows = 0;
+  LayerGrads grads;  // (training)
 };
 
 LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
@@ -113,6 +118,9 @@ Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, 
     b.logits = p.take({T, V});
     b.lse = p.take({T});
     b.dlogits = p.take({T, V});
+    b.head_ids = p.take({T}, DType::i32);
+    b.head_in = p.take({T, C});
+    b.dhead_in = p.take({T, C});
     LayerGrads& g = b.grads;
     g.dh = p.take({T, C});
     g.dx = p.take({T, C});
@@ -390,6 +398,13 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
                  "decoder forward: target {} at position {} is outside the vocabulary [0, {})", id,
                  t, c.vocab_size);
   }
+  for (size_t r = 0; r < batch.head_rows.size(); ++r) {
+    const int32_t row = batch.head_rows[r];
+    TANDEM_CHECK(row >= 0 && row < T && (r == 0 || row > batch.head_rows[r - 1]),
+                 "decoder forward: head_rows[{}] = {} is not in [0, {}) above the row before it "
+                 "(head_rows must increase)",
+                 r, row, T);
+  }
   TANDEM_CHECK(temperature > 0, "decoder forward: temperature must be positive, got {}",
                temperature);
   check_output(logprob_out, {T}, device(), "forward's logprob_out");
@@ -410,8 +425,36 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
     m.net.layer_forward(l, a, b.resid[static_cast<size_t>(l)], b.resid[static_cast<size_t>(l + 1)],
                         in);
   }
-  m.net.head(b.resid[static_cast<size_t>(L)], b.xf, b.rstdf, b.logits);
-  ops::logprob_gather(b.logits, b.targets, logprob_out, b.lse, entropy_out, temperature, s);
+  const Tensor& h = b.resid[static_cast<size_t>(L)];
+  if (batch.head_rows.empty()) {
+    b.head_rows = T;
+    m.net.head(h, b.xf, b.rstdf, b.logits);
+    ops::logprob_gather(b.logits, b.targets, logprob_out, b.lse, entropy_out, temperature, s);
+  } else {
+    // Only the selected rows: gathered (the embedding op is a row gather on any device), through
+    // the head, and their logprob and entropy scattered back over zeros.
+    const int64_t R = b.head_rows = static_cast<int64_t>(batch.head_rows.size());
+    std::vector<int32_t> targets(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r)
+      targets[static_cast<size_t>(r)] =
+          batch.targets[static_cast<size_t>(batch.head_rows[static_cast<size_t>(r)])];
+    const Tensor ids = b.head_ids.narrow(0, R), tg = b.targets.narrow(0, R);
+    upload(ids, batch.head_rows);
+    upload(tg, targets);
+    const Tensor hs = b.head_in.narrow(0, R), xf = b.xf.narrow(0, R), rf = b.rstdf.narrow(0, R);
+    const Tensor logits = b.logits.narrow(0, R), lse = b.lse.narrow(0, R);
+    ops::embedding(ids, h, hs, s);
+    m.net.head(hs, xf, rf, logits);
+    // The compact logprob and entropy go to the front of dlogits (free until backward), then to
+    // their rows.
+    const Tensor lp = b.dlogits.view({T * c.vocab_size}).narrow(0, R);
+    const Tensor ent = b.dlogits.view({T * c.vocab_size}).narrow(R, R);
+    ops::logprob_gather(logits, tg, lp, lse, entropy_out.defined() ? ent : Tensor(), temperature,
+                        s);
+    ops::embedding_backward(ids, lp.view({R, 1}), logprob_out.view({T, 1}), false, s);
+    if (entropy_out.defined())
+      ops::embedding_backward(ids, ent.view({R, 1}), entropy_out.view({T, 1}), false, s);
+  }
   m.bufs = std::move(b);
   m.temperature = temperature;
   m.have_forward = true;
@@ -463,12 +506,35 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
   LayerGrads& g = b.grads;
 
-  ops::logprob_gather_backward(dlogprob, dentropy, b.logits, b.targets, b.lse, b.dlogits,
-                               m.temperature, false, s);
-  ops::matmul_backward_input(b.dlogits, weights_.lm_head, g.dx, false, s);
-  ops::matmul_backward_weight(b.dlogits, b.xf, grads.lm_head, true, s);
-  ops::rmsnorm_backward(g.dx, b.resid[static_cast<size_t>(L)], weights_.final_norm, b.rstdf, g.dh,
-                        grads.final_norm, false, true, s);
+  const Tensor& h = b.resid[static_cast<size_t>(L)];
+  if (b.head_rows == T) {
+    ops::logprob_gather_backward(dlogprob, dentropy, b.logits, b.targets, b.lse, b.dlogits,
+                                 m.temperature, false, s);
+    ops::matmul_backward_input(b.dlogits, weights_.lm_head, g.dx, false, s);
+    ops::matmul_backward_weight(b.dlogits, b.xf, grads.lm_head, true, s);
+    ops::rmsnorm_backward(g.dx, h, weights_.final_norm, b.rstdf, g.dh, grads.final_norm, false,
+                          true, s);
+  } else {
+    // The selected rows' dlogprob and dentropy (gathered into dhead_in's first rows, free until
+    // rmsnorm_backward), back through the head, and the hidden-state gradient scattered to
+    // its rows over zeros.
+    const int64_t R = b.head_rows;
+    const Tensor ids = b.head_ids.narrow(0, R);
+    const Tensor flat = b.dhead_in.view({T * c.hidden_size});
+    const Tensor dlp = flat.narrow(0, R), dent = flat.narrow(R, R);
+    ops::embedding(ids, dlogprob.view({T, 1}), dlp.view({R, 1}), s);
+    if (dentropy.defined()) ops::embedding(ids, dentropy.view({T, 1}), dent.view({R, 1}), s);
+    const Tensor dlogits = b.dlogits.narrow(0, R), xf = b.xf.narrow(0, R);
+    const Tensor dx = g.dx.narrow(0, R), dhs = b.dhead_in.narrow(0, R);
+    ops::logprob_gather_backward(dlp, dentropy.defined() ? dent : Tensor(), b.logits.narrow(0, R),
+                                 b.targets.narrow(0, R), b.lse.narrow(0, R), dlogits, m.temperature,
+                                 false, s);
+    ops::matmul_backward_input(dlogits, weights_.lm_head, dx, false, s);
+    ops::matmul_backward_weight(dlogits, xf, grads.lm_head, true, s);
+    ops::rmsnorm_backward(dx, b.head_in.narrow(0, R), weights_.final_norm, b.rstdf.narrow(0, R),
+                          dhs, grads.final_norm, false, true, s);
+    ops::embedding_backward(ids, dhs, g.dh, false, s);
+  }
   for (int64_t l = L - 1; l >= 0; --l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
     const Tensor& h_in = b.resid[static_cast<size_t>(l)];

@@ -31,6 +31,11 @@ struct PackedBatch {
   std::vector<int32_t> positions;   // (T)
   std::vector<int32_t> cu_seqlens;  // (B + 1)
   std::vector<int32_t> targets;     // (T)
+  // The rows whose logprob is wanted, increasing (a policy loss needs the completion's rows
+  // only); empty: every row. The head (final norm, lm_head, log-softmax) runs on these rows
+  // alone: the forward's logprob and entropy are 0 elsewhere and backward ignores dlogprob and
+  // dentropy there. A row's values do not depend on which other rows are selected.
+  std::vector<int32_t> head_rows;
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_sequences() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }

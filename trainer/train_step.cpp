@@ -42,6 +42,8 @@ std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample
   return out;
 }
 
+// The samples end to end; only the completion tokens' rows go through the head (the prompt's
+// logprobs are never read).
 model::PackedBatch pack(std::span<const TrainSample> samples) {
   std::vector<std::vector<int32_t>> seqs;
   seqs.reserve(samples.size());
@@ -50,7 +52,14 @@ model::PackedBatch pack(std::span<const TrainSample> samples) {
     seq.insert(seq.end(), s.completion.begin(), s.completion.end());
     seqs.push_back(std::move(seq));
   }
-  return model::PackedBatch::from_sequences(seqs);
+  model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
+  for (size_t b = 0; b < samples.size(); ++b) {
+    const auto np = static_cast<int64_t>(samples[b].prompt.size());
+    for (int64_t k = 0; k < static_cast<int64_t>(samples[b].completion.size()); ++k)
+      batch.head_rows.push_back(
+          static_cast<int32_t>(batch.row_of(static_cast<int64_t>(b), np + k)));
+  }
+  return batch;
 }
 
 }  // namespace

@@ -379,6 +379,63 @@ TEST_CASE("decoder recompute gives bitwise the same logprobs and gradients", "[u
   }
 }
 
+TEST_CASE("decoder head rows: the selected rows' logprobs bitwise, zeros elsewhere, same gradients",
+          "[unit]") {
+  for (Kind kind : {Kind::llama_tied, Kind::llama_untied_rope3, Kind::qwen3}) {
+    INFO(kind_name(kind));
+    GradSetup s(kind);
+    const int64_t T = s.batch.num_tokens();
+    // Every third row and the last one; the other rows' weights are zero in the full pass.
+    PackedBatch sel = s.batch;
+    std::vector<float> wl(static_cast<size_t>(T), 0.0f), we(static_cast<size_t>(T), 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+      if (t % 3 != 1 && t != T - 1) continue;
+      sel.head_rows.push_back(static_cast<int32_t>(t));
+      wl[static_cast<size_t>(t)] = s.wl.data_as<float>()[t];
+      we[static_cast<size_t>(t)] = s.we.data_as<float>()[t];
+    }
+    const Tensor dl = Tensor::wrap(wl.data(), {T}, DType::f32);
+    const Tensor de = Tensor::wrap(we.data(), {T}, DType::f32);
+    Weights g_sel(s.c, DType::f32, Device::cpu(), ArenaClass::gradients);
+    Decoder dec(s.w, {.max_tokens = 32});
+    s.grads.zero();
+    g_sel.zero();
+    dec.forward(s.batch, s.logprob, s.entropy, s.temperature);
+    dec.backward(dl, de, s.grads);
+    Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
+    dec.forward(sel, lp, ent, s.temperature);
+    dec.backward(dl, de, g_sel);
+    for (int64_t t = 0; t < T; ++t) {
+      INFO("row " << t);
+      const bool in = wl[static_cast<size_t>(t)] != 0.0f;
+      CHECK(lp.data_as<float>()[t] == (in ? s.logprob.data_as<float>()[t] : 0.0f));
+      CHECK(ent.data_as<float>()[t] == (in ? s.entropy.data_as<float>()[t] : 0.0f));
+    }
+    // The same sums without the zero terms of the other rows: equal up to rounding.
+    for (size_t i = 0; i < s.grads.storage().size(); ++i) {
+      INFO(s.grads.storage()[i].name);
+      const std::vector<double> a = test::to_f64(s.grads.storage()[i].tensor);
+      const std::vector<double> b = test::to_f64(g_sel.storage()[i].tensor);
+      double scale = 0;
+      for (double x : a) scale = std::max(scale, std::abs(x));
+      CHECK(test::max_abs_diff(a, b) <= 1e-5 * scale + 1e-12);
+    }
+  }
+}
+
+TEST_CASE("decoder rejects head rows out of order or out of range", "[unit]") {
+  const ModelConfig c = tiny_config(Kind::llama_tied);
+  Weights w(c, DType::f32);
+  fill_random(w, 2);
+  Decoder dec(w, {.max_tokens = 16});
+  PackedBatch b = PackedBatch::from_sequences(std::vector<std::vector<int32_t>>{{1, 2, 3, 4}});
+  Tensor lp = Tensor::empty({3}, DType::f32);
+  b.head_rows = {2, 1};
+  CHECK_THROWS_WITH(dec.forward(b, lp, Tensor()), Catch::Contains("head_rows[1] = 1"));
+  b.head_rows = {0, 3};
+  CHECK_THROWS_WITH(dec.forward(b, lp, Tensor()), Catch::Contains("head_rows[1] = 3"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // A paged cache for the inference tests: each sequence owns a scattered list of blocks.
 
