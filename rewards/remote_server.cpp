@@ -8,6 +8,7 @@
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TServerSocket.h>
 
+#include <atomic>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -60,6 +61,21 @@ class Handler : public rpc::RewardServiceIf {
         invalid(
             fmt::format("samples[{}].extra_json is not a JSON object: {:.80}", i, s.extra_json));
     }
+    // Admitted calls wait for the function one after another; past the bound the client is told
+    // to come back later rather than left waiting behind every other connection.
+    if (in_flight_.fetch_add(1) >= options_.max_in_flight) {
+      --in_flight_;
+      ++overloaded_;
+      rpc::Overloaded e;
+      e.message =
+          fmt::format("busy: already {} score calls in flight (max_in_flight); retry after a pause",
+                      options_.max_in_flight);
+      throw e;
+    }
+    struct Leave {
+      std::atomic<int64_t>& count;
+      ~Leave() { --count; }
+    } leave{in_flight_};
     out.request_id = request.request_id;
     out.scores.resize(n);
     std::vector<RewardResult> results;
@@ -81,7 +97,10 @@ class Handler : public rpc::RewardServiceIf {
       s.value = s.ok ? results[i].value : 0.0;
       s.error = !error.empty() ? error : results[i].error;
     }
+    ++scored_;
   }
+
+  RewardServer::Stats stats() const { return {scored_.load(), overloaded_.load()}; }
 
   bool health() override { return true; }
 
@@ -102,6 +121,8 @@ class Handler : public rpc::RewardServiceIf {
   std::shared_ptr<RewardFunction> function_;
   const RewardServer::Options& options_;
   std::mutex function_mutex_;
+  std::atomic<int64_t> in_flight_{0};  // score calls admitted and not yet answered
+  std::atomic<int64_t> scored_{0}, overloaded_{0};
 };
 
 // Framed transports whose frame and message sizes are bounded.
@@ -133,6 +154,7 @@ class ReadySignal : public at::server::TServerEventHandler {
 struct RewardServer::Impl {
   Options options;
   std::shared_ptr<at::transport::TServerSocket> socket;
+  std::shared_ptr<Handler> handler;
   std::shared_ptr<at::server::TThreadedServer> server;
   std::promise<void> ready;  // set when the server listens, or with why it could not
   std::thread thread;
@@ -147,19 +169,20 @@ RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options opt
   TANDEM_CHECK(options.max_batch_size >= 1 && options.max_batch_size <= (1 << 30) &&
                    options.max_message_bytes >= 1024 &&
                    options.max_message_bytes <= (1ll << 31) - 1 && options.max_connections >= 1 &&
-                   options.idle_timeout_ms >= 1 && options.idle_timeout_ms <= (1ll << 31) - 1,
+                   options.max_in_flight >= 1 && options.idle_timeout_ms >= 1 &&
+                   options.idle_timeout_ms <= (1ll << 31) - 1,
                "reward server: a bound is out of range (max_batch_size {}, max_message_bytes {}, "
-               "max_connections {}, idle_timeout_ms {})",
+               "max_connections {}, max_in_flight {}, idle_timeout_ms {})",
                options.max_batch_size, options.max_message_bytes, options.max_connections,
-               options.idle_timeout_ms);
+               options.max_in_flight, options.idle_timeout_ms);
   Impl& m = *impl_;
   m.options = std::move(options);
   m.socket = std::make_shared<at::transport::TServerSocket>(m.options.host, m.options.port);
   m.socket->setRecvTimeout(static_cast<int>(m.options.idle_timeout_ms));
   m.socket->setSendTimeout(static_cast<int>(m.options.idle_timeout_ms));
-  auto handler = std::make_shared<Handler>(std::move(function), m.options);
+  m.handler = std::make_shared<Handler>(std::move(function), m.options);
   m.server = std::make_shared<at::server::TThreadedServer>(
-      std::make_shared<rpc::RewardServiceProcessor>(handler), m.socket,
+      std::make_shared<rpc::RewardServiceProcessor>(m.handler), m.socket,
       std::make_shared<BoundedFramedFactory>(static_cast<int>(m.options.max_message_bytes)),
       std::make_shared<at::protocol::TBinaryProtocolFactory>());
   m.server->setConcurrentClientLimit(m.options.max_connections);
@@ -187,6 +210,8 @@ RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options opt
 }
 
 RewardServer::~RewardServer() { stop(); }
+
+RewardServer::Stats RewardServer::stats() const { return impl_->handler->stats(); }
 
 void RewardServer::stop() {
   if (!impl_ || !impl_->thread.joinable()) return;

@@ -8,12 +8,19 @@
 namespace tandem::rewards {
 
 // A threaded server (one thread per connection) on its own thread. Requests are bounded (batch
-// size, message size, connections) and checked (token, extra_json); a bad one is answered with
-// InvalidRequest or Unauthorized, never a crash. The function is called from one thread at a
-// time; requests of several connections wait for each other. A function that throws or returns
-// the wrong number of results fails every sample of that request (ok = false, with the reason).
+// size, message size, connections, score calls in flight) and checked (token, extra_json); a bad
+// one is answered with InvalidRequest or Unauthorized, never a crash. The function is called from
+// one thread at a time; up to max_in_flight score calls wait for it, and one more is answered
+// with Overloaded at once (clients retry after a pause) instead of joining an ever longer queue.
+// A function that throws or returns the wrong number of results fails every sample of that
+// request (ok = false, with the reason).
 class RewardServer {
  public:
+  struct Stats {
+    int64_t scored = 0;      // score calls answered with scores
+    int64_t overloaded = 0;  // score calls refused with Overloaded
+  };
+
   struct Options {
     std::string host = "127.0.0.1";
     int port = 0;         // 0: a free port (port() says which)
@@ -21,6 +28,7 @@ class RewardServer {
     int64_t max_batch_size = 4096;
     int64_t max_message_bytes = 64 << 20;  // a bigger request frame closes the connection
     int64_t max_connections = 64;          // further clients wait to be accepted
+    int64_t max_in_flight = 16;            // score calls admitted at once (scoring or waiting)
     int64_t idle_timeout_ms = 600'000;     // a connection silent this long is closed
     std::string name = "tandem";           // info().name
   };
@@ -32,6 +40,7 @@ class RewardServer {
   RewardServer& operator=(const RewardServer&) = delete;
 
   int port() const { return port_; }
+  Stats stats() const;
   // Stops accepting, closes the connections and waits for the calls in progress to return.
   void stop();
 

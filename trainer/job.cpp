@@ -14,6 +14,7 @@
 
 #include <sys/resource.h>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "model/loader.h"
 #include "rewards/factory.h"
@@ -336,13 +337,22 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   eo.max_seqs = std::max<int64_t>(job.rollout.max_seqs, job.rollout.n);
   eo.max_context = std::min<int64_t>(job.data.max_prompt_tokens + job.rollout.max_new_tokens + 1,
                                      m.config().max_position_embeddings);
-  rollout::Engine engine(policy, eo, &m.tok());
-  // Weight publish, weight_sync's single-rank path: the engine reads the trainer's f32 tensors
-  // as they are, so publishing moves no bytes (an engine copy in another dtype would take one
-  // cast-copy per tensor here); the engine then drops its prefix cache and stamps the version.
-  std::vector<weight_sync::Param> policy_params;
+  // Weight publish, weight_sync's single-rank path: with rollout.dtype = trainer.dtype the engine
+  // reads the trainer's tensors as they are and publishing moves no bytes; otherwise the engine
+  // has its own copy (same storage tensors in its dtype) and publishing casts each tensor into
+  // it. The engine then drops its prefix cache and stamps the version.
+  std::unique_ptr<model::Weights> rollout_copy;
+  if (job.rollout.dtype != job.trainer.dtype)
+    rollout_copy = std::make_unique<model::Weights>(policy.config(),
+                                                    dtype_from_name(job.rollout.dtype.c_str()));
+  const model::Weights& engine_weights = rollout_copy ? *rollout_copy : policy;
+  std::vector<weight_sync::Param> policy_params, engine_params;
   for (const model::NamedTensor& t : policy.storage()) policy_params.push_back({t.name, t.tensor});
-  const weight_sync::LocalPublisher publisher(policy_params, policy_params);
+  for (const model::NamedTensor& t : engine_weights.storage())
+    engine_params.push_back({t.name, t.tensor});
+  const weight_sync::LocalPublisher publisher(policy_params, engine_params);
+  publisher.publish(0);
+  rollout::Engine engine(engine_weights, eo, &m.tok());
 
   AdamW adamw(policy, job.trainer.optimizer);
   LrScheduleConfig sc = job.trainer.schedule;
@@ -352,6 +362,9 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   TrainStepConfig tc = job.trainer.step;
   tc.loss = job.trainer.grpo.loss;
   tc.temperature = static_cast<float>(job.rollout.temperature);
+  // pi_old is the trainer's policy: an engine sampling from other-precision weights reports
+  // logprobs of another policy, so the trainer computes its own.
+  if (!publisher.zero_copy()) tc.always_recompute_old = true;
   PolicyTrainer trainer(policy, reference.get(), adamw, schedule, tc);
 
   if (job.trainer.optimizer_offload)
@@ -362,8 +375,9 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   TrainerState state;
   auto publish = [&] {
     const auto version = static_cast<uint64_t>(state.weight_version);
-    publisher.publish(version);
-    engine.set_weights(policy, version);
+    const weight_sync::PublishStats st = publisher.publish(version);
+    engine.set_weights(engine_weights, version);
+    return st;
   };
   state.config = to_toml(job);
   std::string resume = job.checkpoint.resume;
@@ -476,13 +490,14 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     const auto t2 = Clock::now();
     TrainStepMetrics tm;
     double t_publish = 0;
+    weight_sync::PublishStats published;
     if (!train.empty()) {
       tm = trainer.step(train);
       // And the other way round: the rollout and eval that follow take the trainer's memory.
       if (job.placement.release_memory) trainer.release_activations();
       state.weight_version += 1;
       const auto t3 = Clock::now();
-      publish();
+      published = publish();
       t_publish = seconds_since(t3);
     }
     const double t_train = seconds_since(t2);
@@ -521,6 +536,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     j["response_length/max"] = max_len;
     j["response_tokens"] = r.tokens;
     j["truncation_rate"] = static_cast<double>(truncated) / std::max(n_samples, 1.0);
+    j["old_logp_recomputed"] = tm.old_recomputed ? 1 : 0;
     j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
     j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
     j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
@@ -537,6 +553,10 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     j["time/old_logp_s"] = tm.seconds_old;
     j["time/ref_logp_s"] = tm.seconds_ref;
     j["time/update_s"] = tm.seconds_update;
+    j["weight_sync/bytes"] = published.bytes_written;
+    j["weight_sync/cast_tensors"] = published.cast;
+    j["weight_sync/copied_tensors"] = published.copied;
+    j["weight_sync/shared_tensors"] = published.shared;
     j["time/publish_s"] = t_publish;
     j["time/step_s"] = step_s;
     metrics_out << j.dump() << "\n" << std::flush;

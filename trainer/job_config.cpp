@@ -227,6 +227,11 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
       .range(1, 1e9);
   add(bind<J>("rollout.max_seqs", TANDEM_MEMBER(rollout.max_seqs), "Sequences per engine step."))
       .range(1, 1e7);
+  add(bind<J>("rollout.dtype", TANDEM_MEMBER(rollout.dtype),
+              "Weights the engine samples from: \"f32\" reads the trainer's master weights in "
+              "place (publishing moves no bytes); \"bf16\" keeps a bf16 copy that each publish "
+              "casts from them, and the trainer then recomputes the old logprobs."))
+      .one_of({"f32", "bf16"});
   // trainer
   add(bind<J>("trainer.steps", TANDEM_MEMBER(trainer.steps), "GRPO steps of the run."))
       .range(1, 1e9);
@@ -241,7 +246,8 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "Packed tokens per forward/backward at most."))
       .range(1, 1e9);
   add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
-              "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch)."));
+              "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch); "
+              "on whenever rollout.dtype differs from trainer.dtype."));
   add(bind<J>("trainer.dtype", TANDEM_MEMBER(trainer.dtype), "Master weights' type."))
       .one_of({"f32"});
   // trainer.algorithm

@@ -52,6 +52,9 @@ struct RolloutSection {
   int64_t num_blocks = 1024;
   int64_t max_batch_tokens = 2048;
   int64_t max_seqs = 256;
+  // The engine's weights: "f32" reads the trainer's master weights in place; "bf16" keeps a copy
+  // that every publish casts from them (the trainer then recomputes the old logprobs).
+  std::string dtype = "f32";
 };
 
 struct ShapingSection {

@@ -38,6 +38,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-connections", o.max_connections, "Connections served at once")
       ->capture_default_str();
+  app.add_option("--max-in-flight", o.max_in_flight,
+                 "Score calls admitted at once; one more is answered with Overloaded")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   // The signals are taken by sigwait below, so every thread the server starts must block them.

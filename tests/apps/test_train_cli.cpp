@@ -1,5 +1,6 @@
 // tandem train as a user runs it: a short job on the bundled model, its metrics, checkpoint and
-// resume; dynamic sampling's refill and its bitwise resume; config errors with their place.
+// resume; dynamic sampling's refill and its bitwise resume; config errors with their place; the
+// weight publish of an f32 and a bf16 rollout engine on a tiny random model.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -8,6 +9,9 @@
 #include <sstream>
 #include <string>
 
+#include "model/hf.h"
+#include "model/weights.h"
+#include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
 namespace fs = std::filesystem;
@@ -38,7 +42,113 @@ std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
   return steps;
 }
 
+// A tiny random Llama (C=64, 2 layers) with SmolLM2's tokenizer and chat template, as an HF
+// directory in `dir`; returns the bytes its parameters take in bf16.
+int64_t write_tiny_model(const std::string& dir) {
+  tandem::model::ModelConfig c =
+      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
+  c.vocab_size = 49152;
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  tandem::model::Weights w(c, tandem::DType::f32);
+  tandem::test::fill_random_weights(w, 17);
+  tandem::model::SaveOptions o;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+    o.extra_files[f] = read_bytes(kRepo / "tests/golden/smollm2" / f);
+  tandem::model::save_hf(w, dir, o);
+  int64_t bf16_bytes = 0;
+  for (const auto& t : w.storage()) bf16_bytes += t.tensor.numel() * 2;
+  return bf16_bytes;
+}
+
+// Three steps of a job on that model (no eval, no checkpoint but the last); its step lines.
+std::vector<nlohmann::json> run_tiny_job(const tandem::test::TempDir& tmp, const std::string& model,
+                                         const std::string& overrides) {
+  const std::string job = tmp.write("job.toml", R"(
+[model]
+path = ")" + model + R"("
+[data]
+synthetic_size = 64
+max_prompt_tokens = 96
+[rollout]
+prompts_per_step = 2
+n = 4
+max_new_tokens = 8
+num_blocks = 64
+[trainer]
+steps = 3
+lr = 1e-3
+[[rewards]]
+name = "has_e"
+function = "regex_format"
+pattern = '.*e.*'
+[checkpoint]
+every = 0
+[eval]
+every = 0
+[logging]
+samples_every = 0
+)");
+  const auto r =
+      tandem::test::run_tandem("train " + job + " logging.dir=" + tmp.file("run") +
+                                   " checkpoint.dir=" + tmp.file("run/ckpt") + " " + overrides,
+                               true, 300);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("step 3/3") != std::string::npos);
+  return step_lines(tmp.file("run/metrics.jsonl"));
+}
+
 }  // namespace
+
+TEST_CASE(
+    "tandem train with a bf16 rollout casts every weight on publish and recomputes old "
+    "logprobs",
+    "[e2e]") {
+  const tandem::test::TempDir tmp("train-bf16");
+  const int64_t bf16_bytes = write_tiny_model(tmp.file("model"));
+  const auto steps = run_tiny_job(tmp, tmp.file("model"), "rollout.dtype=bf16");
+  REQUIRE(steps.size() == 3);
+  for (const auto& m : steps) {
+    INFO(m.dump());
+    CHECK(m["weight_sync/bytes"].get<int64_t>() == bf16_bytes);
+    CHECK(m["weight_sync/cast_tensors"].get<int64_t>() > 0);
+    CHECK(m["weight_sync/shared_tensors"].get<int64_t>() == 0);
+    CHECK(m["weight_sync/copied_tensors"].get<int64_t>() == 0);
+    // The engine samples from the bf16 copy and the trainer scores with its f32 weights: close,
+    // not equal.
+    CHECK(m["old_logp_recomputed"].get<int>() == 1);
+    const double max_abs = m["rollout_trainer_logp/max_abs"].get<double>();
+    CHECK(max_abs > 0);
+    CHECK(max_abs < 0.1);
+    CHECK(m["rollout_trainer_logp/mean_abs"].get<double>() > 0);
+    CHECK(m["rollout_trainer_logp/mean_abs"].get<double>() <= max_abs);
+    CHECK(m["token_mult_prob_error"].get<double>() > 0);
+    CHECK(m.contains("time/publish_s"));
+  }
+}
+
+TEST_CASE("tandem train with the default f32 rollout publishes without moving a byte", "[e2e]") {
+  const tandem::test::TempDir tmp("train-f32");
+  write_tiny_model(tmp.file("model"));
+  // Old logprobs reused from the rollout by default; recomputed on request they equal the
+  // engine's bitwise (same weights, same kernels).
+  for (const std::string recompute : {"false", "true"}) {
+    INFO("trainer.always_recompute_old=" << recompute);
+    std::filesystem::remove_all(tmp.file("run"));
+    const auto steps =
+        run_tiny_job(tmp, tmp.file("model"), "trainer.always_recompute_old=" + recompute);
+    REQUIRE(steps.size() == 3);
+    for (const auto& m : steps) {
+      INFO(m.dump());
+      CHECK(m["weight_sync/bytes"].get<int64_t>() == 0);
+      CHECK(m["weight_sync/shared_tensors"].get<int64_t>() > 0);
+      CHECK(m["weight_sync/cast_tensors"].get<int64_t>() == 0);
+      CHECK(m["old_logp_recomputed"].get<int>() == (recompute == "true" ? 1 : 0));
+      CHECK(m["rollout_trainer_logp/max_abs"].get<double>() == 0);
+    }
+  }
+}
 
 TEST_CASE("tandem train runs a short job writes metrics and resumes from its checkpoint", "[e2e]") {
   REQUIRE(fs::exists(kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"));

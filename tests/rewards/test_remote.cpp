@@ -278,6 +278,65 @@ TEST_CASE("a remote server refuses a wrong token and an oversized batch with typ
                     Contains("refused the request: 9 samples in one request, at most 8"));
 }
 
+TEST_CASE("a remote server past max_in_flight answers Overloaded and the client's retry gets in",
+          "[unit]") {
+  // The first call holds the function until the gate opens.
+  std::mutex m;
+  std::condition_variable cv;
+  bool open = false;
+  std::promise<void> entered;
+  std::atomic<bool> first{true};
+  auto slow = std::make_shared<Scripted>([&](auto s) {
+    if (first.exchange(false)) entered.set_value();
+    std::unique_lock lock(m);
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return open; });
+    std::vector<RewardResult> r;
+    for (const auto& x : s) r.push_back(RewardResult::success(x.completion_tokens + 0.25));
+    return r;
+  });
+  RewardServer server(slow, {.max_in_flight = 1});
+  const std::string address = "127.0.0.1:" + std::to_string(server.port());
+  const auto samples = math_samples(6, 12);
+  auto check = [&](const std::vector<RewardResult>& got) {
+    REQUIRE(got.size() == samples.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      CHECK((got[i].ok && got[i].value == samples[i].completion_tokens + 0.25));
+  };
+
+  RemoteReward holder("holder", {.address = address});
+  auto held = std::async(std::launch::async, [&] { return holder.score(samples); });
+  REQUIRE(entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+
+  // A second call while the first is scored: refused at once with the typed exception.
+  RemoteReward impatient("impatient", {.address = address, .retries = 0});
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(impatient.score(samples),
+                    Contains("failed after 1 tries: server overloaded: busy: already 1 score "
+                             "calls in flight (max_in_flight)"));
+  CHECK(seconds_since(t0) < 1.0);  // not queued behind the held call
+  CHECK(server.stats().overloaded == 1);
+  CHECK(server.stats().scored == 0);
+
+  // A client with retries is refused while the first call holds the function, then gets in.
+  RemoteReward patient("patient", {.address = address, .retries = 6, .backoff_ms = 20});
+  auto waited = std::async(std::launch::async, [&] { return patient.score(samples); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (server.stats().overloaded < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(server.stats().overloaded >= 2);
+  {
+    std::lock_guard lock(m);
+    open = true;
+  }
+  cv.notify_all();
+  check(held.get());
+  check(waited.get());
+  CHECK(server.stats().scored == 2);
+  CHECK(slow->calls == 2);  // refused calls never reach the function
+
+  CHECK_THROWS_WITH(RewardServer(slow, {.max_in_flight = 0}), Contains("max_in_flight 0"));
+}
+
 namespace {
 
 // A RewardService that breaks the contract: one score too few, or an empty answer.
@@ -322,7 +381,8 @@ TEST_CASE("a remote server answering the wrong number of scores is an error", "[
 
 TEST_CASE("the example C++ reward server serves a built-in until SIGTERM", "[e2e]") {
   tandem::test::Subprocess server({std::string(TANDEM_BIN_DIR) + "/tandem_reward_server", "--port",
-                                   "0", "--kind", "math_answer", "--token", "t0k"});
+                                   "0", "--kind", "math_answer", "--token", "t0k",
+                                   "--max-in-flight", "4"});
   const std::string line = server.wait_for_line("listening on ", 10000);
   INFO(server.output());
   REQUIRE(!line.empty());

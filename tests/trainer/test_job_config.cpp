@@ -107,6 +107,16 @@ TEST_CASE("job config gives each bad field its own message with the line", "[uni
   }
 }
 
+TEST_CASE("job config takes rollout dtype f32 or bf16 and names the line of another", "[unit]") {
+  CHECK(parse_job_config(kMinimal, "job.toml").rollout.dtype == "f32");
+  CHECK(parse_job_config(kMinimal + "[rollout]\ndtype = \"bf16\"\n", "job.toml").rollout.dtype ==
+        "bf16");
+  CHECK_THAT(error_of(kMinimal + "[rollout]\ndtype = \"f16\"\n"),
+             Catch::Contains("job.toml:7:9: rollout.dtype: expected one of \"f32\", \"bf16\""));
+  CHECK_THAT(error_of(kMinimal, {"rollout.dtype=\"f16\""}),
+             Catch::Contains("override 'rollout.dtype=\"f16\"': rollout.dtype: expected one of"));
+}
+
 TEST_CASE("job config overrides win over the file", "[unit]") {
   const std::string text = kMinimal + "[trainer]\nlr = 3e-6\n[rollout]\nn = 4\n";
   JobConfig j = parse_job_config(
