@@ -76,4 +76,12 @@ TANDEM_HD float softmax_exp(float x) {
   return mul_rn(y, bits_float(field << 23));
 }
 
+// exp(-g) for the sigmoid of SwiGLU, by softmax_exp with its argument held at 88 (where it is
+// defined): for g below -88 the sigmoid is then 1 / (1 + e^88) instead of a value further below
+// 1e-38, and silu(g) = g * sigmoid(g) is within a denormal of 0 either way.
+TANDEM_HD float silu_exp_neg(float g) {
+  const float a = -g;
+  return softmax_exp(a < 88.0f ? a : 88.0f);
+}
+
 }  // namespace tandem::ops

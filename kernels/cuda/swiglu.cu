@@ -1,6 +1,8 @@
-// CUDA SwiGLU: one thread per output element, silu(g) = g / (1 + expf(-g)) as on the CPU.
+// CUDA SwiGLU: one thread per output element, silu(g) = g / (1 + exp(-g)) with exp(-g) =
+// silu_exp_neg (kernels/exp.h) as on the CPU.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/swiglu.h"
+#include "kernels/exp.h"
 
 namespace tandem::ops::cuda {
 namespace {
@@ -12,7 +14,7 @@ __global__ void swiglu_kernel(const float* gate_up, float* out, int64_t T, int64
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / F, f = i % F;
     const float g = gate_up[t * 2 * F + f];
-    out[i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * F + F + f];
+    out[i] = g / (1.0f + silu_exp_neg(g)) * gate_up[t * 2 * F + F + f];
   }
 }
 
@@ -23,7 +25,7 @@ __global__ void swiglu_backward_kernel(const float* dout, const float* gate_up, 
     const int64_t t = i / F, f = i % F;
     const float g = gate_up[t * 2 * F + f];
     const float up = gate_up[t * 2 * F + F + f];
-    const float denom = 1.0f + expf(-g);
+    const float denom = 1.0f + silu_exp_neg(g);
     const float sig = 1.0f / denom;
     dgate_up[t * 2 * F + f] = dout[i] * up * (sig * (1.0f + g * (1.0f - sig)));
     dgate_up[t * 2 * F + F + f] = dout[i] * (g / denom);
