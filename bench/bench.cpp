@@ -176,6 +176,21 @@ void Runner::emit(const Measurement& m) {
   std::fflush(stdout);
 }
 
+#if TANDEM_HAS_OPENBLAS
+std::string openblas_peer() {
+  const std::string core = openblas_get_corename();
+  static const bool warned = [&] {
+    if (core == "Prescott" && __builtin_cpu_supports("avx512f"))
+      std::fprintf(stderr,
+                   "tandem bench: OpenBLAS does not know this CPU model and runs its SSE3 "
+                   "(Prescott) kernels; for a fair peer run with OPENBLAS_CORETYPE=SkylakeX\n");
+    return true;
+  }();
+  (void)warned;
+  return "openblas " + core;
+}
+#endif
+
 Ceilings measure_ceilings(const Options& opt) {
   Ceilings c;
   if (opt.device.is_cpu()) {
@@ -186,7 +201,7 @@ Ceilings measure_ceilings(const Options& opt) {
 #if TANDEM_HAS_OPENBLAS
     if (const double blas = measure_openblas_gflops(opt); blas > c.gflops) {
       c.gflops = blas;
-      c.gflops_source = fmt::format("OpenBLAS sgemm f32 {}^3", n);
+      c.gflops_source = fmt::format("OpenBLAS sgemm f32 {}^3 ({})", n, openblas_peer());
     }
 #endif
     c.gbytes = measure_triad_gbytes(opt);

@@ -13,6 +13,13 @@
 namespace tandem::bench {
 
 // What the machine can do at best, measured at the start of a run.
+#if TANDEM_HAS_OPENBLAS
+// The OpenBLAS peer's name with the kernels it picked ("openblas SkylakeX"). OpenBLAS falls back
+// to its SSE3 "Prescott" kernels on a CPU model it does not know; then this warns once on
+// stderr, naming OPENBLAS_CORETYPE, since such a peer is far below the machine's sgemm rate.
+std::string openblas_peer();
+#endif
+
 struct Ceilings {
   double gflops = 0;  // f32 sgemm peak on CPU (the best of the measured GEMMs); bf16 cuBLAS on CUDA
   double gbytes = 0;  // memory bandwidth (triad on CPU; device-to-device copy on CUDA)

@@ -57,7 +57,7 @@ TANDEM_KERNEL_BENCH(matmul) {
     const double bytes = static_cast<double>(w.nbytes() + x.nbytes() + y.nbytes());
     const auto ours = [&] { ops::matmul(x, w, y); };
     if (!cpu || wt != DType::f32) return runner.measure("matmul", name, flops, bytes, ours);
-    runner.measure("matmul", name, flops, bytes, ours, "openblas", [&] {
+    runner.measure("matmul", name, flops, bytes, ours, openblas_peer(), [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M),
                   static_cast<int>(p.N), static_cast<int>(p.K), 1.0f, x.data_as<float>(),
                   static_cast<int>(p.K), w.data_as<float>(), static_cast<int>(p.K), 0.0f,
@@ -101,11 +101,11 @@ TANDEM_KERNEL_BENCH(matmul) {
       runner.measure("matmul_backward_weight", name, flops, 0, dw_ours);
       continue;
     }
-    runner.measure("matmul_backward_input", name, flops, 0, dx_ours, "openblas", [&] {
+    runner.measure("matmul_backward_input", name, flops, 0, dx_ours, openblas_peer(), [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.0f, dy.data_as<float>(), n,
                   w.data_as<float>(), k, 0.0f, dx.data_as<float>(), k);
     });
-    runner.measure("matmul_backward_weight", name, flops, 0, dw_ours, "openblas", [&] {
+    runner.measure("matmul_backward_weight", name, flops, 0, dw_ours, openblas_peer(), [&] {
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.0f, dy.data_as<float>(), n,
                   x.data_as<float>(), k, 0.0f, dw.data_as<float>(), k);
     });
