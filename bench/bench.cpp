@@ -2,6 +2,7 @@
 #include "bench/bench.h"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #if TANDEM_HAS_OPENBLAS
 #include <cblas.h>
 #endif
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -181,9 +183,9 @@ std::string openblas_peer() {
   const std::string core = openblas_get_corename();
   static const bool warned = [&] {
     if (core == "Prescott" && __builtin_cpu_supports("avx512f"))
-      std::fprintf(stderr,
-                   "tandem bench: OpenBLAS does not know this CPU model and runs its SSE3 "
-                   "(Prescott) kernels; for a fair peer run with OPENBLAS_CORETYPE=SkylakeX\n");
+      spdlog::warn(
+          "bench: OpenBLAS does not know this CPU model and runs its SSE3 (Prescott) kernels; "
+          "for a fair peer run with OPENBLAS_CORETYPE=SkylakeX");
     return true;
   }();
   (void)warned;
@@ -191,19 +193,23 @@ std::string openblas_peer() {
 }
 #endif
 
+std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt) {
+  const int64_t n = opt.quick ? 512 : 1024;
+  double gflops = measure_matmul_gflops(opt, DType::f32, n);
+  std::string source = fmt::format("tandem matmul f32 {}^3", n);
+#if TANDEM_HAS_OPENBLAS
+  if (const double blas = measure_openblas_gflops(opt); blas > gflops) {
+    gflops = blas;
+    source = fmt::format("OpenBLAS sgemm f32 {}^3 ({})", n, openblas_peer());
+  }
+#endif
+  return {gflops, source};
+}
+
 Ceilings measure_ceilings(const Options& opt) {
   Ceilings c;
   if (opt.device.is_cpu()) {
-    // The sgemm peak: the faster of OpenBLAS and our own GEMM on a square f32 problem.
-    const int64_t n = opt.quick ? 512 : 1024;
-    c.gflops = measure_matmul_gflops(opt, DType::f32, n);
-    c.gflops_source = fmt::format("tandem matmul f32 {}^3", n);
-#if TANDEM_HAS_OPENBLAS
-    if (const double blas = measure_openblas_gflops(opt); blas > c.gflops) {
-      c.gflops = blas;
-      c.gflops_source = fmt::format("OpenBLAS sgemm f32 {}^3 ({})", n, openblas_peer());
-    }
-#endif
+    std::tie(c.gflops, c.gflops_source) = measure_cpu_gemm_ceiling(opt);
     c.gbytes = measure_triad_gbytes(opt);
     c.gbytes_source = "triad, 3 arrays counted";
     return c;

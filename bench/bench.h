@@ -6,6 +6,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/device.h"
@@ -15,8 +16,8 @@ namespace tandem::bench {
 // What the machine can do at best, measured at the start of a run.
 #if TANDEM_HAS_OPENBLAS
 // The OpenBLAS peer's name with the kernels it picked ("openblas SkylakeX"). OpenBLAS falls back
-// to its SSE3 "Prescott" kernels on a CPU model it does not know; then this warns once on
-// stderr, naming OPENBLAS_CORETYPE, since such a peer is far below the machine's sgemm rate.
+// to its SSE3 "Prescott" kernels on a CPU model it does not know; then this warns once in
+// the log, naming OPENBLAS_CORETYPE, since such a peer is far below the machine's sgemm rate.
 std::string openblas_peer();
 #endif
 
@@ -77,6 +78,10 @@ using KernelBench = std::function<void(Runner&)>;
 int add_kernel_bench(const std::string& family, KernelBench fn);
 
 Ceilings measure_ceilings(const Options& opt);
+// The CPU sgemm rate alone (the faster of our GEMM and OpenBLAS on a square f32 problem), in
+// GFLOP/s, and where it came from; a bench takes it again next to each measured step when the
+// machine's speed drifts.
+std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt);
 // `tandem bench kernels`: every registered family on opt.device; returns the exit code.
 int run_kernel_benches(const Options& opt);
 // `tandem bench generate`: batch-1 generation with a model file (default: the bundled SmolLM2),

@@ -1,12 +1,14 @@
 // `tandem bench train`: training tokens/s — forward, backward of the mean token logprob, AdamW —
 // for a model's shape (default: the bundled SmolLM2-135M) on B x L tokens, beside PyTorch
 // (transformers' LlamaForCausalLM on the CPU, same shapes, bench/peers/torch_train.py) and the
-// FLOP ceiling (6 x parameters per token at the measured GEMM rate).
+// FLOP ceiling (6 x parameters per token at the GEMM rate, measured again right before each
+// step: this machine kind's speed drifts by a fifth within minutes).
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <tuple>
 
 #include "bench/bench.h"
 #include "bench/peers.h"
@@ -24,7 +26,6 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
                          : model_path;
   const int64_t B = 4, L = opt.quick ? 65 : 257;  // L tokens: L - 1 targets per sequence
   const int steps = opt.quick ? 1 : 3;
-  const Ceilings ceilings = measure_ceilings(opt);
   model::LoadedModel m = model::load_model(path, DType::f32);
   const model::ModelConfig& c = m.config();
 
@@ -45,21 +46,30 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
   Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
   Tensor dlp = Tensor::empty({T}, DType::f32);
   std::fill_n(dlp.data_as<float>(), T, 1.0f / static_cast<float>(T));
-  std::vector<double> times;
+  const double flops_per_token = 6.0 * static_cast<double>(m.weights->num_parameters());
+  std::vector<double> times, limits, fractions;
+  std::string gemm_source;
   for (int i = 0; i <= steps; ++i) {
+    double gemm_gflops = 0;
+    if (i > 0) std::tie(gemm_gflops, gemm_source) = measure_cpu_gemm_ceiling(opt);
     const auto t0 = std::chrono::steady_clock::now();
     grads.zero();
     dec.forward(batch, lp, ent);
     dec.backward(dlp, Tensor(), grads);
     adamw.step(grads, 1e-5f);
-    if (i > 0)
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (i == 0) continue;
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    times.push_back(t);
+    limits.push_back(gemm_gflops * 1e9 / flops_per_token);
+    fractions.push_back(static_cast<double>(T) / t / limits.back());
   }
-  std::sort(times.begin(), times.end());
-  const double step_s = times[times.size() / 2];
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double step_s = median(times);
   const double value = static_cast<double>(T) / step_s;
-  const double flops_per_token = 6.0 * static_cast<double>(m.weights->num_parameters());
-  const double limit = ceilings.gflops * 1e9 / flops_per_token;
+  const double limit = median(limits);
 
   nlohmann::ordered_json j{
       {"bench", "train"},
@@ -89,9 +99,13 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     j["ratio"] = value / peer_value;
   }
   j["limit"] = limit;
-  j["limit_source"] = fmt::format("{:.0f} GFLOP/s / {:.2f} GFLOP per token ({})", ceilings.gflops,
-                                  flops_per_token / 1e9, ceilings.gflops_source);
-  j["fraction_of_limit"] = value / limit;
+  j["limit_source"] = fmt::format(
+      "{:.0f} GFLOP/s / {:.2f} GFLOP per token ({}, median of the rates measured "
+      "right before each step)",
+      limit * flops_per_token / 1e9, flops_per_token / 1e9, gemm_source);
+  // Each step against the GEMM rate measured just before it, then the median.
+  j["fraction_of_limit"] = median(fractions);
+  j["step_fractions_of_limit"] = fractions;
   print_line(opt, j);
   return errors == 0 ? 0 : 1;
 }
