@@ -537,9 +537,11 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     j["response_tokens"] = r.tokens;
     j["truncation_rate"] = static_cast<double>(truncated) / std::max(n_samples, 1.0);
     j["old_logp_recomputed"] = tm.old_recomputed ? 1 : 0;
-    j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
-    j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
-    j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
+    if (tm.old_recomputed) {  // otherwise the old logprobs are the rollout's: nothing to compare
+      j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
+      j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
+      j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
+    }
     j["samples_trained"] = train.size();
     j["update_skipped"] = train.empty() ? 1 : 0;
     j["dynamic_sampling/groups_generated"] = r.group_sizes.size();

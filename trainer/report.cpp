@@ -23,6 +23,9 @@ struct Series {
 struct Chart {
   std::string title;
   std::vector<Series> series;
+  // Drawn only when the run logs its metrics (a feature the job may not use); other charts say
+  // "no data yet" until their first point.
+  bool optional = false;
 };
 
 std::string escape(const std::string& s) {
@@ -128,6 +131,11 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
        {{"time/rollout_s", "rollout", "#ff7f0e", {}},
         {"time/reward_s", "reward", "#bcbd22", {}},
         {"time/train_s", "train", "#7f7f7f", {}}}},
+      // Logged when the trainer recomputes the old logprobs (e.g. a bf16 rollout copy).
+      {"rollout vs trainer logprob |Δ|",
+       {{"rollout_trainer_logp/max_abs", "max", "#e6550d", {}},
+        {"rollout_trainer_logp/mean_abs", "mean", "#fdae6b", {}}},
+       /*optional=*/true},
   };
   std::ifstream in(metrics_jsonl);
   std::string line;
@@ -152,7 +160,11 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
       ".axis{{stroke:#888}}.tick{{font-size:10px;fill:#555}}.legend{{font-size:11px;fill:#333}}"
       "</style></head><body><h1>{0}</h1><p>{1} metric lines from {2}</p><div class=\"charts\">",
       escape(title), rows, escape(metrics_jsonl));
-  for (const Chart& c : charts) html += svg(c);
+  for (const Chart& c : charts) {
+    const bool empty = std::all_of(c.series.begin(), c.series.end(),
+                                   [](const Series& s) { return s.points.empty(); });
+    if (!(c.optional && empty)) html += svg(c);
+  }
   html += "</div></body></html>\n";
   const std::string tmp = html_path + ".tmp";
   {

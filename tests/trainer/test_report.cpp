@@ -29,7 +29,19 @@ TEST_CASE("report html draws a chart per metric with one point per step", "[unit
   CHECK(html.find("data-key=\"reward/mean\" data-points=\"5\"") != std::string::npos);
   CHECK(html.find("data-key=\"eval/pass@1\" data-points=\"2\"") != std::string::npos);
   CHECK(html.find("data-key=\"time/train_s\" data-points=\"5\"") != std::string::npos);
-  // A chart without data says so instead of drawing nothing.
+  // A chart without data says so instead of drawing nothing; an optional chart whose metrics the
+  // run never logged (the rollout/trainer logprob difference) is left out.
   CHECK(html.find("no data yet") != std::string::npos);
+  CHECK(html.find("rollout vs trainer") == std::string::npos);
+  const std::string with_diff =
+      tmp.write("metrics2.jsonl", lines + R"({"step": 6, "rollout_trainer_logp/max_abs": 0.03, )"
+                                          R"("rollout_trainer_logp/mean_abs": 0.002})"
+                                          "\n");
+  tandem::trainer::write_report(with_diff, html_path, "run 2");
+  std::stringstream ss2;
+  ss2 << std::ifstream(html_path).rdbuf();
+  CHECK(ss2.str().find("rollout vs trainer logprob") != std::string::npos);
+  CHECK(ss2.str().find("data-key=\"rollout_trainer_logp/max_abs\" data-points=\"1\"") !=
+        std::string::npos);
   CHECK(html.find("<script") == std::string::npos);
 }
