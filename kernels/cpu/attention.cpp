@@ -61,18 +61,24 @@ void gather_block_portable(const T* const* krows, const T* const* vrows, int n, 
   }
 }
 
-// The same gather for f32 keys and values with D a multiple of 16: the keys are transposed 16 x 16
-// in registers, the values copied row by row (data movement only: the same floats).
-__attribute__((target("avx512f"))) void gather_block_avx512(const float* const* krows,
-                                                            const float* const* vrows, int n,
-                                                            int64_t D, float* kt, float* vb) {
+// dst (D, 16) = the n rows (D floats each) transposed, lanes >= n zero; D a multiple of 16, in
+// 16 x 16 register blocks (data movement only: the same floats).
+__attribute__((target("avx512f"))) void transpose_rows_avx512(const float* const* rows, int n,
+                                                              int64_t D, float* dst) {
   for (int64_t d0 = 0; d0 < D; d0 += kBlk) {
     __m512 r[kBlk];
     for (int j = 0; j < kBlk; ++j)
-      r[j] = j < n ? _mm512_loadu_ps(krows[j] + d0) : _mm512_setzero_ps();
+      r[j] = j < n ? _mm512_loadu_ps(rows[j] + d0) : _mm512_setzero_ps();
     detail::transpose16x16(r);
-    for (int i = 0; i < kBlk; ++i) _mm512_storeu_ps(kt + (d0 + i) * kBlk, r[i]);
+    for (int i = 0; i < kBlk; ++i) _mm512_storeu_ps(dst + (d0 + i) * kBlk, r[i]);
   }
+}
+
+// The same gather for f32 keys and values with D a multiple of 16: the keys transposed in
+// registers, the values copied row by row.
+void gather_block_avx512(const float* const* krows, const float* const* vrows, int n, int64_t D,
+                         float* kt, float* vb) {
+  transpose_rows_avx512(krows, n, D, kt);
   for (int j = 0; j < n; ++j)
     std::memcpy(vb + j * D, vrows[j], static_cast<size_t>(D) * sizeof(float));
 }
@@ -461,44 +467,28 @@ struct BackwardArgs {
   float scale;
 };
 
-// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero;
-// for D a multiple of 16, in 16 x 16 register blocks (data movement only: the same floats).
-__attribute__((target("avx512f"))) void gather_kv_transposed_avx512(const BackwardArgs& a,
-                                                                    const TileItem& it, int64_t k0,
-                                                                    int n, float* kt, float* vt) {
-  const int64_t D = a.D;
-  for (int which = 0; which < 2; ++which) {
-    const float* src = which == 0 ? a.k : a.v;
-    float* dst = which == 0 ? kt : vt;
-    for (int64_t d0 = 0; d0 < D; d0 += kBlk) {
-      __m512 r[kBlk];
-      for (int j = 0; j < kBlk; ++j)
-        r[j] = j < n ? _mm512_loadu_ps(src + ((it.start + k0 + j) * a.Hkv + it.kvh) * D + d0)
-                     : _mm512_setzero_ps();
-      detail::transpose16x16(r);
-      for (int i = 0; i < kBlk; ++i) _mm512_storeu_ps(dst + (d0 + i) * kBlk, r[i]);
-    }
-  }
-}
-
+// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero.
 template <bool kSimd>
 __attribute__((always_inline)) inline void gather_kv_transposed(const BackwardArgs& a,
                                                                 const TileItem& it, int64_t k0,
                                                                 int n, float* kt, float* vt) {
   const int64_t D = a.D;
-  if (kSimd && D % kBlk == 0) return gather_kv_transposed_avx512(a, it, k0, n, kt, vt);
-  for (int j = 0; j < kBlk; ++j) {
-    if (j < n) {
-      const float* kr = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-      const float* vr = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * kBlk + j] = kr[d];
-        vt[d * kBlk + j] = vr[d];
-      }
-    } else {
-      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = vt[d * kBlk + j] = 0.0f;
-    }
+  const float* krows[kBlk];
+  const float* vrows[kBlk];
+  for (int j = 0; j < n; ++j) {
+    krows[j] = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+    vrows[j] = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
   }
+  if (kSimd && D % kBlk == 0) {
+    transpose_rows_avx512(krows, n, D, kt);
+    transpose_rows_avx512(vrows, n, D, vt);
+    return;
+  }
+  for (int j = 0; j < kBlk; ++j)
+    for (int64_t d = 0; d < D; ++d) {
+      kt[d * kBlk + j] = j < n ? krows[j][d] : 0.0f;
+      vt[d * kBlk + j] = j < n ? vrows[j][d] : 0.0f;
+    }
 }
 
 // One row of tile_probs' scalar loop on 16 lanes: the same operations, lane by lane.
