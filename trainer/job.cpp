@@ -346,10 +346,13 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     rollout_copy = std::make_unique<model::Weights>(policy.config(),
                                                     dtype_from_name(job.rollout.dtype.c_str()));
   const model::Weights& engine_weights = rollout_copy ? *rollout_copy : policy;
-  std::vector<weight_sync::Param> policy_params, engine_params;
-  for (const model::NamedTensor& t : policy.storage()) policy_params.push_back({t.name, t.tensor});
-  for (const model::NamedTensor& t : engine_weights.storage())
-    engine_params.push_back({t.name, t.tensor});
+  const auto params_of = [](const model::Weights& w) {
+    std::vector<weight_sync::Param> params;
+    for (const model::NamedTensor& t : w.storage()) params.push_back({t.name, t.tensor});
+    return params;
+  };
+  const std::vector<weight_sync::Param> policy_params = params_of(policy),
+                                        engine_params = params_of(engine_weights);
   const weight_sync::LocalPublisher publisher(policy_params, engine_params);
   publisher.publish(0);
   rollout::Engine engine(engine_weights, eo, &m.tok());
