@@ -39,37 +39,28 @@ TANDEM_HD float div_rn(float a, float b) {
 #endif
 }
 
-// The constants of softmax_exp, shared with its vector forms (kernels/cpu/exp_avx512.h).
-namespace softmax_exp_constants {
-inline constexpr uint32_t kLowBits = 0xC2B00000u;  // -88.0f, which gives n = -127: a zero scale
-inline constexpr float kLog2e = 1.44269504088896341f;
-inline constexpr float kLn2Hi = 0.693359375f;  // ln 2 = kLn2Hi + kLn2Lo; n * kLn2Hi is exact
-inline constexpr float kLn2Lo = -2.12194440e-4f;
-inline constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-// The polynomial's coefficients, highest degree first (scalars: CUDA device code reads
-// namespace-scope constexpr scalars, not arrays).
-inline constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
-                       kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
-}  // namespace softmax_exp_constants
-
 // exp(x) for x <= 88, within 2 ulp of the true value (Cody-Waite reduction and the Cephes expf
 // polynomial); 0 below about -87.68 (= ln(2^-126.5), where the exponent field runs out) and for
 // -inf. No float branch or select, so CPU loops over it vectorise (GCC will not speculate float
 // arithmetic past a float select), and the same bits on CPU and CUDA. NaN in, NaN out is not
 // promised: callers detect NaN rows themselves.
 TANDEM_HD float softmax_exp(float x) {
-  using namespace softmax_exp_constants;
+  constexpr uint32_t kLowBits = 0xC2B00000u;  // -88.0f, which gives n = -127: a zero scale
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;  // ln 2 = kLn2Hi + kLn2Lo; n * kLn2Hi is exact
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   // Below -88 (as bit patterns: negative floats of larger magnitude have larger patterns), -88.
   const uint32_t bits = float_bits(x);
   const float xc = bits_float(bits < kLowBits ? bits : kLowBits);
   const float n = sub_rn(add_rn(mul_rn(xc, kLog2e), kRound), kRound);
   const float r = sub_rn(sub_rn(xc, mul_rn(n, kLn2Hi)), mul_rn(n, kLn2Lo));
-  float p = kP0;
-  p = add_rn(mul_rn(p, r), kP1);
-  p = add_rn(mul_rn(p, r), kP2);
-  p = add_rn(mul_rn(p, r), kP3);
-  p = add_rn(mul_rn(p, r), kP4);
-  p = add_rn(mul_rn(p, r), kP5);
+  float p = 1.9875691500e-4f;
+  p = add_rn(mul_rn(p, r), 1.3981999507e-3f);
+  p = add_rn(mul_rn(p, r), 8.3334519073e-3f);
+  p = add_rn(mul_rn(p, r), 4.1665795894e-2f);
+  p = add_rn(mul_rn(p, r), 1.6666665459e-1f);
+  p = add_rn(mul_rn(p, r), 5.0000001201e-1f);
   const float y = add_rn(add_rn(mul_rn(p, mul_rn(r, r)), r), 1.0f);
   // 2^n from its exponent field; n = -127 gives the field 0, the float 0.
   const uint32_t field = static_cast<uint32_t>(static_cast<int32_t>(n) + 127);

@@ -19,7 +19,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "core/parallel.h"
-#include "kernels/cpu/exp_avx512.h"
+#include "kernels/cpu/clones.h"
 #include "kernels/cpu/transpose_avx512.h"
 #include "kernels/exp.h"
 #include "kernels/ops.h"
@@ -491,17 +491,17 @@ __attribute__((always_inline)) inline void gather_kv_transposed(const BackwardAr
     }
 }
 
-// One row of tile_probs' scalar loop on 16 lanes: the same operations, lane by lane.
-__attribute__((target("avx512f"))) void probs_row_avx512(const float* s, float scale, float lse,
-                                                         float delta, int nv, float* p_out,
-                                                         float* ds) {
-  const auto valid = static_cast<__mmask16>((1u << std::max(nv, 0)) - 1u);
-  const __m512 x = _mm512_mask_mov_ps(
-      _mm512_set1_ps(kNegInf), valid,
-      _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(scale)), _mm512_set1_ps(lse)));
-  const __m512 p = detail::softmax_exp_avx512(x);
-  _mm512_storeu_ps(p_out, p);
-  _mm512_storeu_ps(ds, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(ds), _mm512_set1_ps(delta))));
+// One row of a tile's probabilities: p_j = exp(s_j * scale - lse) for the nv visible keys, 0 for
+// the others, and ds_j = p_j * (ds_j - delta). Built per vector width (clones.h); the arithmetic
+// comes before the select so that the 16 lanes vectorise.
+TANDEM_CPU_CLONES void probs_row(const float* __restrict s, float scale, float lse, float delta,
+                                 int64_t nv, float* __restrict p, float* __restrict ds) {
+  for (int j = 0; j < kBlk; ++j) {
+    const float x = s[j] * scale - lse;
+    const float pj = softmax_exp(j < nv ? x : kNegInf);
+    p[j] = pj;
+    ds[j] = pj * (ds[j] - delta);
+  }
 }
 
 // P (16, 16) and dS (16, 16) of query rows [q0, q0 + rows) of head h against the key block at
@@ -524,16 +524,7 @@ __attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, con
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = first + i * a.H;
     const int64_t nv = std::min<int64_t>(n, q0 + i - k0 + 1);
-    if constexpr (kSimd) {
-      probs_row_avx512(S + i * kBlk, a.scale, a.lse[row], a.delta[row], static_cast<int>(nv),
-                       P + i * kBlk, dS + i * kBlk);
-    } else {
-      for (int j = 0; j < kBlk; ++j) {
-        const float p = softmax_exp(j < nv ? S[i * kBlk + j] * a.scale - a.lse[row] : kNegInf);
-        P[i * kBlk + j] = p;
-        dS[i * kBlk + j] = p * (dS[i * kBlk + j] - a.delta[row]);
-      }
-    }
+    probs_row(S + i * kBlk, a.scale, a.lse[row], a.delta[row], nv, P + i * kBlk, dS + i * kBlk);
   }
 }
 
