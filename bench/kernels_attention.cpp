@@ -54,11 +54,11 @@ void packed_rows(Runner& runner, const ModelShape& m, int64_t B, int64_t len) {
   const double fwd = 4.0 * static_cast<double>(B) * static_cast<double>(len * len) / 2.0 *
                      static_cast<double>(H * D);
   runner.measure("attention", shape, fwd, 0,
-                 [&] { ops::attention(q, k, v, cu_seqlens, out, lse, scale); });
-  ops::attention(q, k, v, cu_seqlens, out, lse, scale);
+                 [&] { ops::attention(q, k, v, cu_seqlens, {}, out, lse, scale); });
+  ops::attention(q, k, v, cu_seqlens, {}, out, lse, scale);
   // The backward's five products of the same size (FlashAttention's 2.5x forward count).
   runner.measure("attention_backward", shape, 2.5 * fwd, 0, [&] {
-    ops::attention_backward(dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, scale);
+    ops::attention_backward(dout, q, k, v, out, lse, cu_seqlens, {}, dq, dk, dv, scale);
   });
 }
 

@@ -34,6 +34,18 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
   TANDEM_CHECK(cu_seqlens.numel() >= 1, "{}: cu_seqlens {} is empty", op, cu_seqlens.shape().str());
 }
 
+// prefix: undefined, or (B) i32 on q's device; CPU only.
+void check_prefix(const char* op, const Tensor& prefix, const Tensor& q, const Tensor& cu_seqlens) {
+  if (!prefix.defined()) return;
+  check_dtype(op, "prefix", prefix, {DType::i32});
+  check_shape(op, "prefix", prefix, {cu_seqlens.numel() - 1});
+  check_device(op, q.device(), {&prefix});
+  TANDEM_CHECK(!q.device().is_cuda(),
+               "{}: shared prefixes (a defined prefix) run on the CPU only; on {} pack each "
+               "sequence whole",
+               op, q.device().str());
+}
+
 // k_cache and v_cache (num_blocks, P, Hkv, D), both f32 or both bf16.
 void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache, int64_t Hkv,
                  int64_t D) {
@@ -50,9 +62,11 @@ void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache, i
 }  // namespace
 
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-               const Tensor& out, const Tensor& lse, float scale, const Stream& stream) {
+               const Tensor& prefix, const Tensor& out, const Tensor& lse, float scale,
+               const Stream& stream) {
   constexpr const char* op = "attention";
   check_qkv(op, q, k, v, cu_seqlens);
+  check_prefix(op, prefix, q, cu_seqlens);
   [[maybe_unused]] const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   check_dtype(op, "out", out, {DType::f32});
   check_dtype(op, "lse", lse, {DType::f32});
@@ -63,15 +77,16 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
   TANDEM_ON_CUDA(q.device(), attention, q.data_as<float>(), k.data_as<float>(), v.data_as<float>(),
                  cu_seqlens.data_as<int32_t>(), cu_seqlens.numel() - 1, T, H, Hkv, D,
                  out.data_as<float>(), lse.data_as<float>(), scale, stream.handle);
-  cpu::attention(q, k, v, cu_seqlens, out, lse, scale);
+  cpu::attention(q, k, v, cu_seqlens, prefix, out, lse, scale);
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
-                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
-                        const Stream& stream) {
+                        const Tensor& prefix, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        float scale, const Stream& stream) {
   constexpr const char* op = "attention_backward";
   check_qkv(op, q, k, v, cu_seqlens);
+  check_prefix(op, prefix, q, cu_seqlens);
   [[maybe_unused]] const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   for (auto [name, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}}) {
     check_dtype(op, name, *t, {DType::f32});
@@ -90,7 +105,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                  cu_seqlens.data_as<int32_t>(), cu_seqlens.numel() - 1, T, H, Hkv, D,
                  dq.data_as<float>(), dk.data_as<float>(), dv.data_as<float>(), scale,
                  stream.handle);
-  cpu::attention_backward(dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, scale);
+  cpu::attention_backward(dout, q, k, v, out, lse, cu_seqlens, prefix, dq, dk, dv, scale);
 }
 
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,

@@ -128,15 +128,26 @@ void swiglu_backward(const Tensor& dout, const Tensor& gate_up, const Tensor& dg
 // as paged_attention_decode, so a token's output is bitwise the same computed either way.
 inline constexpr int64_t kAttentionKeyBlock = 16;
 
+//
+// Shared prefixes (a GRPO group's prompt trained once for its G completions): prefix is
+// undefined, or (B) i32 where prefix[b] = -1 or the index of another sequence whose tokens
+// all come before sequence b's, as if the two were one sequence (b's token i sits at position
+// len(prefix[b]) + i and attends to the whole prefix, then to its own tokens 0..i). A prefix
+// sequence has no prefix itself; several sequences may share one. Keys are visited by that
+// position, so a token's output is bitwise the one it gets in the concatenated sequence (and
+// in paged decode). CPU only for now: on CUDA a defined prefix throws.
+//
 // q (T, H, D), k and v (T, Hkv, D), f32 -> out (T, H, D) f32, lse (T, H) f32 (the
 // log-sum-exp of the scaled scores, saved for backward). scale: usually 1/sqrt(D).
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-               const Tensor& out, const Tensor& lse, float scale, const Stream& stream = {});
-// Gradients of attention: dq (T, H, D), dk and dv (T, Hkv, D), overwritten.
+               const Tensor& prefix, const Tensor& out, const Tensor& lse, float scale,
+               const Stream& stream = {});
+// Gradients of attention: dq (T, H, D), dk and dv (T, Hkv, D), overwritten. A prefix row's dk
+// and dv sum the contributions of its own sequence's queries and of every sequence it prefixes.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
-                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale,
-                        const Stream& stream = {});
+                        const Tensor& prefix, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        float scale, const Stream& stream = {});
 
 // ---------------------------------------------------------------------------------------------
 // Paged KV cache. The cache is a pool of blocks of P token slots:

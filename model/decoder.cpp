@@ -55,6 +55,7 @@ enum class Mode { training, logits, inference };
 struct Buffers {
   int64_t T = 0;
   Tensor tokens, positions, cu_seqlens, targets;  // i32 (T), (T), (B + 1), (T)
+  Tensor prefix;                                  // i32 (B): PackedBatch::prefix (training)
   Tensor ones;                                    // (T, 1) f32 of ones (biases only)
   std::vector<Tensor> resid;    // (T, C) each: L + 1 layer inputs (training), or 2 (ping-pong)
   std::vector<LayerActs> acts;  // L (training, no recompute) or 1
@@ -105,6 +106,7 @@ Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, 
   b.positions = p.take({T}, DType::i32);
   b.cu_seqlens = p.take({B + 1}, DType::i32);
   if (mode == Mode::training) b.targets = p.take({T}, DType::i32);
+  if (mode != Mode::inference) b.prefix = p.take({B}, DType::i32);
   if (c.attention_bias) b.ones = p.take({T, 1});
   const bool keep_all = mode == Mode::training;
   b.resid.resize(static_cast<size_t>(keep_all ? L + 1 : 2));
@@ -145,7 +147,8 @@ struct AttentionInputs {
   const KvCacheView* kv = nullptr;  // inference: write this call's K/V into the cache
   // Defined: paged attention, one query row each, against these block lists (T + 1, ..., T).
   Tensor indptr, indices, last_len;
-  Tensor ones;  // (T, 1) for the bias adds
+  Tensor ones;    // (T, 1) for the bias adds
+  Tensor prefix;  // (B) i32 or undefined: the packed sequences' shared prefixes
 };
 
 class Net {
@@ -187,7 +190,7 @@ class Net {
                                   in.kv->v_cache[static_cast<size_t>(l)], in.indptr, in.indices,
                                   in.last_len, a.att, scale(), s_);
     } else {
-      ops::attention(a.q, a.k, a.v, in.cu_seqlens, a.att, a.lse, scale(), s_);
+      ops::attention(a.q, a.k, a.v, in.cu_seqlens, in.prefix, a.att, a.lse, scale(), s_);
     }
     ops::matmul(a.att.view({T, H * D}), w.o, a.o_out, false, s_);
     ops::add_rmsnorm(h_in, a.o_out, w.post_norm, a.h_mid, a.x2, a.rstd2, eps, s_);
@@ -213,7 +216,7 @@ class Net {
     ops::matmul_backward_input(g.dh, w.o, g.d_att, false, s_);
     ops::matmul_backward_weight(g.dh, a.att.view({T, H * D}), gw.o, true, s_);
     ops::attention_backward(g.d_att.view({T, H, D}), a.q, a.k, a.v, a.att, a.lse, in.cu_seqlens,
-                            g.dq, g.dk, g.dv, scale(), s_);
+                            in.prefix, g.dq, g.dk, g.dv, scale(), s_);
     ops::rope_backward(g.dq, in.positions, g.dq, c_.rope, s_);
     ops::rope_backward(g.dk, in.positions, g.dk, c_.rope, s_);
     Tensor dq_lin = g.dq.view({T, H * D}), dk_lin = g.dk.view({T, Hkv * D});
@@ -306,6 +309,35 @@ void check_packed(std::span<const int32_t> tokens, std::span<const int32_t> posi
   }
 }
 
+// PackedBatch::prefix: empty, or one entry per sequence naming another sequence without a prefix
+// of its own, whose last position the sequence's first position follows.
+void check_prefix(const PackedBatch& batch, const char* what) {
+  if (batch.prefix.empty()) return;
+  const int64_t B = batch.num_sequences();
+  TANDEM_CHECK(static_cast<int64_t>(batch.prefix.size()) == B,
+               "{}: prefix has {} entries for {} sequences", what, batch.prefix.size(), B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t p = batch.prefix[static_cast<size_t>(b)];
+    if (p == -1) continue;
+    TANDEM_CHECK(p >= 0 && p < B && p != b && batch.prefix[static_cast<size_t>(p)] == -1,
+                 "{}: prefix[{}] = {} must be -1 or another sequence without a prefix", what, b, p);
+    const int32_t end = batch.cu_seqlens[static_cast<size_t>(p) + 1];
+    const int32_t last = batch.positions[static_cast<size_t>(end) - 1];
+    const int32_t first =
+        batch.positions[static_cast<size_t>(batch.cu_seqlens[static_cast<size_t>(b)])];
+    TANDEM_CHECK(first == last + 1,
+                 "{}: sequence {} starts at position {} but its prefix (sequence {}) ends at {}",
+                 what, b, first, p, last);
+  }
+}
+
+// Uploads the batch's prefixes into buf (or leaves it undefined: no prefixes).
+Tensor upload_prefix(Tensor buf, const PackedBatch& batch) {
+  if (batch.prefix.empty()) return Tensor();
+  upload(buf, batch.prefix);
+  return buf;
+}
+
 }  // namespace
 
 PackedBatch PackedBatch::from_sequences(std::span<const std::vector<int32_t>> sequences) {
@@ -325,6 +357,57 @@ PackedBatch PackedBatch::from_sequences(std::span<const std::vector<int32_t>> se
     }
     b.cu_seqlens.push_back(static_cast<int32_t>(b.tokens.size()));
   }
+  return b;
+}
+
+PackedBatch PackedBatch::from_prompts(std::span<const PromptCompletion> pairs, bool share_prompts) {
+  TANDEM_CHECK(!pairs.empty(), "packed batch: no prompt + completion pairs");
+  PackedBatch b;
+  b.cu_seqlens.push_back(0);
+  // Appends tokens[i] for i in [from, to) as inputs at positions pos0 + ..., each predicting the
+  // next token of seq (seq[i + 1]); completion rows go to head_rows.
+  auto append = [&](std::span<const int32_t> seq, size_t from, size_t to, int32_t pos0,
+                    size_t first_head) {
+    for (size_t i = from; i < to; ++i) {
+      if (i >= first_head) b.head_rows.push_back(static_cast<int32_t>(b.tokens.size()));
+      b.tokens.push_back(seq[i]);
+      b.positions.push_back(pos0 + static_cast<int32_t>(i - from));
+      b.targets.push_back(seq[i + 1]);
+    }
+    b.cu_seqlens.push_back(static_cast<int32_t>(b.tokens.size()));
+  };
+  std::vector<int32_t> seq;
+  for (size_t i = 0; i < pairs.size();) {
+    const std::span<const int32_t> prompt = pairs[i].prompt;
+    for (size_t j = i; j < pairs.size(); ++j)
+      TANDEM_CHECK(!pairs[j].prompt.empty() && !pairs[j].completion.empty(),
+                   "packed batch: pair {} has a prompt of {} and a completion of {} tokens; each "
+                   "needs at least 1",
+                   j, pairs[j].prompt.size(), pairs[j].completion.size());
+    size_t run = 1;
+    while (i + run < pairs.size() && std::ranges::equal(pairs[i + run].prompt, prompt)) ++run;
+    const size_t np = prompt.size();
+    if (!share_prompts || run < 2 || np < 2) run = 1;
+    if (run >= 2) {
+      // The prompt's first np - 1 tokens once; the pairs prefixed by it.
+      const int32_t prefix = static_cast<int32_t>(b.cu_seqlens.size()) - 1;
+      append(prompt, 0, np - 1, 0, np);
+      b.prefix.resize(static_cast<size_t>(prefix), -1);
+      b.prefix.push_back(-1);
+      for (size_t j = i; j < i + run; ++j) {
+        seq.assign(1, prompt[np - 1]);
+        seq.insert(seq.end(), pairs[j].completion.begin(), pairs[j].completion.end());
+        append(seq, 0, seq.size() - 1, static_cast<int32_t>(np - 1), 0);
+        b.prefix.push_back(prefix);
+      }
+    } else {
+      seq.assign(prompt.begin(), prompt.end());
+      seq.insert(seq.end(), pairs[i].completion.begin(), pairs[i].completion.end());
+      append(seq, 0, seq.size() - 1, 0, np - 1);
+    }
+    i += run;
+  }
+  if (!b.prefix.empty()) b.prefix.resize(static_cast<size_t>(b.num_sequences()), -1);
   return b;
 }
 
@@ -390,6 +473,7 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens(), L = c.num_layers;
   check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size, "decoder forward");
+  check_prefix(batch, "decoder forward");
   TANDEM_CHECK(static_cast<int64_t>(batch.targets.size()) == T,
                "decoder forward: targets has {} entries, tokens {}", batch.targets.size(), T);
   for (int64_t t = 0; t < T; ++t) {
@@ -416,8 +500,9 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   upload(b.positions, batch.positions);
   upload(b.cu_seqlens, batch.cu_seqlens);
   upload(b.targets, batch.targets);
+  b.prefix = upload_prefix(b.prefix, batch);
   if (b.ones.defined()) fill_ones(b.ones);
-  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   const Stream& s = m.net.stream();
   ops::embedding(b.tokens, weights_.embed, b.resid[0], s);
   for (int64_t l = 0; l < L; ++l) {
@@ -465,14 +550,16 @@ void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out)
   const int64_t T = batch.num_tokens();
   check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size,
                "decoder forward_logits");
+  check_prefix(batch, "decoder forward_logits");
   check_output(logits_out, {T, c.vocab_size}, device(), "forward_logits' logits_out");
   Impl& m = *impl_;
   Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
   upload(b.tokens, batch.tokens);
   upload(b.positions, batch.positions);
   upload(b.cu_seqlens, batch.cu_seqlens);
+  b.prefix = upload_prefix(b.prefix, batch);
   if (b.ones.defined()) fill_ones(b.ones);
-  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   ops::embedding(b.tokens, weights_.embed, b.resid[0], m.net.stream());
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, b.acts[0], b.resid[static_cast<size_t>(l % 2)],
@@ -503,7 +590,7 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
                device().str(), grads.dtype(), grads.device().str(), grads.layers.size());
   m.have_forward = false;
   const Stream& s = m.net.stream();
-  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones};
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   LayerGrads& g = b.grads;
 
   const Tensor& h = b.resid[static_cast<size_t>(L)];
@@ -577,7 +664,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
   upload(buf.positions, positions);
   upload(buf.cu_seqlens, cu_seqlens);
   if (buf.ones.defined()) fill_ones(buf.ones);
-  AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones};
+  AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones, {}};
   if (!fresh) {
     // Continuing chunks: every query row becomes a one-query "sequence" over the cached tokens
     // up to and including itself, for paged_attention_decode (the same key order as
@@ -653,8 +740,8 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
   upload(buf.tokens, tokens);
   upload(buf.positions, positions);
   if (buf.ones.defined()) fill_ones(buf.ones);
-  const AttentionInputs in{buf.positions,  {},      &kv, kv.kv_indptr, kv.kv_indices,
-                           kv.kv_last_len, buf.ones};
+  const AttentionInputs in{buf.positions,  {},       &kv, kv.kv_indptr, kv.kv_indices,
+                           kv.kv_last_len, buf.ones, {}};
   const Stream& s = m.net.stream();
   ops::embedding(buf.tokens, weights_.embed, buf.resid[0], s);
   for (int64_t l = 0; l < c.num_layers; ++l)

@@ -36,6 +36,12 @@ struct PackedBatch {
   // alone: the forward's logprob and entropy are 0 elsewhere and backward ignores dlogprob and
   // dentropy there. A row's values do not depend on which other rows are selected.
   std::vector<int32_t> head_rows;
+  // Shared prefixes (kernels/ops.h's attention): empty, or (B) with prefix[b] = -1 or the index
+  // of another sequence, without a prefix of its own, whose tokens all come before sequence b's
+  // (b's positions continue from its prefix's last one). A GRPO group packs its prompt once and
+  // each completion as a sequence prefixed by it; every row gets the bits it would get with the
+  // prompt packed in front of each completion. CPU only for now.
+  std::vector<int32_t> prefix;
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_sequences() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
@@ -44,6 +50,17 @@ struct PackedBatch {
 
   // Packs whole sequences (each at least 2 tokens; throws naming the sequence otherwise).
   static PackedBatch from_sequences(std::span<const std::vector<int32_t>> sequences);
+  // Packs prompt + completion pairs for training (prompt and completion at least 1 token each;
+  // throws naming the pair otherwise), with head_rows = the rows whose targets are the
+  // completions' tokens, pair after pair (pair i's token k is head_rows[completion tokens of the
+  // pairs before i + k]). With share_prompts, a run of two or more consecutive pairs with the same
+  // prompt of n >= 2 tokens packs the prompt's first n - 1 tokens once, as a prefix sequence, and
+  // each pair as the prompt's last token and its completion but the last token, prefixed by it;
+  // otherwise (and for the other pairs) each pair is one sequence, prompt then completion.
+  struct PromptCompletion {
+    std::span<const int32_t> prompt, completion;
+  };
+  static PackedBatch from_prompts(std::span<const PromptCompletion> pairs, bool share_prompts);
 };
 
 struct DecoderOptions {

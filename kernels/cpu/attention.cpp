@@ -316,51 +316,92 @@ void parallel_items(int64_t n, double macs, F&& f) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Sequences of a packed batch.
+// Sequences of a packed batch, with their shared prefixes.
 
-// The starts of the sequences and T at the end, checked; reuses the calling thread's buffer.
-const std::vector<int64_t>& read_cu_seqlens(const char* op, const Tensor& cu_seqlens, int64_t T) {
+// A sequence's rows [start, start + len) and its prefix's rows [ctx_start, ctx_start + ctx_len)
+// (ctx_len 0: none). Its token i sits at position ctx_len + i; key position p is token row
+// key_row(p).
+struct SeqSpan {
+  int64_t start, len, ctx_start, ctx_len;
+  int64_t key_row(int64_t p) const { return p < ctx_len ? ctx_start + p : start + p - ctx_len; }
+};
+
+// The sequences, and for each one the sequences it prefixes (CSR: children[child_ptr[b] ..
+// child_ptr[b + 1]), in increasing order).
+struct Sequences {
+  std::vector<SeqSpan> seqs;
+  std::vector<int64_t> child_ptr, children;
+};
+
+// Reads and checks cu_seqlens and prefix (undefined: no prefixes); reuses the calling thread's
+// buffers.
+const Sequences& read_sequences(const char* op, const Tensor& cu_seqlens, const Tensor& prefix,
+                                int64_t T) {
   const int32_t* cu = cu_seqlens.data_as<int32_t>();
-  const int64_t n = cu_seqlens.numel();
+  const int64_t n = cu_seqlens.numel(), B = n - 1;
   TANDEM_CHECK(n >= 1 && cu[0] == 0, "{}: cu_seqlens {} must start with 0", op,
                cu_seqlens.shape().str());
-  thread_local std::vector<int64_t> starts;
-  starts.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    TANDEM_CHECK(i == 0 || cu[i] >= cu[i - 1],
+  thread_local Sequences s;
+  s.seqs.resize(static_cast<size_t>(B));
+  for (int64_t i = 1; i < n; ++i) {
+    TANDEM_CHECK(cu[i] >= cu[i - 1],
                  "{}: cu_seqlens must not decrease, but cu_seqlens[{}] = {} < cu_seqlens[{}] = {}",
                  op, i, cu[i], i - 1, cu[i - 1]);
-    starts[static_cast<size_t>(i)] = cu[i];
+    s.seqs[static_cast<size_t>(i - 1)] = {cu[i - 1], cu[i] - cu[i - 1], 0, 0};
   }
   TANDEM_CHECK(cu[n - 1] == T, "{}: cu_seqlens ends with {} but there are {} tokens", op, cu[n - 1],
                T);
-  return starts;
+  s.child_ptr.assign(static_cast<size_t>(B + 1), 0);
+  s.children.clear();
+  if (!prefix.defined()) return s;
+  const int32_t* pre = prefix.data_as<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t p = pre[b];
+    if (p == -1) continue;
+    TANDEM_CHECK(p >= 0 && p < B && p != b && pre[p] == -1,
+                 "{}: prefix[{}] = {} must be -1 or another of the {} sequences that has no "
+                 "prefix itself",
+                 op, b, p, B);
+    SeqSpan& q = s.seqs[static_cast<size_t>(b)];
+    q.ctx_start = s.seqs[static_cast<size_t>(p)].start;
+    q.ctx_len = s.seqs[static_cast<size_t>(p)].len;
+    ++s.child_ptr[static_cast<size_t>(p) + 1];
+  }
+  for (int64_t b = 0; b < B; ++b)
+    s.child_ptr[static_cast<size_t>(b) + 1] += s.child_ptr[static_cast<size_t>(b)];
+  s.children.resize(static_cast<size_t>(s.child_ptr[static_cast<size_t>(B)]));
+  std::vector<int64_t> fill(s.child_ptr.begin(), s.child_ptr.end() - 1);
+  for (int64_t b = 0; b < B; ++b)
+    if (pre[b] != -1) s.children[static_cast<size_t>(fill[static_cast<size_t>(pre[b])]++)] = b;
+  return s;
 }
 
 // Work items of the packed kernels: (sequence, kv head, pair of query tiles). Tile p is paired
 // with tile (tiles - 1 - p) so that every item costs about the same under the causal mask.
 struct TileItem {
-  int64_t start, len, kvh, tile_a, tile_b;  // tile_b == tile_a: one tile only
+  int64_t seq;
+  SeqSpan span;
+  int64_t kvh, tile_a, tile_b;  // tile_b == tile_a: one tile only
 };
 
-const std::vector<TileItem>& tile_items(const std::vector<int64_t>& starts, int64_t Hkv) {
+const std::vector<TileItem>& tile_items(const Sequences& s, int64_t Hkv) {
   thread_local std::vector<TileItem> items;
   items.clear();
-  for (size_t b = 0; b + 1 < starts.size(); ++b) {
-    const int64_t len = starts[b + 1] - starts[b];
-    const int64_t tiles = (len + kBlk - 1) / kBlk;
+  for (size_t b = 0; b < s.seqs.size(); ++b) {
+    const SeqSpan& q = s.seqs[b];
+    const int64_t tiles = (q.len + kBlk - 1) / kBlk;
     for (int64_t kvh = 0; kvh < Hkv; ++kvh)
       for (int64_t p = 0; p < (tiles + 1) / 2; ++p)
-        items.push_back({starts[b], len, kvh, p, tiles - 1 - p});
+        items.push_back({static_cast<int64_t>(b), q, kvh, p, tiles - 1 - p});
   }
   return items;
 }
 
-// Multiply-adds of the forward over the items' sequences: 2 * len^2 / 2 * H * D each.
-double causal_macs(const std::vector<TileItem>& items, int64_t H, int64_t D) {
+// Multiply-adds of the forward: 2 * (len^2 / 2 + len * ctx_len) * H * D per sequence.
+double causal_macs(const Sequences& s, int64_t H, int64_t D) {
   double macs = 0;
-  for (const TileItem& it : items)
-    if (it.kvh == 0 && it.tile_a == 0) macs += static_cast<double>(it.len) * it.len;
+  for (const SeqSpan& q : s.seqs)
+    macs += static_cast<double>(q.len) * static_cast<double>(q.len + 2 * q.ctx_len);
   return macs * static_cast<double>(H * D);
 }
 
@@ -465,19 +506,21 @@ struct BackwardArgs {
   float *dq, *dk, *dv;
   int64_t H, Hkv, D;
   float scale;
+  const Sequences* seqs;
 };
 
-// kt, vt (D, 16): the keys and values of the block [k0, k0 + n) transposed, lanes >= n zero.
+// kt, vt (D, 16): head kvh's keys and values of the token rows rows[0..n) transposed, lanes >= n
+// zero.
 template <bool kSimd>
-__attribute__((always_inline)) inline void gather_kv_transposed(const BackwardArgs& a,
-                                                                const TileItem& it, int64_t k0,
-                                                                int n, float* kt, float* vt) {
+__attribute__((always_inline)) inline void gather_kv_transposed(const BackwardArgs& a, int64_t kvh,
+                                                                const int64_t* rows, int n,
+                                                                float* kt, float* vt) {
   const int64_t D = a.D;
   const float* krows[kBlk];
   const float* vrows[kBlk];
   for (int j = 0; j < n; ++j) {
-    krows[j] = a.k + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
-    vrows[j] = a.v + ((it.start + k0 + j) * a.Hkv + it.kvh) * D;
+    krows[j] = a.k + (rows[j] * a.Hkv + kvh) * D;
+    vrows[j] = a.v + (rows[j] * a.Hkv + kvh) * D;
   }
   if (kSimd && D % kBlk == 0) {
     transpose_rows_avx512(krows, n, D, kt);
@@ -504,16 +547,16 @@ TANDEM_CPU_CLONES void probs_row(const float* __restrict s, float scale, float l
   }
 }
 
-// P (16, 16) and dS (16, 16) of query rows [q0, q0 + rows) of head h against the key block at
-// k0 with n keys (kt, vt gathered): P_ij = exp(scale * q_i.k_j - lse_i), dS_ij = P_ij (dP_ij -
-// delta_i), dP_ij = dout_i.v_j; zero where the key is masked. S holds (16, 16) scratch.
+// P (16, 16) and dS (16, 16) of the query token rows [qrow0, qrow0 + rows) of head h against a
+// key block of n keys (kt, vt gathered): P_ij = exp(scale * q_i.k_j - lse_i), dS_ij = P_ij (dP_ij
+// - delta_i), dP_ij = dout_i.v_j; zero where the key is masked: query i sees keys j < diag + i + 1
+// (diag: the first query's position minus the first key's). S holds (16, 16) scratch.
 template <bool kSimd>
-__attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, const TileItem& it,
-                                                      int64_t h, int64_t q0, int64_t rows,
-                                                      int64_t k0, int n, const float* kt,
-                                                      const float* vt, float* S, float* P,
-                                                      float* dS) {
-  const int64_t first = (it.start + q0) * a.H + h, D = a.D;
+__attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, int64_t h,
+                                                      int64_t qrow0, int64_t rows, int64_t diag,
+                                                      int n, const float* kt, const float* vt,
+                                                      float* S, float* P, float* dS) {
+  const int64_t first = qrow0 * a.H + h, D = a.D;
   if constexpr (kSimd) {
     tile_dots_avx512(a.q + first * D, a.H * D, rows, kt, D, S);
     tile_dots_avx512(a.dout + first * D, a.H * D, rows, vt, D, dS);
@@ -523,15 +566,17 @@ __attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, con
   }
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = first + i * a.H;
-    const int64_t nv = std::min<int64_t>(n, q0 + i - k0 + 1);
+    const int64_t nv = std::min<int64_t>(n, diag + i + 1);
     probs_row(S + i * kBlk, a.scale, a.lse[row], a.delta[row], nv, P + i * kBlk, dS + i * kBlk);
   }
 }
 
-// dq rows of one item's query tiles: dq_i = scale * sum_j dS_ij k_j, key blocks in order.
+// dq rows of one item's query tiles: dq_i = scale * sum_j dS_ij k_j, key blocks in order of
+// position (the prefix's, then the sequence's own).
 template <bool kSimd>
 __attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const TileItem& it) {
   const int64_t D = a.D, G = a.H / a.Hkv;
+  const SeqSpan& sp = it.span;
   float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
   float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
   float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk));
@@ -539,41 +584,56 @@ __attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const 
   float* dS = P + kBlk * kBlk;
   const int64_t tiles[2] = {it.tile_a, it.tile_b};
   for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
-    const int64_t q0 = tiles[ti] * kBlk, rows = std::min<int64_t>(kBlk, it.len - q0);
+    const int64_t q0 = tiles[ti] * kBlk, rows = std::min<int64_t>(kBlk, sp.len - q0);
+    const int64_t pos0 = sp.ctx_len + q0;  // the first query's position
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < rows; ++i) {
-        float* dq = a.dq + ((it.start + q0 + i) * a.H + it.kvh * G + g) * D;
+        float* dq = a.dq + ((sp.start + q0 + i) * a.H + it.kvh * G + g) * D;
         std::fill(dq, dq + D, 0.0f);
       }
-    for (int64_t k0 = 0; k0 < q0 + rows; k0 += kBlk) {
-      const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-      gather_kv_transposed<kSimd>(a, it, k0, n, kt, vt);
-      const float* kb = a.k + ((it.start + k0) * a.Hkv + it.kvh) * D;  // rows Hkv * D apart
+    for (int64_t k0 = 0; k0 < pos0 + rows; k0 += kBlk) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlk, sp.ctx_len + sp.len - k0));
+      int64_t kr[kBlk];
+      for (int j = 0; j < n; ++j) kr[j] = sp.key_row(k0 + j);
+      gather_kv_transposed<kSimd>(a, it.kvh, kr, n, kt, vt);
+      // The block's keys in runs of consecutive rows (two where it straddles the prefix's end).
+      int runs[3] = {0, n, n}, nruns = 1;
+      for (int j = 1; j < n; ++j)
+        if (kr[j] != kr[j - 1] + 1) {
+          runs[1] = j;
+          nruns = 2;
+        }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = it.kvh * G + g;
-        tile_probs<kSimd>(a, it, h, q0, rows, k0, n, kt, vt, S, P, dS);
+        tile_probs<kSimd>(a, h, sp.start + q0, rows, pos0 - k0, n, kt, vt, S, P, dS);
         for (int64_t i = 0; i < rows; ++i) {
-          float* dq = a.dq + ((it.start + q0 + i) * a.H + h) * D;
-          if constexpr (kSimd) {
-            axpys_avx512(dq, dS + i * kBlk, 1, kb, a.Hkv * D, n, D);
-          } else {
-            axpys_portable(dq, dS + i * kBlk, 1, kb, a.Hkv * D, n, D);
+          float* dq = a.dq + ((sp.start + q0 + i) * a.H + h) * D;
+          for (int r = 0; r < nruns; ++r) {
+            const int j0 = runs[r], count = runs[r + 1] - j0;
+            const float* kb = a.k + (kr[j0] * a.Hkv + it.kvh) * D;  // rows Hkv * D apart
+            if constexpr (kSimd) {
+              axpys_avx512(dq, dS + i * kBlk + j0, 1, kb, a.Hkv * D, count, D);
+            } else {
+              axpys_portable(dq, dS + i * kBlk + j0, 1, kb, a.Hkv * D, count, D);
+            }
           }
         }
       }
     }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < rows; ++i) {
-        float* dq = a.dq + ((it.start + q0 + i) * a.H + it.kvh * G + g) * D;
+        float* dq = a.dq + ((sp.start + q0 + i) * a.H + it.kvh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dq[d] = dq[d] * a.scale;
       }
   }
 }
 
-// dk, dv rows of one item's key tiles, summed over the group's heads, then the queries, in order.
+// dk, dv rows of one item's key tiles, summed over the group's heads, then the queries in order:
+// the sequence's own, then those of every sequence it prefixes (which see all of its keys).
 template <bool kSimd>
 __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, const TileItem& it) {
   const int64_t D = a.D, G = a.H / a.Hkv;
+  const SeqSpan& sp = it.span;
   float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
   float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
   float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk + 2 * kBlk * D));
@@ -581,19 +641,24 @@ __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, cons
   float* dS = P + kBlk * kBlk;
   float* dk = dS + kBlk * kBlk;  // (16, D)
   float* dv = dk + kBlk * D;     // (16, D)
+  const Sequences& seqs = *a.seqs;
+  const int64_t c0 = seqs.child_ptr[static_cast<size_t>(it.seq)];
+  const int64_t c1 = seqs.child_ptr[static_cast<size_t>(it.seq) + 1];
   const int64_t tiles[2] = {it.tile_a, it.tile_b};
   for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
     const int64_t k0 = tiles[ti] * kBlk;
-    const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
-    gather_kv_transposed<kSimd>(a, it, k0, n, kt, vt);
+    const int n = static_cast<int>(std::min<int64_t>(kBlk, sp.len - k0));
+    int64_t kr[kBlk];
+    for (int j = 0; j < n; ++j) kr[j] = sp.start + k0 + j;
+    gather_kv_transposed<kSimd>(a, it.kvh, kr, n, kt, vt);
     std::fill(dk, dk + 2 * kBlk * D, 0.0f);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = it.kvh * G + g;
-      for (int64_t q0 = k0; q0 < it.len; q0 += kBlk) {
-        const int64_t rows = std::min<int64_t>(kBlk, it.len - q0);
-        tile_probs<kSimd>(a, it, h, q0, rows, k0, n, kt, vt, S, P, dS);
-        const float* qr = a.q + ((it.start + q0) * a.H + h) * D;  // rows H * D apart
-        const float* gr = a.dout + ((it.start + q0) * a.H + h) * D;
+      // Query rows [qrow0, qrow0 + rows) whose first sits diag positions after the block's.
+      auto add_tile = [&](int64_t qrow0, int64_t rows, int64_t diag) {
+        tile_probs<kSimd>(a, h, qrow0, rows, diag, n, kt, vt, S, P, dS);
+        const float* qr = a.q + (qrow0 * a.H + h) * D;  // rows H * D apart
+        const float* gr = a.dout + (qrow0 * a.H + h) * D;
         for (int j = 0; j < n; ++j) {
           if constexpr (kSimd) {
             axpys_avx512(dv + j * D, P + j, kBlk, gr, a.H * D, static_cast<int>(rows), D);
@@ -603,10 +668,17 @@ __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, cons
             axpys_portable(dk + j * D, dS + j, kBlk, qr, a.H * D, static_cast<int>(rows), D);
           }
         }
+      };
+      for (int64_t q0 = k0; q0 < sp.len; q0 += kBlk)
+        add_tile(sp.start + q0, std::min<int64_t>(kBlk, sp.len - q0), q0 - k0);
+      for (int64_t c = c0; c < c1; ++c) {
+        const SeqSpan& ch = seqs.seqs[static_cast<size_t>(seqs.children[static_cast<size_t>(c)])];
+        for (int64_t q0 = 0; q0 < ch.len; q0 += kBlk)
+          add_tile(ch.start + q0, std::min<int64_t>(kBlk, ch.len - q0), ch.ctx_len + q0 - k0);
       }
     }
     for (int j = 0; j < n; ++j) {
-      const int64_t row = (it.start + k0 + j) * a.Hkv + it.kvh;
+      const int64_t row = (sp.start + k0 + j) * a.Hkv + it.kvh;
       for (int64_t d = 0; d < D; ++d) {
         a.dk[row * D + d] = dk[j * D + d] * a.scale;
         a.dv[row * D + d] = dv[j * D + d];
@@ -711,23 +783,25 @@ void set_attention_simd(bool enabled) { g_simd_enabled = enabled; }
 bool attention_simd_active() { return g_simd_enabled && cpu_has_avx512(); }
 
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-               const Tensor& out, const Tensor& lse, float scale) {
+               const Tensor& prefix, const Tensor& out, const Tensor& lse, float scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), G = H / Hkv;
-  const std::vector<TileItem>& items = tile_items(read_cu_seqlens("attention", cu_seqlens, T), Hkv);
+  const Sequences& seqs = read_sequences("attention", cu_seqlens, prefix, T);
+  const std::vector<TileItem>& items = tile_items(seqs, Hkv);
   const float* qp = q.data_as<float>();
   const float* kp = k.data_as<float>();
   const float* vp = v.data_as<float>();
   float* op = out.data_as<float>();
   float* lp = lse.data_as<float>();
   parallel_items(
-      static_cast<int64_t>(items.size()), causal_macs(items, H, D),
-      [&](int64_t begin, int64_t end) {
+      static_cast<int64_t>(items.size()), causal_macs(seqs, H, D), [&](int64_t begin, int64_t end) {
         float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
         float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
         // Rows of an item: tile, head of the group, query of the tile.
         float* state = scratch_floats(2, static_cast<size_t>(2 * G * kBlk * state_stride(D)));
         for (int64_t w = begin; w < end; ++w) {
           const TileItem& it = items[static_cast<size_t>(w)];
+          const SeqSpan& sp = it.span;
+          const int64_t cl = sp.ctx_len;  // own token i sits at position cl + i
           const int ntiles = it.tile_a == it.tile_b ? 1 : 2;
           const int64_t tiles[2] = {it.tile_a, it.tile_b};
           auto row_state = [&](int ti, int64_t g, int64_t i) {
@@ -735,17 +809,18 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
           };
           int64_t last = 0;
           for (int ti = 0; ti < ntiles; ++ti) {
-            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(sp.len, r0 + kBlk);
             last = std::max(last, r1);
             for (int64_t g = 0; g < G; ++g)
               for (int64_t i = r0; i < r1; ++i) init_row(row_state(ti, g, i), D);
           }
-          for (int64_t k0 = 0; k0 < last; k0 += kBlk) {
-            const int n = static_cast<int>(std::min<int64_t>(kBlk, it.len - k0));
+          // Key blocks by position: the prefix's tokens, then the sequence's own.
+          for (int64_t k0 = 0; k0 < cl + last; k0 += kBlk) {
+            const int n = static_cast<int>(std::min<int64_t>(kBlk, cl + sp.len - k0));
             const float* krows[kBlk];
             const float* vrows[kBlk];
             for (int j = 0; j < n; ++j) {
-              const int64_t off = ((it.start + k0 + j) * Hkv + it.kvh) * D;
+              const int64_t off = (sp.key_row(k0 + j) * Hkv + it.kvh) * D;
               krows[j] = kp + off;
               vrows[j] = vp + off;
             }
@@ -756,13 +831,13 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
             float* ss[kMaxRows];
             int R = 0;
             for (int ti = 0; ti < ntiles; ++ti) {
-              const int64_t r0 = std::max(tiles[ti] * kBlk, k0);
-              const int64_t r1 = std::min(it.len, tiles[ti] * kBlk + kBlk);
+              const int64_t r0 = std::max(tiles[ti] * kBlk, k0 - cl);
+              const int64_t r1 = std::min(sp.len, tiles[ti] * kBlk + kBlk);
               for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = it.kvh * G + g;
                 for (int64_t i = r0; i < r1; ++i) {
-                  const int nv = static_cast<int>(std::min<int64_t>(n, i - k0 + 1));
-                  const float* qr = qp + ((it.start + i) * H + h) * D;
+                  const int nv = static_cast<int>(std::min<int64_t>(n, cl + i - k0 + 1));
+                  const float* qr = qp + ((sp.start + i) * H + h) * D;
                   if (nv < n) {
                     float* st = row_state(ti, g, i);
                     rows_step(1, &qr, kt, vb, nv, D, scale, &st);
@@ -780,11 +855,11 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
             if (R > 0) rows_step(R, qs, kt, vb, n, D, scale, ss);
           }
           for (int ti = 0; ti < ntiles; ++ti) {
-            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(it.len, r0 + kBlk);
+            const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(sp.len, r0 + kBlk);
             for (int64_t g = 0; g < G; ++g) {
               const int64_t h = it.kvh * G + g;
               for (int64_t i = r0; i < r1; ++i) {
-                const int64_t row = (it.start + i) * H + h;
+                const int64_t row = (sp.start + i) * H + h;
                 finish_row(row_state(ti, g, i), D, op + row * D, lp + row);
               }
             }
@@ -795,10 +870,11 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
-                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale) {
+                        const Tensor& prefix, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        float scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
-  const std::vector<TileItem>& items =
-      tile_items(read_cu_seqlens("attention_backward", cu_seqlens, T), Hkv);
+  const Sequences& seqs = read_sequences("attention_backward", cu_seqlens, prefix, T);
+  const std::vector<TileItem>& items = tile_items(seqs, Hkv);
   // delta (T, H) = rowsum(dout * out), summed in order over d.
   float* delta = scratch_floats(3, static_cast<size_t>(T * H));
   const float* gp = dout.data_as<float>();
@@ -825,9 +901,10 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                        H,
                        Hkv,
                        D,
-                       scale};
+                       scale,
+                       &seqs};
   const bool simd = attention_simd_active();
-  parallel_items(static_cast<int64_t>(items.size()), 4 * causal_macs(items, H, D),
+  parallel_items(static_cast<int64_t>(items.size()), 4 * causal_macs(seqs, H, D),
                  [&](int64_t b, int64_t e) {
                    for (int64_t w = b; w < e; ++w) {
                      const TileItem& it = items[static_cast<size_t>(w)];

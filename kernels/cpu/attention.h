@@ -1,6 +1,6 @@
 // CPU causal attention (packed forward and backward), paged KV cache write and paged decode.
-// Arguments are checked by kernels/attention.cpp; index values (cu_seqlens, slots, block ids)
-// are validated here, where they are read.
+// Arguments are checked by kernels/attention.cpp; index values (cu_seqlens, prefix, slots, block
+// ids) are validated here, where they are read.
 #pragma once
 
 #include "core/tensor.h"
@@ -8,10 +8,11 @@
 namespace tandem::ops::cpu {
 
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-               const Tensor& out, const Tensor& lse, float scale);
+               const Tensor& prefix, const Tensor& out, const Tensor& lse, float scale);
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
-                        const Tensor& dq, const Tensor& dk, const Tensor& dv, float scale);
+                        const Tensor& prefix, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        float scale);
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                     const Tensor& k_cache, const Tensor& v_cache);
 void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

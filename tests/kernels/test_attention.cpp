@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/half.h"
@@ -153,7 +155,7 @@ struct Forward {
 
 Forward run_attention(const Packed& p) {
   Forward f{Tensor::empty({p.T, p.H, p.D}, DType::f32), Tensor::empty({p.T, p.H}, DType::f32)};
-  ops::attention(p.q, p.k, p.v, p.cu, f.out, f.lse, p.scale);
+  ops::attention(p.q, p.k, p.v, p.cu, {}, f.out, f.lse, p.scale);
   return f;
 }
 
@@ -164,7 +166,7 @@ struct Grads {
 Grads run_backward(const Packed& p, const Forward& f, const Tensor& dout) {
   Grads g{Tensor::empty(p.q.shape(), DType::f32), Tensor::empty(p.k.shape(), DType::f32),
           Tensor::empty(p.v.shape(), DType::f32)};
-  ops::attention_backward(dout, p.q, p.k, p.v, f.out, f.lse, p.cu, g.dq, g.dk, g.dv, p.scale);
+  ops::attention_backward(dout, p.q, p.k, p.v, f.out, f.lse, p.cu, {}, g.dq, g.dk, g.dv, p.scale);
   return g;
 }
 
@@ -428,6 +430,172 @@ TEST_CASE("the AVX-512 and portable attention paths agree bitwise", "[unit]") {
   }
 }
 
+namespace {
+
+// A packed batch with shared prefixes and the same batch with every prefix copied in front of
+// the sequences it prefixes (each prefix also kept as a sequence of its own), and for each
+// shared row the rows of the expanded batch that hold it.
+struct PrefixCase {
+  Packed shared, expanded;
+  Tensor prefix;                             // (B) i32 of the shared batch
+  std::vector<std::vector<int64_t>> copies;  // per shared row: its rows in the expanded batch
+  std::vector<int64_t> query_row;            // per shared row: the expanded row that queries
+};
+
+PrefixCase make_prefix_case(int64_t H, int64_t Hkv, int64_t D, uint64_t seed) {
+  // Sequence b's length and prefix: plain 20; two branches of sequence 3 (37 tokens, ending
+  // inside a key block) placed before it; one after; a 16-token prefix (a whole block) with two.
+  const std::vector<int> lens{20, 1, 29, 37, 16, 16, 17, 5};
+  const std::vector<int> pre{-1, 3, 3, -1, 3, -1, 5, 5};
+  PrefixCase c;
+  c.shared = make_packed(lens, H, Hkv, D, seed);
+  std::vector<double> pd(pre.begin(), pre.end());
+  c.prefix = tensor_from(pd, {static_cast<int64_t>(pre.size())}, DType::i32);
+  std::vector<int64_t> starts{0};
+  for (int n : lens) starts.push_back(starts.back() + n);
+  // Expanded: each sequence in order, a prefixed one as prefix rows + its own rows.
+  std::vector<int> elens;
+  std::vector<int64_t> src;  // shared row of each expanded row
+  c.copies.assign(static_cast<size_t>(c.shared.T), {});
+  c.query_row.assign(static_cast<size_t>(c.shared.T), -1);
+  for (size_t b = 0; b < lens.size(); ++b) {
+    int n = 0;
+    if (pre[b] >= 0) {
+      const auto p = static_cast<size_t>(pre[b]);
+      for (int64_t r = starts[p]; r < starts[p + 1]; ++r, ++n) {
+        c.copies[static_cast<size_t>(r)].push_back(static_cast<int64_t>(src.size()));
+        src.push_back(r);
+      }
+    }
+    for (int64_t r = starts[b]; r < starts[b + 1]; ++r, ++n) {
+      c.copies[static_cast<size_t>(r)].push_back(static_cast<int64_t>(src.size()));
+      c.query_row[static_cast<size_t>(r)] = static_cast<int64_t>(src.size());
+      src.push_back(r);
+    }
+    elens.push_back(n);
+  }
+  c.expanded = make_packed(elens, H, Hkv, D, seed);
+  for (size_t e = 0; e < src.size(); ++e) {
+    const auto i = static_cast<int64_t>(e);
+    for (auto [dst, from] : {std::pair{&c.expanded.q, &c.shared.q},
+                             {&c.expanded.k, &c.shared.k},
+                             {&c.expanded.v, &c.shared.v}})
+      dst->narrow(i, 1).copy_from(from->narrow(src[e], 1));
+  }
+  return c;
+}
+
+Forward run_prefixed(const PrefixCase& c) {
+  const Packed& p = c.shared;
+  Forward f{Tensor::empty({p.T, p.H, p.D}, DType::f32), Tensor::empty({p.T, p.H}, DType::f32)};
+  ops::attention(p.q, p.k, p.v, p.cu, c.prefix, f.out, f.lse, p.scale);
+  return f;
+}
+
+Grads run_prefixed_backward(const PrefixCase& c, const Forward& f, const Tensor& dout) {
+  const Packed& p = c.shared;
+  Grads g{Tensor::empty(p.q.shape(), DType::f32), Tensor::empty(p.k.shape(), DType::f32),
+          Tensor::empty(p.v.shape(), DType::f32)};
+  ops::attention_backward(dout, p.q, p.k, p.v, f.out, f.lse, p.cu, c.prefix, g.dq, g.dk, g.dv,
+                          p.scale);
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("attention with shared prefixes gives every row the bits of the expanded batch",
+          "[unit]") {
+  struct Config {
+    int64_t H, Hkv, D;
+  };
+  for (const Config& cfg : {Config{6, 2, 10}, Config{9, 3, 64}}) {
+    const PrefixCase c = make_prefix_case(cfg.H, cfg.Hkv, cfg.D, 301);
+    const Forward fs = run_prefixed(c);
+    const Forward fe = run_attention(c.expanded);
+    int64_t equal = 0;
+    for (int64_t r = 0; r < c.shared.T; ++r) {
+      const int64_t e = c.query_row[static_cast<size_t>(r)];
+      equal += bitwise_equal(rows(fs.out, r, 1), rows(fe.out, e, 1)) &&
+               bitwise_equal(rows(fs.lse, r, 1), rows(fe.lse, e, 1));
+    }
+    INFO("H " << cfg.H << " Hkv " << cfg.Hkv << " D " << cfg.D);
+    CHECK(equal == c.shared.T);
+
+    // Backward: the expanded batch's gradient with dout only on the querying rows; a shared
+    // row's dk and dv are the sums over its copies, its dq the querying copy's.
+    const Tensor dout = random_tensor({c.shared.T, cfg.H, cfg.D}, DType::f32, 303);
+    Tensor dout_e = Tensor::zeros({c.expanded.T, cfg.H, cfg.D}, DType::f32);
+    for (int64_t r = 0; r < c.shared.T; ++r)
+      dout_e.narrow(c.query_row[static_cast<size_t>(r)], 1).copy_from(dout.narrow(r, 1));
+    const Grads gs = run_prefixed_backward(c, fs, dout);
+    std::vector<double> dq64, dk64, dv64;
+    naive_attention_backward<double>(c.expanded, dout_e, dq64, dk64, dv64);
+    const int64_t qw = cfg.H * cfg.D, kw = cfg.Hkv * cfg.D;
+    std::vector<double> dq(static_cast<size_t>(c.shared.T * qw)),
+        dk(static_cast<size_t>(c.shared.T * kw)), dv(dk.size());
+    for (int64_t r = 0; r < c.shared.T; ++r) {
+      const int64_t e = c.query_row[static_cast<size_t>(r)];
+      for (int64_t i = 0; i < qw; ++i)
+        dq[static_cast<size_t>(r * qw + i)] = dq64[static_cast<size_t>(e * qw + i)];
+      for (int64_t e2 : c.copies[static_cast<size_t>(r)])
+        for (int64_t i = 0; i < kw; ++i) {
+          dk[static_cast<size_t>(r * kw + i)] += dk64[static_cast<size_t>(e2 * kw + i)];
+          dv[static_cast<size_t>(r * kw + i)] += dv64[static_cast<size_t>(e2 * kw + i)];
+        }
+    }
+    for (auto [name, got, want] :
+         {std::tuple{"dq", &gs.dq, &dq}, {"dk", &gs.dk, &dk}, {"dv", &gs.dv, &dv}}) {
+      const double err = max_abs_diff(to_f64(*got), *want), scale = max_abs(*want);
+      INFO(name << ": max |error| " << err << " against max |value| " << scale);
+      CHECK(err <= 1e-5 * scale);
+    }
+  }
+}
+
+TEST_CASE("attention with shared prefixes: AVX-512 and portable paths, 1 and 2 threads agree",
+          "[unit]") {
+  const PrefixCase c = make_prefix_case(9, 3, 64, 311);
+  const Tensor dout = random_tensor({c.shared.T, 9, 64}, DType::f32, 313);
+  const int saved = num_threads();
+  set_num_threads(2);
+  const Forward f2 = run_prefixed(c);
+  const Grads g2 = run_prefixed_backward(c, f2, dout);
+  set_num_threads(1);
+  ops::cpu::set_attention_simd(false);
+  const Forward f1 = run_prefixed(c);
+  const Grads g1 = run_prefixed_backward(c, f1, dout);
+  ops::cpu::set_attention_simd(true);
+  set_num_threads(saved);
+  CHECK(bitwise_equal(f1.out, f2.out));
+  CHECK(bitwise_equal(f1.lse, f2.lse));
+  CHECK(bitwise_equal(g1.dq, g2.dq));
+  CHECK(bitwise_equal(g1.dk, g2.dk));
+  CHECK(bitwise_equal(g1.dv, g2.dv));
+}
+
+TEST_CASE("attention rejects a bad prefix", "[unit]") {
+  const Packed p = make_packed({3, 5, 4}, 4, 2, 8, 321);
+  Tensor out = Tensor::empty({p.T, p.H, p.D}, DType::f32);
+  Tensor lse = Tensor::empty({p.T, p.H}, DType::f32);
+  const auto run = [&](const Tensor& prefix) {
+    ops::attention(p.q, p.k, p.v, p.cu, prefix, out, lse, p.scale);
+  };
+  CHECK_NOTHROW(run(tensor_from({-1, 0, 0}, {3}, DType::i32)));
+  CHECK_NOTHROW(run(tensor_from({2, -1, -1}, {3}, DType::i32)));
+  CHECK_THROWS_AS(run(tensor_from({-1, 1, 0}, {3}, DType::i32)), Error);   // itself
+  CHECK_THROWS_AS(run(tensor_from({-1, 0, 1}, {3}, DType::i32)), Error);   // a prefixed one
+  CHECK_THROWS_AS(run(tensor_from({-1, 3, 0}, {3}, DType::i32)), Error);   // out of range
+  CHECK_THROWS_AS(run(tensor_from({-1, -2, 0}, {3}, DType::i32)), Error);  // negative
+  CHECK_THROWS_AS(run(tensor_from({-1, 0}, {2}, DType::i32)), Error);      // one per sequence
+  CHECK_THROWS_AS(run(tensor_from({-1, 0, 0}, {3}, DType::f32)), Error);
+  Tensor dq = Tensor::empty(p.q.shape(), DType::f32), dk = Tensor::empty(p.k.shape(), DType::f32);
+  Tensor dv = Tensor::empty(p.k.shape(), DType::f32);
+  CHECK_THROWS_AS(
+      ops::attention_backward(out, p.q, p.k, p.v, out, lse, p.cu,
+                              tensor_from({1, 0, -1}, {3}, DType::i32), dq, dk, dv, p.scale),
+      Error);
+}
+
 TEST_CASE("kv_cache_write stores keys and values at their slots in f32 and bf16 caches", "[unit]") {
   const int64_t T = 13, Hkv = 3, D = 10, NB = 7, P = 4;
   const Tensor k = random_tensor({T, Hkv, D}, DType::f32, 81);
@@ -474,23 +642,23 @@ TEST_CASE("attention ops throw on bad shapes and out-of-range indices", "[unit]"
   Tensor lse = Tensor::empty({p.T, p.H}, DType::f32);
   // cu_seqlens not increasing, and not ending at T.
   CHECK_THROWS_AS(
-      ops::attention(p.q, p.k, p.v, tensor_from({0, 5, 3}, {3}, DType::i32), out, lse, p.scale),
+      ops::attention(p.q, p.k, p.v, tensor_from({0, 5, 3}, {3}, DType::i32), {}, out, lse, p.scale),
       Error);
   CHECK_THROWS_AS(
-      ops::attention(p.q, p.k, p.v, tensor_from({0, 3, 7}, {3}, DType::i32), out, lse, p.scale),
+      ops::attention(p.q, p.k, p.v, tensor_from({0, 3, 7}, {3}, DType::i32), {}, out, lse, p.scale),
       Error);
   // H not a multiple of Hkv.
   const Tensor k3 = random_tensor({p.T, 3, p.D}, DType::f32, 92);
-  CHECK_THROWS_AS(ops::attention(p.q, k3, k3, p.cu, out, lse, p.scale), Error);
+  CHECK_THROWS_AS(ops::attention(p.q, k3, k3, p.cu, {}, out, lse, p.scale), Error);
   CHECK_THROWS_AS(
-      ops::attention(p.q, p.k, p.v, p.cu, Tensor::empty({p.T, p.H}, DType::f32), lse, p.scale),
+      ops::attention(p.q, p.k, p.v, p.cu, {}, Tensor::empty({p.T, p.H}, DType::f32), lse, p.scale),
       Error);
   Tensor dq = Tensor::empty(p.q.shape(), DType::f32), dk = Tensor::empty(p.k.shape(), DType::f32);
-  CHECK_THROWS_AS(ops::attention_backward(out, p.q, p.k, p.v, out, lse, p.cu, dq, dk, dq, p.scale),
-                  Error);
+  CHECK_THROWS_AS(
+      ops::attention_backward(out, p.q, p.k, p.v, out, lse, p.cu, {}, dq, dk, dq, p.scale), Error);
   CHECK_THROWS_AS(
       ops::attention_backward(out, p.q, p.k, p.v, out, lse, tensor_from({0, 4, 7}, {3}, DType::i32),
-                              dq, dk, Tensor::empty(p.k.shape(), DType::f32), p.scale),
+                              {}, dq, dk, Tensor::empty(p.k.shape(), DType::f32), p.scale),
       Error);
   // Cache slots and blocks.
   const int64_t NB = 3, P = 4;
@@ -560,7 +728,7 @@ void add_packed_cases(const std::vector<int>& lens, int64_t H, int64_t Hkv, int6
           },
       .run =
           [](const std::vector<Tensor>& in, const std::vector<Tensor>& out) {
-            ops::attention(in[0], in[1], in[2], in[3], out[0], out[1], scale_of(in[0]));
+            ops::attention(in[0], in[1], in[2], in[3], {}, out[0], out[1], scale_of(in[0]));
           },
       .max_nmse = 1e-9,
   });
@@ -572,7 +740,7 @@ void add_packed_cases(const std::vector<int>& lens, int64_t H, int64_t Hkv, int6
             std::vector<Tensor> in = packed_inputs(lens, H, Hkv, D, seed);
             Tensor out = Tensor::empty(in[0].shape(), DType::f32);
             Tensor lse = Tensor::empty({in[0].size(0), in[0].size(1)}, DType::f32);
-            ops::attention(in[0], in[1], in[2], in[3], out, lse, scale_of(in[0]));
+            ops::attention(in[0], in[1], in[2], in[3], {}, out, lse, scale_of(in[0]));
             in.push_back(random_tensor(in[0].shape(), DType::f32, seed + 9));
             in.push_back(out);
             in.push_back(lse);
@@ -586,8 +754,8 @@ void add_packed_cases(const std::vector<int>& lens, int64_t H, int64_t Hkv, int6
           },
       .run =
           [](const std::vector<Tensor>& in, const std::vector<Tensor>& out) {
-            ops::attention_backward(in[4], in[0], in[1], in[2], in[5], in[6], in[3], out[0], out[1],
-                                    out[2], scale_of(in[0]));
+            ops::attention_backward(in[4], in[0], in[1], in[2], in[5], in[6], in[3], {}, out[0],
+                                    out[1], out[2], scale_of(in[0]));
           },
       .max_nmse = 1e-9,
   });

@@ -436,6 +436,91 @@ TEST_CASE("decoder rejects head rows out of order or out of range", "[unit]") {
   CHECK_THROWS_WITH(dec.forward(b, lp, Tensor()), Catch::Contains("head_rows[1] = 3"));
 }
 
+TEST_CASE("decoder with shared prompts: completion logprobs bitwise, gradients equal", "[unit]") {
+  for (Kind kind : {Kind::llama_tied, Kind::qwen2, Kind::qwen3}) {
+    INFO(kind_name(kind));
+    const ModelConfig c = tiny_config(kind);
+    Weights w(c, DType::f32);
+    fill_random(w, 900 + static_cast<uint64_t>(kind));
+    // Two groups (prompts of 19 and 2 tokens), a lone pair between them, a one-token prompt pair.
+    const auto prompts = random_sequences({19, 7, 2, 1}, c.vocab_size, 910);
+    const auto comps = random_sequences({1, 12, 5, 3, 4, 9, 2}, c.vocab_size, 920);
+    const std::vector<size_t> prompt_of{0, 0, 0, 1, 2, 2, 3};
+    std::vector<PackedBatch::PromptCompletion> pairs;
+    for (size_t i = 0; i < comps.size(); ++i) pairs.push_back({prompts[prompt_of[i]], comps[i]});
+    const PackedBatch whole = PackedBatch::from_prompts(pairs, false);
+    const PackedBatch shared = PackedBatch::from_prompts(pairs, true);
+    REQUIRE(whole.prefix.empty());
+    REQUIRE(shared.num_sequences() == 7 + 2);  // two prompt prefixes
+    REQUIRE(shared.head_rows.size() == whole.head_rows.size());
+    CHECK(shared.num_tokens() == whole.num_tokens() - 2 * 18 - 1 * 1);
+
+    Decoder dec(w, {.max_tokens = 16});
+    const int64_t Tw = whole.num_tokens(), Ts = shared.num_tokens();
+    Tensor lw = Tensor::empty({Tw}, DType::f32), ew = Tensor::empty({Tw}, DType::f32);
+    Tensor ls = Tensor::empty({Ts}, DType::f32), es = Tensor::empty({Ts}, DType::f32);
+    // The same weight per completion token on both sides.
+    std::vector<float> dw(static_cast<size_t>(Tw), 0.0f), ds(static_cast<size_t>(Ts), 0.0f);
+    std::vector<float> gw(static_cast<size_t>(Tw), 0.0f), gs(static_cast<size_t>(Ts), 0.0f);
+    for (size_t r = 0; r < whole.head_rows.size(); ++r) {
+      const float a = 0.1f + 0.01f * static_cast<float>(r), e = -0.05f * static_cast<float>(r % 3);
+      dw[static_cast<size_t>(whole.head_rows[r])] = ds[static_cast<size_t>(shared.head_rows[r])] =
+          a;
+      gw[static_cast<size_t>(whole.head_rows[r])] = gs[static_cast<size_t>(shared.head_rows[r])] =
+          e;
+    }
+    Weights g_whole(c, DType::f32, Device::cpu(), ArenaClass::gradients);
+    Weights g_shared(c, DType::f32, Device::cpu(), ArenaClass::gradients);
+    g_whole.zero();
+    g_shared.zero();
+    dec.forward(whole, lw, ew);
+    dec.backward(Tensor::wrap(dw.data(), {Tw}, DType::f32),
+                 Tensor::wrap(gw.data(), {Tw}, DType::f32), g_whole);
+    dec.forward(shared, ls, es);
+    dec.backward(Tensor::wrap(ds.data(), {Ts}, DType::f32),
+                 Tensor::wrap(gs.data(), {Ts}, DType::f32), g_shared);
+    int64_t equal = 0;
+    for (size_t r = 0; r < whole.head_rows.size(); ++r) {
+      const int64_t a = whole.head_rows[r], b = shared.head_rows[r];
+      equal += lw.data_as<float>()[a] == ls.data_as<float>()[b] &&
+               ew.data_as<float>()[a] == es.data_as<float>()[b];
+    }
+    CHECK(equal == static_cast<int64_t>(whole.head_rows.size()));
+    for (size_t i = 0; i < g_whole.storage().size(); ++i) {
+      INFO(g_whole.storage()[i].name);
+      const std::vector<double> a = test::to_f64(g_whole.storage()[i].tensor);
+      const std::vector<double> b = test::to_f64(g_shared.storage()[i].tensor);
+      double scale = 0;
+      for (double x : a) scale = std::max(scale, std::abs(x));
+      CHECK(test::max_abs_diff(a, b) <= 1e-5 * scale + 1e-12);
+    }
+  }
+}
+
+TEST_CASE("decoder rejects a bad shared-prompt layout", "[unit]") {
+  const ModelConfig c = tiny_config(Kind::llama_tied);
+  Weights w(c, DType::f32);
+  fill_random(w, 3);
+  Decoder dec(w, {.max_tokens = 16});
+  const std::vector<int32_t> prompt{1, 2, 3}, c1{4, 5}, c2{6};
+  const std::vector<PackedBatch::PromptCompletion> pairs{{prompt, c1}, {prompt, c2}};
+  PackedBatch b = PackedBatch::from_prompts(pairs, true);
+  REQUIRE(b.prefix == std::vector<int32_t>{-1, 0, 0});
+  Tensor lp = Tensor::empty({b.num_tokens()}, DType::f32);
+  CHECK_NOTHROW(dec.forward(b, lp, Tensor()));
+  PackedBatch bad = b;
+  bad.prefix = {-1, 0};
+  CHECK_THROWS_WITH(dec.forward(bad, lp, Tensor()), Catch::Contains("prefix has 2 entries"));
+  bad.prefix = {-1, 2, 0};
+  CHECK_THROWS_WITH(dec.forward(bad, lp, Tensor()), Catch::Contains("prefix[1] = 2"));
+  bad = b;
+  bad.positions[static_cast<size_t>(b.cu_seqlens[1])] = 5;
+  CHECK_THROWS_WITH(dec.forward(bad, lp, Tensor()), Catch::Contains("starts at position 5"));
+  const std::vector<int32_t> empty;
+  const std::vector<PackedBatch::PromptCompletion> none{{prompt, empty}};
+  CHECK_THROWS_WITH(PackedBatch::from_prompts(none, true), Catch::Contains("pair 0"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // A paged cache for the inference tests: each sequence owns a scattered list of blocks.
 
