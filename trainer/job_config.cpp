@@ -248,6 +248,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
               "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch); "
               "on whenever rollout.dtype differs from trainer.dtype."));
+  add(bind<J>("trainer.share_prompts", TANDEM_MEMBER(trainer.step.share_prompts),
+              "Pack a group's prompt once for its n completions (the same logprobs, fewer "
+              "tokens through forward and backward); CPU only, each sample whole on CUDA."));
   add(bind<J>("trainer.dtype", TANDEM_MEMBER(trainer.dtype), "Master weights' type."))
       .one_of({"f32"});
   // trainer.algorithm

@@ -22,19 +22,24 @@ int64_t completion_tokens(std::span<const TrainSample> samples) {
 }
 
 // Contiguous ranges [begin, end) of samples whose packed tokens fit the budget (a sample larger
-// than the budget gets a micro-batch of its own).
+// than the budget gets a micro-batch of its own). With shared prompts a sample that continues its
+// predecessor's prompt in the same micro-batch adds only its completion's tokens (see
+// PackedBatch::from_prompts); a group split over two micro-batches packs its prompt in both.
 std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample> samples,
-                                                     int64_t budget) {
+                                                     int64_t budget, bool share_prompts) {
   std::vector<std::pair<size_t, size_t>> out;
   size_t begin = 0;
   int64_t tokens = 0;
   for (size_t i = 0; i < samples.size(); ++i) {
-    const int64_t n =
+    const int64_t whole =
         static_cast<int64_t>(samples[i].prompt.size() + samples[i].completion.size()) - 1;
+    const bool continues = share_prompts && i > begin && samples[i].prompt == samples[i - 1].prompt;
+    const int64_t n = continues ? static_cast<int64_t>(samples[i].completion.size()) : whole;
     if (i > begin && tokens + n > budget) {
       out.emplace_back(begin, i);
       begin = i;
-      tokens = 0;
+      tokens = whole;  // the first of a micro-batch packs its prompt
+      continue;
     }
     tokens += n;
   }
@@ -42,24 +47,13 @@ std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample
   return out;
 }
 
-// The samples end to end; only the completion tokens' rows go through the head (the prompt's
-// logprobs are never read).
-model::PackedBatch pack(std::span<const TrainSample> samples) {
-  std::vector<std::vector<int32_t>> seqs;
-  seqs.reserve(samples.size());
-  for (const TrainSample& s : samples) {
-    std::vector<int32_t> seq = s.prompt;
-    seq.insert(seq.end(), s.completion.begin(), s.completion.end());
-    seqs.push_back(std::move(seq));
-  }
-  model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
-  for (size_t b = 0; b < samples.size(); ++b) {
-    const auto np = static_cast<int64_t>(samples[b].prompt.size());
-    for (int64_t k = 0; k < static_cast<int64_t>(samples[b].completion.size()); ++k)
-      batch.head_rows.push_back(
-          static_cast<int32_t>(batch.row_of(static_cast<int64_t>(b), np + k)));
-  }
-  return batch;
+// The samples packed (a group's prompt once when shared); only the completion tokens' rows go
+// through the head, and head_rows lists them sample after sample.
+model::PackedBatch pack(std::span<const TrainSample> samples, bool share_prompts) {
+  std::vector<model::PackedBatch::PromptCompletion> pairs;
+  pairs.reserve(samples.size());
+  for (const TrainSample& s : samples) pairs.push_back({s.prompt, s.completion});
+  return model::PackedBatch::from_prompts(pairs, share_prompts);
 }
 
 }  // namespace
@@ -85,6 +79,7 @@ PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* refer
       decoder_(std::make_unique<model::Decoder>(
           policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})) {
   config_.validate();
+  share_ = config_.share_prompts && policy_.device().is_cpu();
   TANDEM_CHECK(config_.loss.kl_beta == 0 || reference_ != nullptr,
                "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
   TANDEM_CHECK(&optimizer_.params() == &policy_, "trainer: the optimizer updates other weights");
@@ -116,19 +111,15 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
   std::vector<float> out;
   out.reserve(static_cast<size_t>(completion_tokens(samples)));
   if (entropy != nullptr) entropy->clear();
-  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens)) {
+  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
     const auto part = samples.subspan(b0, b1 - b0);
-    const model::PackedBatch batch = pack(part);
+    const model::PackedBatch batch = pack(part, share_);
     Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
     Tensor ent = Tensor::empty({batch.num_tokens()}, DType::f32);
     dec->forward(batch, lp, ent, config_.temperature);
-    for (size_t b = 0; b < part.size(); ++b) {
-      const int64_t np = static_cast<int64_t>(part[b].prompt.size());
-      for (int64_t k = 0; k < static_cast<int64_t>(part[b].completion.size()); ++k) {
-        const int64_t row = batch.row_of(static_cast<int64_t>(b), np + k);
-        out.push_back(lp.data_as<float>()[row]);
-        if (entropy != nullptr) entropy->push_back(ent.data_as<float>()[row]);
-      }
+    for (const int32_t row : batch.head_rows) {
+      out.push_back(lp.data_as<float>()[row]);
+      if (entropy != nullptr) entropy->push_back(ent.data_as<float>()[row]);
     }
   }
   return out;
@@ -139,9 +130,9 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
                                  const LossNormalisers& norm, PolicyLossMetrics& metrics) {
   double loss = 0;
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
-  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens)) {
+  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
     const auto part = samples.subspan(b0, b1 - b0);
-    const model::PackedBatch batch = pack(part);
+    const model::PackedBatch batch = pack(part, share_);
     const int64_t T = batch.num_tokens();
     Tensor lp = Tensor::empty({T}, DType::f32);
     Tensor ent = Tensor::empty({T}, DType::f32);
@@ -150,8 +141,8 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     std::vector<int64_t> rows;
     std::vector<int32_t> lens;
     std::vector<float> adv, logp, entropy, rollout;
+    size_t head = 0;  // the next entry of batch.head_rows: sample b's completion token k
     for (size_t b = 0; b < part.size(); ++b) {
-      const int64_t np = static_cast<int64_t>(part[b].prompt.size());
       const int64_t nc = static_cast<int64_t>(part[b].completion.size());
       TANDEM_CHECK(static_cast<int64_t>(part[b].rollout_logp.size()) == nc,
                    "trainer: sample {} has {} completion tokens and {} rollout logprobs", b0 + b,
@@ -159,7 +150,7 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
       lens.push_back(static_cast<int32_t>(nc));
       adv.push_back(part[b].advantage);
       for (int64_t k = 0; k < nc; ++k) {
-        const int64_t row = batch.row_of(static_cast<int64_t>(b), np + k);
+        const int64_t row = batch.head_rows[head++];
         rows.push_back(row);
         logp.push_back(lp.data_as<float>()[row]);
         entropy.push_back(ent.data_as<float>()[row]);

@@ -35,6 +35,10 @@ struct TrainStepConfig {
   // Recompute old logprobs with the policy before the first update even when they are not
   // needed (mu = 1 and one minibatch: the rollout's logprobs are then exact on the CPU).
   bool always_recompute_old = false;
+  // Pack a group's prompt once for its completions (model::PackedBatch::from_prompts): the same
+  // logprobs bitwise, gradients equal up to rounding, fewer tokens through the network. CPU only:
+  // on CUDA each sample is packed whole.
+  bool share_prompts = true;
   void validate() const;
 };
 
@@ -87,6 +91,7 @@ class PolicyTrainer {
   std::unique_ptr<model::Decoder> decoder_;
   std::unique_ptr<model::Decoder> ref_decoder_;  // planned once when there is a reference
   int64_t optimizer_steps_ = 0;
+  bool share_;  // config_.share_prompts where the device supports it
 };
 
 }  // namespace tandem::trainer

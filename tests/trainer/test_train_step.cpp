@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 
 #include "rollout/engine.h"
 #include "tests/model/tiny_model.h"
@@ -128,6 +129,46 @@ TEST_CASE("train step loss and gradient do not depend on the micro-batch split",
   for (size_t i = 1; i < runs.size(); ++i) {
     CHECK(runs[i].loss == Approx(runs[0].loss).epsilon(1e-6));
     CHECK(runs[i].grad_norm == Approx(runs[0].grad_norm).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("train step with shared prompts: the same logprobs bitwise, the same update", "[unit]") {
+  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::qwen2);
+  model::Weights init(cfg, DType::f32);
+  test::fill_random_weights(init, 6);
+  rollout::Engine engine(init, engine_options());
+  const auto samples =
+      rollout_samples(engine, prompts_of(4, 9, cfg.vocab_size, 3), 4, 5, 5, small_ids);
+  std::deque<model::Weights> after;  // not movable
+  std::vector<TrainStepMetrics> runs;
+  std::vector<std::vector<float>> logps;
+  // Whole samples; shared prompts in one micro-batch; shared with groups split over micro-batches.
+  for (auto [share, budget] :
+       {std::pair{false, int64_t{4096}}, {true, int64_t{4096}}, {true, 30}}) {
+    after.emplace_back(cfg, DType::f32);
+    after.back().copy_from(init);
+    AdamW opt(after.back(), AdamWConfig{});
+    const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
+    TrainStepConfig tc;
+    tc.share_prompts = share;
+    tc.micro_batch_tokens = budget;
+    tc.always_recompute_old = true;
+    PolicyTrainer trainer(after.back(), nullptr, opt, lr, tc);
+    logps.push_back(trainer.logprobs(after.back(), samples));
+    runs.push_back(trainer.step(samples));
+  }
+  for (size_t i = 1; i < runs.size(); ++i) {
+    INFO("run " << i);
+    CHECK(logps[i] == logps[0]);
+    CHECK(runs[i].rollout_vs_trainer_max_abs == 0.0);
+    CHECK(runs[i].loss == Approx(runs[0].loss).epsilon(1e-6));
+    CHECK(runs[i].grad_norm == Approx(runs[0].grad_norm).epsilon(1e-5));
+    for (size_t t = 0; t < init.storage().size(); ++t) {
+      const std::vector<double> a = test::to_f64(after[0].storage()[t].tensor);
+      const std::vector<double> b = test::to_f64(after[i].storage()[t].tensor);
+      INFO(init.storage()[t].name);
+      CHECK(test::max_abs_diff(a, b) <= 1e-5 * test::max_abs(a));
+    }
   }
 }
 
