@@ -546,6 +546,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
       j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
     }
     j["samples_trained"] = train.size();
+    j["packed_tokens"] = tm.packed_tokens;
     j["update_skipped"] = train.empty() ? 1 : 0;
     j["dynamic_sampling/groups_generated"] = r.group_sizes.size();
     j["dynamic_sampling/groups_kept"] = sb.groups_kept;

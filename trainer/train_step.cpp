@@ -127,13 +127,14 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
 
 double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
                                  std::span<const float> old_logp, std::span<const float> ref_logp,
-                                 const LossNormalisers& norm, PolicyLossMetrics& metrics) {
+                                 const LossNormalisers& norm, TrainStepMetrics& metrics) {
   double loss = 0;
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
   for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     const int64_t T = batch.num_tokens();
+    metrics.packed_tokens += T;
     Tensor lp = Tensor::empty({T}, DType::f32);
     Tensor ent = Tensor::empty({T}, DType::f32);
     decoder_->forward(batch, lp, ent, config_.temperature);
@@ -168,7 +169,7 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     in.entropy = entropy;
     const PolicyLoss pl = compute_policy_loss(in, config_.loss, norm);
     loss += pl.loss;
-    metrics.merge(pl.metrics);
+    metrics.policy.merge(pl.metrics);
 
     Tensor dlogprob = Tensor::zeros({T}, DType::f32);
     Tensor dentropy;
@@ -233,7 +234,7 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples) {
       const auto ref_part =
           ref.empty() ? std::span<const float>()
                       : std::span<const float>(ref).subspan(token0, static_cast<size_t>(tokens));
-      m.loss += accumulate(part, old_part, ref_part, norm, m.policy);
+      m.loss += accumulate(part, old_part, ref_part, norm, m);
       m.lr = schedule_.lr_at(optimizer_steps_);
       const StepResult r = optimizer_.step(grads_, m.lr);
       m.grad_norm = r.grad_norm;

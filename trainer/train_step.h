@@ -51,7 +51,8 @@ struct TrainStepMetrics {
   // Old logprobs recomputed by the trainer against the rollout's (|delta| over the tokens).
   bool old_recomputed = false;
   double rollout_vs_trainer_max_abs = 0, rollout_vs_trainer_mean_abs = 0;
-  int64_t tokens = 0;
+  int64_t tokens = 0;         // completion tokens of the batch
+  int64_t packed_tokens = 0;  // rows the update's forwards and backwards ran (all epochs)
   double seconds_old = 0, seconds_ref = 0, seconds_update = 0;
 };
 
@@ -80,7 +81,7 @@ class PolicyTrainer {
   // d loss / d theta of one minibatch accumulated into grads_; returns the loss.
   double accumulate(std::span<const TrainSample> samples, std::span<const float> old_logp,
                     std::span<const float> ref_logp, const LossNormalisers& norm,
-                    PolicyLossMetrics& metrics);
+                    TrainStepMetrics& metrics);
 
   model::Weights& policy_;
   const model::Weights* reference_;

@@ -144,7 +144,7 @@ TEST_CASE("train step with shared prompts: the same logprobs bitwise, the same u
   std::vector<std::vector<float>> logps;
   // Whole samples; shared prompts in one micro-batch; shared with groups split over micro-batches.
   for (auto [share, budget] :
-       {std::pair{false, int64_t{4096}}, {true, int64_t{4096}}, {true, 30}}) {
+       {std::pair{false, int64_t{4096}}, {true, int64_t{4096}}, {true, 20}}) {
     after.emplace_back(cfg, DType::f32);
     after.back().copy_from(init);
     AdamW opt(after.back(), AdamWConfig{});
@@ -157,6 +157,17 @@ TEST_CASE("train step with shared prompts: the same logprobs bitwise, the same u
     logps.push_back(trainer.logprobs(after.back(), samples));
     runs.push_back(trainer.step(samples));
   }
+  // 4 prompts of 9 tokens, 4 samples each: whole samples run 9 + n - 1 rows each; shared, a
+  // group's prompt runs 8 rows once per micro-batch it is in.
+  int64_t whole = 0, completions = 0;
+  for (const TrainSample& s : samples) {
+    whole += static_cast<int64_t>(s.prompt.size() + s.completion.size()) - 1;
+    completions += static_cast<int64_t>(s.completion.size());
+  }
+  CHECK(runs[0].packed_tokens == whole);
+  CHECK(runs[1].packed_tokens == completions + 4 * 8);
+  CHECK(runs[2].packed_tokens > runs[1].packed_tokens);
+  CHECK(runs[2].packed_tokens < runs[0].packed_tokens);
   for (size_t i = 1; i < runs.size(); ++i) {
     INFO("run " << i);
     CHECK(logps[i] == logps[0]);
