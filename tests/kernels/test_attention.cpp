@@ -389,6 +389,18 @@ TEST_CASE("attention rows do not depend on the other sequences of the batch", "[
   }
 }
 
+namespace {
+
+void check_same_bits(const Forward& fa, const Grads& ga, const Forward& fb, const Grads& gb) {
+  CHECK(bitwise_equal(fa.out, fb.out));
+  CHECK(bitwise_equal(fa.lse, fb.lse));
+  CHECK(bitwise_equal(ga.dq, gb.dq));
+  CHECK(bitwise_equal(ga.dk, gb.dk));
+  CHECK(bitwise_equal(ga.dv, gb.dv));
+}
+
+}  // namespace
+
 TEST_CASE("attention and its backward are bitwise the same with 1 or 2 threads", "[unit]") {
   const Packed p = make_packed({1, 7, 33, 16, 50}, 9, 3, 64, 61);
   const Tensor dout = random_tensor({p.T, p.H, p.D}, DType::f32, 67);
@@ -400,11 +412,7 @@ TEST_CASE("attention and its backward are bitwise the same with 1 or 2 threads",
   const Forward f1 = run_attention(p);
   const Grads g1 = run_backward(p, f1, dout);
   set_num_threads(saved);
-  CHECK(bitwise_equal(f1.out, f2.out));
-  CHECK(bitwise_equal(f1.lse, f2.lse));
-  CHECK(bitwise_equal(g1.dq, g2.dq));
-  CHECK(bitwise_equal(g1.dk, g2.dk));
-  CHECK(bitwise_equal(g1.dv, g2.dv));
+  check_same_bits(f1, g1, f2, g2);
 }
 
 TEST_CASE("the AVX-512 and portable attention paths agree bitwise", "[unit]") {
@@ -422,11 +430,7 @@ TEST_CASE("the AVX-512 and portable attention paths agree bitwise", "[unit]") {
     const Grads gp = run_backward(p, fp, dout);
     ops::cpu::set_attention_simd(true);
     INFO("D " << D);
-    CHECK(bitwise_equal(fs.out, fp.out));
-    CHECK(bitwise_equal(fs.lse, fp.lse));
-    CHECK(bitwise_equal(gs.dq, gp.dq));
-    CHECK(bitwise_equal(gs.dk, gp.dk));
-    CHECK(bitwise_equal(gs.dv, gp.dv));
+    check_same_bits(fs, gs, fp, gp);
   }
 }
 
@@ -566,11 +570,7 @@ TEST_CASE("attention with shared prefixes: AVX-512 and portable paths, 1 and 2 t
   const Grads g1 = run_prefixed_backward(c, f1, dout);
   ops::cpu::set_attention_simd(true);
   set_num_threads(saved);
-  CHECK(bitwise_equal(f1.out, f2.out));
-  CHECK(bitwise_equal(f1.lse, f2.lse));
-  CHECK(bitwise_equal(g1.dq, g2.dq));
-  CHECK(bitwise_equal(g1.dk, g2.dk));
-  CHECK(bitwise_equal(g1.dv, g2.dv));
+  check_same_bits(f1, g1, f2, g2);
 }
 
 TEST_CASE("attention rejects a bad prefix", "[unit]") {

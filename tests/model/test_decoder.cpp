@@ -379,6 +379,19 @@ TEST_CASE("decoder recompute gives bitwise the same logprobs and gradients", "[u
   }
 }
 
+// Every gradient tensor of b within 1e-5 of a's largest |value| of that tensor (the same sums up
+// to rounding).
+void check_gradients_close(const Weights& a, const Weights& b) {
+  for (size_t i = 0; i < a.storage().size(); ++i) {
+    INFO(a.storage()[i].name);
+    const std::vector<double> x = test::to_f64(a.storage()[i].tensor);
+    const std::vector<double> y = test::to_f64(b.storage()[i].tensor);
+    double scale = 0;
+    for (double v : x) scale = std::max(scale, std::abs(v));
+    CHECK(test::max_abs_diff(x, y) <= 1e-5 * scale + 1e-12);
+  }
+}
+
 TEST_CASE("decoder head rows: the selected rows' logprobs bitwise, zeros elsewhere, same gradients",
           "[unit]") {
   for (Kind kind : {Kind::llama_tied, Kind::llama_untied_rope3, Kind::qwen3}) {
@@ -412,14 +425,7 @@ TEST_CASE("decoder head rows: the selected rows' logprobs bitwise, zeros elsewhe
       CHECK(ent.data_as<float>()[t] == (in ? s.entropy.data_as<float>()[t] : 0.0f));
     }
     // The same sums without the zero terms of the other rows: equal up to rounding.
-    for (size_t i = 0; i < s.grads.storage().size(); ++i) {
-      INFO(s.grads.storage()[i].name);
-      const std::vector<double> a = test::to_f64(s.grads.storage()[i].tensor);
-      const std::vector<double> b = test::to_f64(g_sel.storage()[i].tensor);
-      double scale = 0;
-      for (double x : a) scale = std::max(scale, std::abs(x));
-      CHECK(test::max_abs_diff(a, b) <= 1e-5 * scale + 1e-12);
-    }
+    check_gradients_close(s.grads, g_sel);
   }
 }
 
@@ -486,14 +492,7 @@ TEST_CASE("decoder with shared prompts: completion logprobs bitwise, gradients e
                ew.data_as<float>()[a] == es.data_as<float>()[b];
     }
     CHECK(equal == static_cast<int64_t>(whole.head_rows.size()));
-    for (size_t i = 0; i < g_whole.storage().size(); ++i) {
-      INFO(g_whole.storage()[i].name);
-      const std::vector<double> a = test::to_f64(g_whole.storage()[i].tensor);
-      const std::vector<double> b = test::to_f64(g_shared.storage()[i].tensor);
-      double scale = 0;
-      for (double x : a) scale = std::max(scale, std::abs(x));
-      CHECK(test::max_abs_diff(a, b) <= 1e-5 * scale + 1e-12);
-    }
+    check_gradients_close(g_whole, g_shared);
   }
 }
 
