@@ -172,6 +172,7 @@ TEST_CASE("train step with shared prompts: the same logprobs bitwise, the same u
     INFO("run " << i);
     CHECK(logps[i] == logps[0]);
     CHECK(runs[i].rollout_vs_trainer_max_abs == 0.0);
+    CHECK(runs[i].policy.entropy_sum == runs[0].policy.entropy_sum);
     CHECK(runs[i].loss == Approx(runs[0].loss).epsilon(1e-6));
     CHECK(runs[i].grad_norm == Approx(runs[0].grad_norm).epsilon(1e-5));
     for (size_t t = 0; t < init.storage().size(); ++t) {
