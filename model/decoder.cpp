@@ -376,14 +376,14 @@ PackedBatch PackedBatch::from_prompts(std::span<const PromptCompletion> pairs, b
     }
     b.cu_seqlens.push_back(static_cast<int32_t>(b.tokens.size()));
   };
+  for (size_t j = 0; j < pairs.size(); ++j)
+    TANDEM_CHECK(!pairs[j].prompt.empty() && !pairs[j].completion.empty(),
+                 "packed batch: pair {} has a prompt of {} and a completion of {} tokens; each "
+                 "needs at least 1",
+                 j, pairs[j].prompt.size(), pairs[j].completion.size());
   std::vector<int32_t> seq;
   for (size_t i = 0; i < pairs.size();) {
     const std::span<const int32_t> prompt = pairs[i].prompt;
-    for (size_t j = i; j < pairs.size(); ++j)
-      TANDEM_CHECK(!pairs[j].prompt.empty() && !pairs[j].completion.empty(),
-                   "packed batch: pair {} has a prompt of {} and a completion of {} tokens; each "
-                   "needs at least 1",
-                   j, pairs[j].prompt.size(), pairs[j].completion.size());
     size_t run = 1;
     while (i + run < pairs.size() && std::ranges::equal(pairs[i + run].prompt, prompt)) ++run;
     const size_t np = prompt.size();
@@ -409,6 +409,15 @@ PackedBatch PackedBatch::from_prompts(std::span<const PromptCompletion> pairs, b
   }
   if (!b.prefix.empty()) b.prefix.resize(static_cast<size_t>(b.num_sequences()), -1);
   return b;
+}
+
+int64_t PackedBatch::rows_added(const PromptCompletion& pair, const PromptCompletion* previous,
+                                bool share_prompts) {
+  // A shared prompt of n tokens costs its first pair n - 1 + completion rows, as the whole pair
+  // does; each further pair its completion's. A one-token prompt is not shared, at the same cost.
+  if (share_prompts && previous != nullptr && std::ranges::equal(pair.prompt, previous->prompt))
+    return static_cast<int64_t>(pair.completion.size());
+  return static_cast<int64_t>(pair.prompt.size() + pair.completion.size()) - 1;
 }
 
 struct Decoder::Impl {

@@ -61,6 +61,10 @@ struct PackedBatch {
     std::span<const int32_t> prompt, completion;
   };
   static PackedBatch from_prompts(std::span<const PromptCompletion> pairs, bool share_prompts);
+  // The rows `pair` adds to a from_prompts batch right after `previous` (null: it comes first):
+  // its completion's when it continues previous's prompt, else prompt + completion - 1.
+  static int64_t rows_added(const PromptCompletion& pair, const PromptCompletion* previous,
+                            bool share_prompts);
 };
 
 struct DecoderOptions {

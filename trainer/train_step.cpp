@@ -27,18 +27,19 @@ int64_t completion_tokens(std::span<const TrainSample> samples) {
 // PackedBatch::from_prompts); a group split over two micro-batches packs its prompt in both.
 std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample> samples,
                                                      int64_t budget, bool share_prompts) {
+  using Pair = model::PackedBatch::PromptCompletion;
   std::vector<std::pair<size_t, size_t>> out;
   size_t begin = 0;
   int64_t tokens = 0;
   for (size_t i = 0; i < samples.size(); ++i) {
-    const int64_t whole =
-        static_cast<int64_t>(samples[i].prompt.size() + samples[i].completion.size()) - 1;
-    const bool continues = share_prompts && i > begin && samples[i].prompt == samples[i - 1].prompt;
-    const int64_t n = continues ? static_cast<int64_t>(samples[i].completion.size()) : whole;
+    const Pair pair{samples[i].prompt, samples[i].completion};
+    const Pair previous = i > 0 ? Pair{samples[i - 1].prompt, samples[i - 1].completion} : Pair{};
+    const int64_t n =
+        model::PackedBatch::rows_added(pair, i > begin ? &previous : nullptr, share_prompts);
     if (i > begin && tokens + n > budget) {
       out.emplace_back(begin, i);
       begin = i;
-      tokens = whole;  // the first of a micro-batch packs its prompt
+      tokens = model::PackedBatch::rows_added(pair, nullptr, share_prompts);  // packs its prompt
       continue;
     }
     tokens += n;
@@ -139,7 +140,6 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     Tensor ent = Tensor::empty({T}, DType::f32);
     decoder_->forward(batch, lp, ent, config_.temperature);
 
-    std::vector<int64_t> rows;
     std::vector<int32_t> lens;
     std::vector<float> adv, logp, entropy, rollout;
     size_t head = 0;  // the next entry of batch.head_rows: sample b's completion token k
@@ -152,7 +152,6 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
       adv.push_back(part[b].advantage);
       for (int64_t k = 0; k < nc; ++k) {
         const int64_t row = batch.head_rows[head++];
-        rows.push_back(row);
         logp.push_back(lp.data_as<float>()[row]);
         entropy.push_back(ent.data_as<float>()[row]);
         rollout.push_back(part[b].rollout_logp[static_cast<size_t>(k)]);
@@ -175,8 +174,8 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     Tensor dentropy;
     if (config_.loss.entropy_coef != 0) dentropy = Tensor::zeros({T}, DType::f32);
     for (size_t i = 0; i < n; ++i) {
-      dlogprob.data_as<float>()[rows[i]] = pl.dlogp[i];
-      if (dentropy.defined()) dentropy.data_as<float>()[rows[i]] = pl.dentropy[i];
+      dlogprob.data_as<float>()[batch.head_rows[i]] = pl.dlogp[i];
+      if (dentropy.defined()) dentropy.data_as<float>()[batch.head_rows[i]] = pl.dentropy[i];
     }
     decoder_->backward(dlogprob, dentropy, grads_);
     token0 += n;
