@@ -11,6 +11,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "kernels/cpu/matmul.h"
 
 namespace {
 
@@ -43,6 +44,11 @@ int main(int argc, char** argv) {
   bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
   bench->add_option("--device", bench_device, "cpu or cuda[:N]");
   bench->add_option("--min-seconds", bench_opt.min_seconds, "time spent on each measurement");
+  bench
+      ->add_option("--cpu-matmul", bench_opt.cpu_matmul,
+                   "generate, rollout: CPU matmul precision, f32 or bf16 (train and step measure "
+                   "both)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
 
   tandem::apps::add_model_commands(app);
   tandem::apps::add_train_command(app);
@@ -63,6 +69,10 @@ int main(int argc, char** argv) {
       } else {
         TANDEM_CHECK(bench_device == "cpu", "--device '{}': use cpu or cuda[:N]", bench_device);
       }
+      const bool bf16 =
+          bench_opt.cpu_matmul == "bf16" && (bench_what == "generate" || bench_what == "rollout");
+      const tandem::ops::cpu::ScopedMatmulPrecision precision(
+          bf16 ? tandem::ops::cpu::MatmulPrecision::bf16 : tandem::ops::cpu::MatmulPrecision::f32);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);

@@ -33,6 +33,11 @@ struct Options {
   double min_seconds = 0.3;  // time spent per measurement
   std::string filter;        // only cases whose op or case contains this
   Device device = Device::cpu();
+  // generate, rollout: the CPU matmul precision they run in ("f32" or "bf16"; train and step
+  // measure both themselves, kernels has its own bf16 cases). Named in each case as
+  // " bf16 compute" when not f32.
+  std::string cpu_matmul = "f32";
+  std::string precision_suffix() const { return cpu_matmul == "f32" ? "" : " bf16 compute"; }
 };
 
 // One measured case: median seconds of `run` over repetitions.
@@ -82,6 +87,9 @@ Ceilings measure_ceilings(const Options& opt);
 // GFLOP/s, and where it came from; a bench takes it again next to each measured step when the
 // machine's speed drifts.
 std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt);
+// The same for the bf16 precision of the CPU matmul (ops::cpu::MatmulPrecision::bf16): our
+// matmul on a square problem (AMX where the CPU has it).
+std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt);
 // `tandem bench kernels`: every registered family on opt.device; returns the exit code.
 int run_kernel_benches(const Options& opt);
 // `tandem bench generate`: batch-1 generation with a model file (default: the bundled SmolLM2),

@@ -86,8 +86,9 @@ int run_generate_bench(const Options& opt, const std::string& model_path) {
       model::GenerateResult res = gen.generate(prompt, go);
       if (res.decode_seconds < best.decode_seconds) best = std::move(res);
     }
-    const std::string cs = fmt::format("{} {} batch 1, prompt {}, {} new", model_name,
-                                       dtype_name(dtype), prompt_len, new_tokens);
+    const std::string cs =
+        fmt::format("{} {}{} batch 1, prompt {}, {} new", model_name, dtype_name(dtype),
+                    opt.precision_suffix(), prompt_len, new_tokens);
     const double decode_tps = best.decode_tokens_per_second();
     const double prefill_tps = static_cast<double>(prompt_len) / best.prefill_seconds;
     const double bytes_per_token = static_cast<double>(m.weights->nbytes());

@@ -124,16 +124,17 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
       const double bw_bound = static_cast<double>(B) * ceilings.gbytes * 1e9 / weight_bytes;
       const double flop_bound = ceilings.gflops * 1e9 / flops_per_token;
       const double bound = std::min(bw_bound, flop_bound);
-      nlohmann::ordered_json j{{"bench", "rollout"},
-                               {"case", fmt::format("{} {} batch {}, prompt {}, {} new", model_name,
-                                                    dtype_name(dtype), B, prompt_len, new_tokens)},
-                               {"metric", "decode_tokens_per_s"},
-                               {"unit", "tokens/s"},
-                               {"value", value},
-                               {"batch", B},
-                               {"threads", num_threads()},
-                               {"prefill_tokens_per_s",
-                                static_cast<double>(B * prompt_len) / std::max(t.prefill, 1e-9)}};
+      nlohmann::ordered_json j{
+          {"bench", "rollout"},
+          {"case", fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype),
+                               opt.precision_suffix(), B, prompt_len, new_tokens)},
+          {"metric", "decode_tokens_per_s"},
+          {"unit", "tokens/s"},
+          {"value", value},
+          {"batch", B},
+          {"threads", num_threads()},
+          {"prefill_tokens_per_s",
+           static_cast<double>(B * prompt_len) / std::max(t.prefill, 1e-9)}};
       if (!peer_gguf.empty()) {
         const fs::path pf = fs::temp_directory_path() / fmt::format("tandem-bench-prompts-{}.json",
                                                                     static_cast<long>(getpid()));
@@ -183,8 +184,9 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
     const Timing separate = run_engine(*m.weights, eight, 1, 1, repeats);
     nlohmann::ordered_json s{
         {"bench", "rollout"},
-        {"case", fmt::format("{} {} group n={} sharing one prompt of {} vs {} prompts", model_name,
-                             dtype_name(dtype), G, prompt_len, G)},
+        {"case",
+         fmt::format("{} {}{} group n={} sharing one prompt of {} vs {} prompts", model_name,
+                     dtype_name(dtype), opt.precision_suffix(), G, prompt_len, G)},
         {"metric", "prefill_seconds_saved_fraction"},
         {"unit", "fraction"},
         {"value", 1.0 - grouped.prefill / separate.prefill},

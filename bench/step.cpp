@@ -17,6 +17,7 @@
 #include "bench/peers.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "kernels/cpu/matmul.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "trainer/data.h"
@@ -120,7 +121,7 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
   trainer::JobConfig job = trainer::load_job_config(config.string());
   const int64_t blocks_per_sample =
       (job.data.max_prompt_tokens + new_tokens + job.rollout.block_size) / job.rollout.block_size;
-  const std::vector<std::string> overrides = {
+  const std::vector<std::string> base_overrides = {
       "model.path=" + path,
       fmt::format("rollout.prompts_per_step={}", B),
       fmt::format("rollout.n={}", G),
@@ -133,7 +134,7 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
       "logging.dir=" + (tmp / "run").string(),
       "checkpoint.dir=" + (tmp / "checkpoints").string(),
       "checkpoint.resume=none"};
-  job = trainer::load_job_config(config.string(), overrides);
+  job = trainer::load_job_config(config.string(), base_overrides);
 
   // The peer's inputs: the prompts the job's stream hands out, rendered as the job renders them,
   // and the weights as an HF directory.
@@ -159,113 +160,125 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
     peer_model = hf_directory(path, m);
   }
 
-  std::vector<nlohmann::ordered_json> steps;
-  trainer::JobHooks hooks;
-  hooks.on_step = [&](const nlohmann::ordered_json& metrics) { steps.push_back(metrics); };
-  hooks.checkpoints = false;
-  const std::atomic<bool> stop{false};
-  trainer::run_job(job, stop, hooks);
-  TANDEM_CHECK(static_cast<int64_t>(steps.size()) == measured + 1,
-               "bench step: the job ran {} "
-               "steps, expected {}",
-               steps.size(), measured + 1);
-  steps.erase(steps.begin());  // the warm-up step
-
-  std::vector<double> totals, tokens;
-  for (const auto& s : steps) {
-    totals.push_back(s["time/step_s"].get<double>());
-    tokens.push_back(s["response_tokens"].get<double>());
-  }
-  const double step_s = mean(totals);
-  const std::string case_name =
-      fmt::format("{} f32 GRPO B={} x G={}, <= {} new tokens", model_name, B, G, new_tokens);
-  nlohmann::ordered_json j{{"bench", "step"},
-                           {"case", case_name},
-                           {"metric", "seconds_per_step"},
-                           {"unit", "s"},
-                           {"value", step_s},
-                           {"step_seconds", totals},
-                           {"response_tokens", mean(tokens)},
-                           {"steps", measured},
-                           {"threads", num_threads()},
-                           {"kl_beta", job.trainer.grpo.loss.kl_beta},
-                           {"temperature", job.rollout.temperature}};
-  nlohmann::ordered_json phases;
-  for (const Phase& p : phases_of_step()) {
-    std::vector<double> v;
-    for (const auto& s : steps) {
-      double sum = 0;
-      for (const char* key : p.keys) sum += s[key].get<double>();
-      v.push_back(sum);
-    }
-    phases[p.name] = mean(v);
-  }
-  j["phases"] = phases;
-
-  // Everything the peer needs in one file: the job's settings, the prompts and the stop tokens.
-  const trainer::JobConfig& c = job;
-  const nlohmann::json peer_input{{"batch", B},
-                                  {"group", G},
-                                  {"max_new_tokens", new_tokens},
-                                  {"steps", measured},
-                                  {"threads", num_threads()},
-                                  {"temperature", c.rollout.temperature},
-                                  {"top_p", c.rollout.top_p},
-                                  {"top_k", c.rollout.top_k},
-                                  {"min_p", c.rollout.min_p},
-                                  {"seed", c.rollout.seed},
-                                  {"beta", c.trainer.grpo.loss.kl_beta},
-                                  {"lr", c.trainer.schedule.lr},
-                                  {"eps_low", c.trainer.grpo.loss.eps_low},
-                                  {"eps_high", c.trainer.grpo.loss.eps_high},
-                                  {"loss_type", loss_type(c)},
-                                  {"scale_rewards", scale_rewards(c)},
-                                  {"max_grad_norm", c.trainer.optimizer.max_grad_norm},
-                                  {"weight_decay", c.trainer.optimizer.weight_decay},
-                                  {"rewards", reward_specs(c)},
-                                  {"stop_ids", stop_ids},
-                                  {"prompts", prompts}};
-  fs::create_directories(tmp);
-  const fs::path input = tmp / "peer-input.json";
-  std::ofstream(input) << peer_input.dump();
-  const nlohmann::json peer = run_peer_script(
-      "trl_grpo_step.py", fmt::format("--model '{}' --input '{}'", peer_model, input.string()));
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
+  // f32, then (on a CPU with AMX-BF16) the job with placement.cpu_matmul = "bf16" beside TRL
+  // with bf16 = True (torch.autocast on the CPU): each in its own precision.
   int errors = 0;
-  if (peer.contains("error")) {
-    ++errors;
-    j["peer_error"] = peer["error"];
-  } else {
-    const double peer_s = peer["step_s"].get<double>();
-    j["peer"] = fmt::format("TRL {} GRPOTrainer (transformers {}, PyTorch {}, CPU)",
-                            peer["trl"].get<std::string>(), peer["transformers"].get<std::string>(),
-                            peer["torch"].get<std::string>());
-    j["peer_value"] = peer_s;
-    j["ratio"] = peer_s / step_s;  // > 1: tandem's step is faster
-    j["peer_step_seconds"] = peer["step_seconds"];
-    j["peer_phases"] = peer["phases"];
-    j["peer_response_tokens"] = peer["response_tokens"];
-    j["peer_same_prompt_ids"] = peer["same_prompt_ids"];
-  }
-  print_line(opt, j);
-  // A line per phase, with the peer's time for it where the peer has that phase (TRL's update is
-  // the rest of its step; it publishes nothing).
-  for (const Phase& p : phases_of_step()) {
-    const double ours = phases[p.name].get<double>();
-    nlohmann::ordered_json pj{{"bench", "step"},
-                              {"case", fmt::format("{}: {}", case_name, p.name)},
-                              {"metric", "phase_seconds_per_step"},
-                              {"unit", "s"},
-                              {"value", ours},
-                              {"fraction_of_step", ours / step_s}};
-    if (j.contains("peer_phases") && j["peer_phases"].contains(p.name)) {
-      const double theirs = j["peer_phases"][p.name].get<double>();
-      pj["peer"] = j["peer"];
-      pj["peer_value"] = theirs;
-      if (ours > 1e-6 && theirs > 1e-6) pj["ratio"] = theirs / ours;
+  for (const bool bf16 : {false, true}) {
+    if (bf16 && !ops::cpu::matmul_has_amx()) continue;
+    const std::string precision = bf16 ? "bf16 compute" : "f32";
+    if (!opt.filter.empty() && precision.find(opt.filter) == std::string::npos) continue;
+    std::vector<std::string> overrides = base_overrides;
+    overrides.push_back(fmt::format("placement.cpu_matmul={}", bf16 ? "bf16" : "f32"));
+    job = trainer::load_job_config(config.string(), overrides);
+    std::vector<nlohmann::ordered_json> steps;
+    trainer::JobHooks hooks;
+    hooks.on_step = [&](const nlohmann::ordered_json& metrics) { steps.push_back(metrics); };
+    hooks.checkpoints = false;
+    const std::atomic<bool> stop{false};
+    trainer::run_job(job, stop, hooks);
+    TANDEM_CHECK(static_cast<int64_t>(steps.size()) == measured + 1,
+                 "bench step: the job ran {} "
+                 "steps, expected {}",
+                 steps.size(), measured + 1);
+    steps.erase(steps.begin());  // the warm-up step
+
+    std::vector<double> totals, tokens;
+    for (const auto& s : steps) {
+      totals.push_back(s["time/step_s"].get<double>());
+      tokens.push_back(s["response_tokens"].get<double>());
     }
-    print_line(opt, pj);
+    const double step_s = mean(totals);
+    const std::string case_name = fmt::format("{} {} GRPO B={} x G={}, <= {} new tokens",
+                                              model_name, precision, B, G, new_tokens);
+    nlohmann::ordered_json j{{"bench", "step"},
+                             {"case", case_name},
+                             {"metric", "seconds_per_step"},
+                             {"unit", "s"},
+                             {"value", step_s},
+                             {"step_seconds", totals},
+                             {"response_tokens", mean(tokens)},
+                             {"steps", measured},
+                             {"threads", num_threads()},
+                             {"kl_beta", job.trainer.grpo.loss.kl_beta},
+                             {"temperature", job.rollout.temperature}};
+    nlohmann::ordered_json phases;
+    for (const Phase& p : phases_of_step()) {
+      std::vector<double> v;
+      for (const auto& s : steps) {
+        double sum = 0;
+        for (const char* key : p.keys) sum += s[key].get<double>();
+        v.push_back(sum);
+      }
+      phases[p.name] = mean(v);
+    }
+    j["phases"] = phases;
+
+    // Everything the peer needs in one file: the job's settings, the prompts and the stop tokens.
+    const trainer::JobConfig& c = job;
+    const nlohmann::json peer_input{{"batch", B},
+                                    {"group", G},
+                                    {"max_new_tokens", new_tokens},
+                                    {"steps", measured},
+                                    {"threads", num_threads()},
+                                    {"temperature", c.rollout.temperature},
+                                    {"top_p", c.rollout.top_p},
+                                    {"top_k", c.rollout.top_k},
+                                    {"min_p", c.rollout.min_p},
+                                    {"seed", c.rollout.seed},
+                                    {"beta", c.trainer.grpo.loss.kl_beta},
+                                    {"lr", c.trainer.schedule.lr},
+                                    {"eps_low", c.trainer.grpo.loss.eps_low},
+                                    {"eps_high", c.trainer.grpo.loss.eps_high},
+                                    {"loss_type", loss_type(c)},
+                                    {"scale_rewards", scale_rewards(c)},
+                                    {"max_grad_norm", c.trainer.optimizer.max_grad_norm},
+                                    {"weight_decay", c.trainer.optimizer.weight_decay},
+                                    {"rewards", reward_specs(c)},
+                                    {"bf16", bf16},
+                                    {"stop_ids", stop_ids},
+                                    {"prompts", prompts}};
+    fs::create_directories(tmp);
+    const fs::path input = tmp / "peer-input.json";
+    std::ofstream(input) << peer_input.dump();
+    const nlohmann::json peer = run_peer_script(
+        "trl_grpo_step.py", fmt::format("--model '{}' --input '{}'", peer_model, input.string()));
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    if (peer.contains("error")) {
+      ++errors;
+      j["peer_error"] = peer["error"];
+    } else {
+      const double peer_s = peer["step_s"].get<double>();
+      j["peer"] =
+          fmt::format("TRL {} GRPOTrainer (transformers {}, PyTorch {}, CPU{})",
+                      peer["trl"].get<std::string>(), peer["transformers"].get<std::string>(),
+                      peer["torch"].get<std::string>(), bf16 ? ", bf16" : "");
+      j["peer_value"] = peer_s;
+      j["ratio"] = peer_s / step_s;  // > 1: tandem's step is faster
+      j["peer_step_seconds"] = peer["step_seconds"];
+      j["peer_phases"] = peer["phases"];
+      j["peer_response_tokens"] = peer["response_tokens"];
+      j["peer_same_prompt_ids"] = peer["same_prompt_ids"];
+    }
+    print_line(opt, j);
+    // A line per phase, with the peer's time for it where the peer has that phase (TRL's update is
+    // the rest of its step; it publishes nothing).
+    for (const Phase& p : phases_of_step()) {
+      const double ours = phases[p.name].get<double>();
+      nlohmann::ordered_json pj{{"bench", "step"},
+                                {"case", fmt::format("{}: {}", case_name, p.name)},
+                                {"metric", "phase_seconds_per_step"},
+                                {"unit", "s"},
+                                {"value", ours},
+                                {"fraction_of_step", ours / step_s}};
+      if (j.contains("peer_phases") && j["peer_phases"].contains(p.name)) {
+        const double theirs = j["peer_phases"][p.name].get<double>();
+        pj["peer"] = j["peer"];
+        pj["peer_value"] = theirs;
+        if (ours > 1e-6 && theirs > 1e-6) pj["ratio"] = theirs / ours;
+      }
+      print_line(opt, pj);
+    }
   }
   return errors == 0 ? 0 : 1;
 }

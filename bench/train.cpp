@@ -2,17 +2,21 @@
 // for a model's shape (default: the bundled SmolLM2-135M) on B x L tokens, beside PyTorch
 // (transformers' LlamaForCausalLM on the CPU, same shapes, bench/peers/torch_train.py) and the
 // FLOP ceiling (6 x parameters per token at the GEMM rate, measured again right before each
-// step: this machine kind's speed drifts by a fifth within minutes).
+// step: this machine kind's speed drifts by a fifth within minutes). On a CPU with AMX-BF16 a
+// second line does the same with the matmuls in bf16 (ops::cpu::MatmulPrecision), beside
+// PyTorch under bf16 autocast.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <tuple>
 
 #include "bench/bench.h"
 #include "bench/peers.h"
 #include "core/parallel.h"
+#include "kernels/cpu/matmul.h"
 #include "model/decoder.h"
 #include "model/loader.h"
 #include "trainer/optimizer.h"
@@ -47,66 +51,80 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
   Tensor dlp = Tensor::empty({T}, DType::f32);
   std::fill_n(dlp.data_as<float>(), T, 1.0f / static_cast<float>(T));
   const double flops_per_token = 6.0 * static_cast<double>(m.weights->num_parameters());
-  std::vector<double> times, limits, fractions;
-  std::string gemm_source;
-  for (int i = 0; i <= steps; ++i) {
-    double gemm_gflops = 0;
-    if (i > 0) std::tie(gemm_gflops, gemm_source) = measure_cpu_gemm_ceiling(opt);
-    const auto t0 = std::chrono::steady_clock::now();
-    grads.zero();
-    dec.forward(batch, lp, ent);
-    dec.backward(dlp, Tensor(), grads);
-    adamw.step(grads, 1e-5f);
-    if (i == 0) continue;
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    times.push_back(t);
-    limits.push_back(gemm_gflops * 1e9 / flops_per_token);
-    fractions.push_back(static_cast<double>(T) / t / limits.back());
-  }
   const auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  const double step_s = median(times);
-  const double value = static_cast<double>(T) / step_s;
-  const double limit = median(limits);
-
-  nlohmann::ordered_json j{
-      {"bench", "train"},
-      {"case", fmt::format("{} f32 {} x {} tokens", fs::path(path).stem().string(), B, L - 1)},
-      {"metric", "train_tokens_per_s"},
-      {"unit", "tokens/s"},
-      {"value", value},
-      {"step_ms", 1e3 * step_s},
-      {"threads", num_threads()}};
   const nlohmann::json cfg{
       {"vocab", c.vocab_size},  {"hidden", c.hidden_size},    {"intermediate", c.intermediate_size},
       {"layers", c.num_layers}, {"heads", c.num_heads},       {"kv_heads", c.num_kv_heads},
       {"head_dim", c.head_dim}, {"rope_theta", c.rope.theta}, {"tied", c.tie_word_embeddings}};
-  const nlohmann::json peer = run_peer_script(
-      "torch_train.py", fmt::format("--config '{}' --batch {} --len {} --threads {} --steps {}",
-                                    cfg.dump(), B, L, num_threads(), steps));
   int errors = 0;
-  if (peer.contains("error")) {
-    ++errors;
-    j["peer_error"] = peer["error"];
-  } else {
-    const double peer_value =
-        peer["tokens"].get<double>() / std::max(peer["step_s"].get<double>(), 1e-9);
-    j["peer"] = fmt::format("PyTorch {} (transformers {}, CPU)", peer["torch"].get<std::string>(),
-                            peer["transformers"].get<std::string>());
-    j["peer_value"] = peer_value;
-    j["ratio"] = value / peer_value;
+  // f32: every product in f32, against PyTorch in f32 and the f32 GEMM rate. bf16: the matmuls'
+  // operands rounded to bf16 (AMX where the CPU has it; weights, optimizer and everything else
+  // stay f32), against PyTorch under torch.autocast("cpu", bfloat16) and our bf16 GEMM rate.
+  for (const bool bf16 : {false, true}) {
+    const std::string case_name =
+        fmt::format("{} {} {} x {} tokens", fs::path(path).stem().string(),
+                    bf16 ? "bf16 compute" : "f32", B, L - 1);
+    if (bf16 && !ops::cpu::matmul_has_amx()) continue;
+    if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
+    std::optional<ops::cpu::ScopedMatmulPrecision> precision;
+    precision.emplace(bf16 ? ops::cpu::MatmulPrecision::bf16 : ops::cpu::MatmulPrecision::f32);
+    std::vector<double> times, limits, fractions;
+    std::string gemm_source;
+    for (int i = 0; i <= steps; ++i) {
+      double gemm_gflops = 0;
+      if (i > 0) {
+        std::tie(gemm_gflops, gemm_source) =
+            bf16 ? measure_cpu_bf16_gemm_ceiling(opt) : measure_cpu_gemm_ceiling(opt);
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      grads.zero();
+      dec.forward(batch, lp, ent);
+      dec.backward(dlp, Tensor(), grads);
+      adamw.step(grads, 1e-5f);
+      if (i == 0) continue;
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      times.push_back(t);
+      limits.push_back(gemm_gflops * 1e9 / flops_per_token);
+      fractions.push_back(static_cast<double>(T) / t / limits.back());
+    }
+    precision.reset();
+    const double step_s = median(times);
+    const double value = static_cast<double>(T) / step_s;
+    const double limit = median(limits);
+
+    nlohmann::ordered_json j{
+        {"bench", "train"},        {"case", case_name}, {"metric", "train_tokens_per_s"},
+        {"unit", "tokens/s"},      {"value", value},    {"step_ms", 1e3 * step_s},
+        {"threads", num_threads()}};
+    const nlohmann::json peer = run_peer_script(
+        "torch_train.py",
+        fmt::format("--config '{}' --batch {} --len {} --threads {} --steps {}{}", cfg.dump(), B, L,
+                    num_threads(), steps, bf16 ? " --autocast-bf16" : ""));
+    if (peer.contains("error")) {
+      ++errors;
+      j["peer_error"] = peer["error"];
+    } else {
+      const double peer_value =
+          peer["tokens"].get<double>() / std::max(peer["step_s"].get<double>(), 1e-9);
+      j["peer"] =
+          fmt::format("PyTorch {} (transformers {}, CPU{})", peer["torch"].get<std::string>(),
+                      peer["transformers"].get<std::string>(), bf16 ? ", autocast bf16" : "");
+      j["peer_value"] = peer_value;
+      j["ratio"] = value / peer_value;
+    }
+    j["limit"] = limit;
+    j["limit_source"] = fmt::format(
+        "{:.0f} GFLOP/s / {:.2f} GFLOP per token ({}, median of the rates measured "
+        "right before each step)",
+        limit * flops_per_token / 1e9, flops_per_token / 1e9, gemm_source);
+    // Each step against the GEMM rate measured just before it, then the median.
+    j["fraction_of_limit"] = median(fractions);
+    j["step_fractions_of_limit"] = fractions;
+    print_line(opt, j);
   }
-  j["limit"] = limit;
-  j["limit_source"] = fmt::format(
-      "{:.0f} GFLOP/s / {:.2f} GFLOP per token ({}, median of the rates measured "
-      "right before each step)",
-      limit * flops_per_token / 1e9, flops_per_token / 1e9, gemm_source);
-  // Each step against the GEMM rate measured just before it, then the median.
-  j["fraction_of_limit"] = median(fractions);
-  j["step_fractions_of_limit"] = fractions;
-  print_line(opt, j);
   return errors == 0 ? 0 : 1;
 }
 

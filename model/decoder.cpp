@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 
 namespace tandem::model {
@@ -151,9 +152,26 @@ struct AttentionInputs {
   Tensor prefix;  // (B) i32 or undefined: the packed sequences' shared prefixes
 };
 
+// A layer's projection weights packed for AMX (DecoderOptions::pack_weights).
+struct PackedLayer {
+  ops::cpu::PackedWeight q, k, v, o, gate_up, down;
+};
+
 class Net {
  public:
   explicit Net(const Weights& w) : w_(w), c_(w.config()), s_{w.device(), nullptr} {}
+
+  // Packs every projection and the head once, when matmuls run on AMX (the bf16 precision).
+  void pack_weights() {
+    if (!w_.device().is_cpu() || !ops::cpu::matmul_packs_weights()) return;
+    packed_.clear();
+    for (const LayerWeights& w : w_.layers) {
+      packed_.push_back({ops::cpu::PackedWeight(w.q), ops::cpu::PackedWeight(w.k),
+                         ops::cpu::PackedWeight(w.v), ops::cpu::PackedWeight(w.o),
+                         ops::cpu::PackedWeight(w.gate_up), ops::cpu::PackedWeight(w.down)});
+    }
+    packed_head_ = ops::cpu::PackedWeight(w_.lm_head);
+  }
 
   // h_out = layer l (h_in). One code path for training, prefill and decode.
   void layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tensor& h_out,
@@ -166,9 +184,10 @@ class Net {
     const Tensor q_lin = c_.qk_norm ? a.q_raw : a.q.view({T, H * D});
     const Tensor k_lin = c_.qk_norm ? a.k_raw : a.k.view({T, Hkv * D});
     const Tensor v_lin = a.v.view({T, Hkv * D});
-    ops::matmul(a.x1, w.q, q_lin, false, s_);
-    ops::matmul(a.x1, w.k, k_lin, false, s_);
-    ops::matmul(a.x1, w.v, v_lin, false, s_);
+    const PackedLayer* p = packed_.empty() ? nullptr : &packed_[static_cast<size_t>(l)];
+    linear(a.x1, w.q, p ? &p->q : nullptr, q_lin, false);
+    linear(a.x1, w.k, p ? &p->k : nullptr, k_lin, false);
+    linear(a.x1, w.v, p ? &p->v : nullptr, v_lin, false);
     if (c_.attention_bias) {
       // y += ones (T, 1) · bias (N, 1)^T: a bias add with the ops at hand, on any device.
       ops::matmul(in.ones, w.q_bias.view({H * D, 1}), q_lin, true, s_);
@@ -192,12 +211,12 @@ class Net {
     } else {
       ops::attention(a.q, a.k, a.v, in.cu_seqlens, in.prefix, a.att, a.lse, scale(), s_);
     }
-    ops::matmul(a.att.view({T, H * D}), w.o, a.o_out, false, s_);
+    linear(a.att.view({T, H * D}), w.o, p ? &p->o : nullptr, a.o_out, false);
     ops::add_rmsnorm(h_in, a.o_out, w.post_norm, a.h_mid, a.x2, a.rstd2, eps, s_);
-    ops::matmul(a.x2, w.gate_up, a.gate_up, false, s_);
+    linear(a.x2, w.gate_up, p ? &p->gate_up : nullptr, a.gate_up, false);
     ops::swiglu(a.gate_up, a.act, s_);
     Tensor(h_out).copy_from(a.h_mid);
-    ops::matmul(a.act, w.down, h_out, true, s_);
+    linear(a.act, w.down, p ? &p->down : nullptr, h_out, true);
   }
 
   // On entry g.dh = dL/dh_out; on exit g.dh = dL/dh_in. Parameter gradients accumulate into gw.
@@ -248,16 +267,28 @@ class Net {
   // bits as the same rows of a packed batch.
   void head(const Tensor& h, const Tensor& xf, const Tensor& rstdf, const Tensor& logits) const {
     ops::rmsnorm(h, w_.final_norm, xf, rstdf, c_.rms_norm_eps, s_);
-    ops::matmul(xf, w_.lm_head, logits, false, s_);
+    linear(xf, w_.lm_head, packed_head_.empty() ? nullptr : &packed_head_, logits, false);
   }
 
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_.head_dim)); }
   const Stream& stream() const { return s_; }
 
  private:
+  // y [+]= x · w^T, from w's packed copy when there is one and matmuls still run on AMX (the
+  // same bits either way).
+  void linear(const Tensor& x, const Tensor& w, const ops::cpu::PackedWeight* packed,
+              const Tensor& y, bool accumulate) const {
+    if (packed != nullptr && ops::cpu::matmul_packs_weights())
+      ops::cpu::matmul(x, *packed, y, accumulate);
+    else
+      ops::matmul(x, w, y, accumulate, s_);
+  }
+
   const Weights& w_;
   const ModelConfig& c_;
   Stream s_;
+  std::vector<PackedLayer> packed_;  // empty: not packed
+  ops::cpu::PackedWeight packed_head_;
 };
 
 void upload(Tensor dst, std::span<const int32_t> src) {
@@ -466,6 +497,7 @@ Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
   impl_->arena =
       std::make_unique<Arena>(ArenaClass::activations, weights.device(),
                               plan_bytes(config(), options.max_tokens, options.recompute));
+  if (options.pack_weights) impl_->net.pack_weights();
 }
 
 Decoder::~Decoder() = default;

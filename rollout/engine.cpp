@@ -114,8 +114,9 @@ struct Engine::Impl {
   }
 
   std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const {
+    // The weights stay as they are until the next set_weights, which makes a new decoder.
     return std::make_unique<model::Decoder>(
-        w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens});
+        w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens, .pack_weights = true});
   }
 
   static bool older(const Sample* a, const Sample* b) {

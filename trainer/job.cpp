@@ -2,6 +2,7 @@
 #include "trainer/job.h"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,6 +17,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "kernels/cpu/matmul.h"
 #include "model/loader.h"
 #include "rewards/factory.h"
 #include "rewards/reward_set.h"
@@ -316,6 +318,14 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                job.placement.mode, job.placement.device, job.where("placement.mode"));
   TANDEM_CHECK(fs::exists(job.model.path), "model.path '{}' does not exist ({})", job.model.path,
                job.where("model.path"));
+  // Process-wide, so that rollout and training compute alike; restored when the job returns.
+  const ops::cpu::ScopedMatmulPrecision precision(job.placement.cpu_matmul == "bf16"
+                                                      ? ops::cpu::MatmulPrecision::bf16
+                                                      : ops::cpu::MatmulPrecision::f32);
+  if (job.placement.cpu_matmul == "bf16" && !ops::cpu::matmul_has_amx())
+    spdlog::warn(
+        "placement.cpu_matmul = \"bf16\" without AMX-BF16 on this CPU: the operands are "
+        "rounded, then summed by the f32 kernel (slower than f32)");
   const auto run_t0 = Clock::now();
   fs::create_directories(job.logging.dir);
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);

@@ -446,6 +446,12 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("placement.release_memory", TANDEM_MEMBER(placement.release_memory),
               "Colocated: free the rollout engine's KV cache and activations during the update, "
               "and the trainer's activations during rollout; each phase takes its memory again."));
+  add(bind<J>("placement.cpu_matmul", TANDEM_MEMBER(placement.cpu_matmul),
+              "Arithmetic of every CPU matmul (rollout and training): \"f32\", or \"bf16\": "
+              "operands rounded to bf16 and summed in f32, the mixed precision of the CUDA "
+              "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there; "
+              "elsewhere slower than f32). Weights, optimizer and all other ops stay f32."))
+      .one_of({"f32", "bf16"});
   return v;
 }
 

@@ -123,6 +123,9 @@ struct PlacementSection {
   // Each phase frees the other's memory: the engine's KV cache and activations during the
   // update, the trainer's activations during rollout and eval.
   bool release_memory = true;
+  // The arithmetic of every CPU matmul, rollout and training alike: "f32", or "bf16" (operands
+  // rounded to bf16, sums in f32; AMX tiles where the CPU has them).
+  std::string cpu_matmul = "f32";
 };
 
 struct JobConfig {

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The PyTorch side of `tandem bench train`: one training step (forward, the mean token
 logprob's backward, AdamW) of a Llama-architecture model with the given shape (transformers'
-LlamaForCausalLM, f32, CPU), on B random sequences of L tokens. Prints one JSON object:
+LlamaForCausalLM, f32, CPU; with --autocast-bf16 the forward and backward run under
+torch.autocast("cpu", bfloat16)), on B random sequences of L tokens. Prints one JSON object:
 step_s (median of --steps after a warm-up), tokens (B * (L - 1) targets), torch and
 transformers versions and the thread count.
 """
@@ -19,6 +20,8 @@ def main() -> int:
     ap.add_argument("--len", type=int, default=257)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--autocast-bf16", action="store_true",
+                    help="forward and backward under torch.autocast('cpu', bfloat16); weights and AdamW stay f32")
     args = ap.parse_args()
     try:
         import torch
@@ -42,7 +45,8 @@ def main() -> int:
     times = []
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
-        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast_bf16):
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -logp.mean()
         opt.zero_grad(set_to_none=True)

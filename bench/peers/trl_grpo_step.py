@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The TRL side of `tandem bench step`: GRPO steps of TRL's GRPOTrainer on the CPU (f32,
-transformers' generate, no vLLM) with the settings, prompts and stop tokens tandem's job used.
+"""The TRL side of `tandem bench step`: GRPO steps of TRL's GRPOTrainer on the CPU (f32, or
+bf16 = True: torch.autocast to bf16 with f32 weights; transformers' generate, no vLLM) with the settings, prompts and stop tokens tandem's job used.
 
 --model: an HF directory (tandem writes it from the same weights). --input: JSON written by
 bench/step.cpp: batch (prompts per step), group, max_new_tokens, steps (timed after one warm-up
 step), threads, temperature, top_p, top_k, min_p, seed, beta, lr, eps_low, eps_high, loss_type,
-scale_rewards, max_grad_norm, weight_decay, rewards ([{name, kind, function, pattern, weight}],
+scale_rewards, max_grad_norm, weight_decay, bf16 (optional), rewards ([{name, kind, function, pattern, weight}],
 builtin math_match and regex_format), stop_ids, and prompts ([{text, ids, answer}], (steps + 1) *
 batch of them, used in order).
 
@@ -197,7 +197,7 @@ def main() -> int:
             seed=cfg["seed"],
             use_vllm=False,
             use_cpu=True,
-            bf16=False,
+            bf16=bool(cfg.get("bf16", False)),  # torch.autocast on the CPU, f32 weights
             fp16=False,
             report_to="none",
             logging_steps=1,

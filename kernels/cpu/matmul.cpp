@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/error.h"
 #include "core/half.h"
 #include "core/parallel.h"
 
@@ -52,6 +53,7 @@ using detail::kTileCols;
 using detail::kTileRows;
 
 MatmulKernel g_kernel = MatmulKernel::automatic;
+MatmulPrecision g_precision = MatmulPrecision::f32;
 
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -61,6 +63,7 @@ bool cpu_has_avx512() {
 }
 
 bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512(); }
+bool use_amx() { return g_kernel == MatmulKernel::automatic && detail::amx_usable(); }
 
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
 // of the thread's share of N passes over it.
@@ -238,18 +241,166 @@ Rows rows_of(const Tensor& t) { return {t.data(), t.dtype() == DType::bf16}; }
 // apart would fall into the same few L1 sets, so every row is padded by one cache line.
 int64_t padded(int64_t n) { return (n + 15) / 16 * 16 + 16; }
 
+// ---------------------------------------------------------------------------------------------
+// The bf16 precision.
+
+uint16_t* grow16(std::vector<uint16_t>& buf, int64_t n) {
+  constexpr int64_t kAlign = 32;  // 64 bytes
+  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
+  const auto address = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + (kAlign - static_cast<int64_t>(address / 2 % kAlign)) % kAlign;
+}
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The second operand of a product, the (N, R) matrix whose rows y's columns are dotted with:
+// given as its rows (the forward's w) or as the rows of its transpose, (R, N) row-major with
+// leading dimension ld (the backward products' w and x).
+struct Second {
+  Rows src;
+  bool transposed;
+};
+
+// Bytes of packed first-operand rows a thread keeps in its L2 while the column blocks pass.
+constexpr int64_t kAmxRowBlockBytes = int64_t{512} << 10;
+// Columns per work item (two 32-column groups).
+constexpr int64_t kAmxColBlock = 64;
+
+// The second operand in the AMX tile layout: round_up(N, 32) / 16 column groups of kp / 2
+// pair-rows (detail::amx_pack_pairs).
+void pack_second(Second b, int64_t ldb, int64_t N, int64_t R, int64_t kp, uint16_t* bp) {
+  parallel_for(
+      round_up(N, 32) / 16,
+      [&](int64_t g0, int64_t g1) {
+        if (b.transposed)
+          detail::amx_pack_pairs(b.src.data, b.src.bf16, ldb, R, N, bp, g0, g1, kp);
+        else
+          detail::amx_pack_transposed(b.src.data, b.src.bf16, ldb, N, R, bp, g0, g1, kp);
+      },
+      4);
+}
+
+// y (M, N) [+]= a (M, R) · b^T on AMX, b packed by pack_second: packs a's rows, then threads take
+// contiguous ranges of (row block, 64-column block) items.
+void amx_product(Rows a, int64_t lda, const uint16_t* bp, float* y, int64_t M, int64_t N, int64_t R,
+                 int64_t kp, bool accumulate) {
+  const int64_t Mp = round_up(M, 32), Np = round_up(N, 32);
+  thread_local std::vector<uint16_t> a_buf;
+  uint16_t* ap = grow16(a_buf, Mp * kp);
+  parallel_for(
+      Mp / 32,
+      [&](int64_t g0, int64_t g1) {
+        const int64_t r0 = g0 * 32, r1 = std::min(M, g1 * 32);
+        if (r1 > r0) {
+          const size_t esize = a.bf16 ? 2 : 4;
+          detail::amx_pack_rows(static_cast<const char*>(a.data) + r0 * lda * esize, a.bf16, lda,
+                                r1 - r0, R, ap + r0 * kp, kp);
+        }
+        const int64_t z0 = std::max(r0, r1);
+        if (g1 * 32 > z0)
+          std::memset(ap + z0 * kp, 0, static_cast<size_t>((g1 * 32 - z0) * kp) * 2);
+      },
+      4);
+  // Row blocks of equal size (in 32-row groups) that fit the L2 budget.
+  const int64_t max_rows = std::max<int64_t>(32, kAmxRowBlockBytes / (kp * 2) / 32 * 32);
+  const int64_t row_blocks = (Mp + max_rows - 1) / max_rows;
+  const int64_t block_rows = round_up((Mp + row_blocks - 1) / row_blocks, 32);
+  const int64_t col_blocks = (Np + kAmxColBlock - 1) / kAmxColBlock;
+  const int64_t item_work = std::max<int64_t>(1, std::min(Mp, block_rows) * kAmxColBlock * kp);
+  parallel_for(
+      row_blocks * col_blocks,
+      [&](int64_t i0, int64_t i1) {
+        for (int64_t item = i0; item < i1; ++item) {
+          const int64_t ib = item / col_blocks, jb = item % col_blocks;
+          const int64_t r0 = ib * block_rows, c0 = jb * kAmxColBlock;
+          const int64_t row_groups = (std::min(Mp, r0 + block_rows) - r0) / 32;
+          const int64_t col_groups = (std::min(Np, c0 + kAmxColBlock) - c0) / 32;
+          detail::amx_blocks(ap + r0 * kp, row_groups, bp + c0 * kp, col_groups, kp,
+                             y + r0 * N + c0, N, M - r0, N - c0, accumulate);
+        }
+      },
+      std::max<int64_t>(1, kMinWorkPerThread * 8 / item_work));
+}
+
+// y (M, N) [+]= a (M, R) · b (N, R)^T in the bf16 precision. a: rows of R, leading dimension
+// a.ld (0: R).
+void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  if (R == 0) {
+    if (!accumulate) std::fill(y, y + M * N, 0.0f);
+    return;
+  }
+  const int64_t lda = a.ld > 0 ? a.ld : R;
+  const int64_t ldb = b.src.ld > 0 ? b.src.ld : (b.transposed ? N : R);
+  if (!use_amx()) {
+    // Round both operands to bf16 rows, then the f32 kernel on their exact widening.
+    thread_local std::vector<uint16_t> a16, b16;
+    thread_local std::vector<float> bt;
+    uint16_t* ar = grow16(a16, M * R);
+    uint16_t* br = grow16(b16, N * R);
+    auto round_rows = [](Rows src, int64_t ld, int64_t rows, int64_t cols, uint16_t* dst) {
+      parallel_for(rows, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            dst[r * cols + c] =
+                src.bf16 ? detail::bf16_bits_daz(
+                               bf16_bits_to_f32(static_cast<const uint16_t*>(src.data)[r * ld + c]))
+                         : detail::bf16_bits_daz(static_cast<const float*>(src.data)[r * ld + c]);
+      });
+    };
+    round_rows(a, lda, M, R, ar);
+    if (b.transposed) {
+      // (R, N) -> (N, R) f32, then rounded.
+      float* t = grow(bt, N * R);
+      if (ldb == N) {
+        transpose(b.src, R, N, t, R);
+      } else {
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = 0; c < N; ++c)
+            t[c * R + r] =
+                b.src.bf16 ? bf16_bits_to_f32(static_cast<const uint16_t*>(b.src.data)[r * ldb + c])
+                           : static_cast<const float*>(b.src.data)[r * ldb + c];
+      }
+      round_rows({t, false, R}, R, N, R, br);
+    } else {
+      round_rows(b.src, ldb, N, R, br);
+    }
+    forward({ar, true, R}, {br, true, R}, y, M, N, R, accumulate);
+    return;
+  }
+  const int64_t kp = round_up(R, detail::kAmxK);
+  thread_local std::vector<uint16_t> b_buf;
+  uint16_t* bp = grow16(b_buf, round_up(N, 32) * kp);
+  pack_second(b, ldb, N, R, kp, bp);
+  amx_product(a, lda, bp, y, M, N, R, kp, accumulate);
+}
+
 }  // namespace
 
 void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
 bool matmul_has_avx512() { return cpu_has_avx512(); }
+void set_matmul_precision(MatmulPrecision precision) { g_precision = precision; }
+MatmulPrecision matmul_precision() { return g_precision; }
+bool matmul_has_amx() { return detail::amx_usable(); }
 
 void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) {
+  if (g_precision == MatmulPrecision::bf16) {
+    forward_bf16(rows_of(x), {rows_of(w), false}, y.data_as<float>(), x.size(0), w.size(0),
+                 x.size(1), accumulate);
+    return;
+  }
   forward(rows_of(x), rows_of(w), y.data_as<float>(), x.size(0), w.size(0), x.size(1), accumulate);
 }
 
 void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate) {
   // dx (M, K) = dy (M, N) · w (N, K) = dy · (w^T (K, N))^T: the forward product against w^T.
   const int64_t N = w.size(0), K = w.size(1);
+  if (g_precision == MatmulPrecision::bf16) {
+    Rows wt = rows_of(w);
+    wt.ld = K;
+    forward_bf16(rows_of(dy), {wt, true}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
+    return;
+  }
   const int64_t ld = padded(N);
   thread_local std::vector<float> w_t;  // (K, N), leading dimension ld
   float* wt = grow(w_t, K * ld);
@@ -261,12 +412,53 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
   // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
   const int64_t ld = padded(M);
+  if (g_precision == MatmulPrecision::bf16) {
+    thread_local std::vector<float> dy_t;  // (N, M), leading dimension ld
+    float* dyt = grow(dy_t, N * ld);
+    transpose(rows_of(dy), M, N, dyt, ld);
+    Rows xt = rows_of(x);
+    xt.ld = K;
+    forward_bf16({dyt, false, ld}, {xt, true}, dw.data_as<float>(), N, K, M, accumulate);
+    return;
+  }
   thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M), leading dimension ld
   float* dyt = grow(dy_t, N * ld);
   float* xt = grow(x_t, K * ld);
   transpose(rows_of(dy), M, N, dyt, ld);
   transpose(rows_of(x), M, K, xt, ld);
   forward({dyt, false, ld}, {xt, false, ld}, dw.data_as<float>(), N, K, M, accumulate);
+}
+
+PackedWeight::PackedWeight(const Tensor& w) : n_(w.size(0)), k_(w.size(1)) {
+  TANDEM_CHECK(matmul_packs_weights(),
+               "PackedWeight needs the bf16 matmul precision on a CPU with AMX-BF16");
+  TANDEM_CHECK(
+      w.device().is_cpu() && w.ndim() == 2 && (w.dtype() == DType::f32 || w.dtype() == DType::bf16),
+      "PackedWeight: w must be a 2-d f32 or bf16 CPU tensor, got {} {}", w.shape(),
+      dtype_name(w.dtype()));
+  kp_ = round_up(std::max<int64_t>(k_, 1), detail::kAmxK);
+  data_ = grow16(storage_, round_up(n_, 32) * kp_) - storage_.data();
+  pack_second({rows_of(w), false}, k_, n_, k_, kp_, storage_.data() + data_);
+}
+
+bool matmul_packs_weights() { return g_precision == MatmulPrecision::bf16 && use_amx(); }
+
+void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate) {
+  TANDEM_CHECK(!w.empty() && matmul_packs_weights(),
+               "matmul with a PackedWeight needs one, the bf16 precision and AMX");
+  TANDEM_CHECK(x.device().is_cpu() && y.device().is_cpu() && x.ndim() == 2 && y.ndim() == 2 &&
+                   x.size(1) == w.cols() && y.size(0) == x.size(0) && y.size(1) == w.rows() &&
+                   (x.dtype() == DType::f32 || x.dtype() == DType::bf16) && y.dtype() == DType::f32,
+               "matmul: x {} {} against a packed w ({}, {}) into y {} {}", x.shape(),
+               dtype_name(x.dtype()), w.rows(), w.cols(), y.shape(), dtype_name(y.dtype()));
+  const int64_t M = x.size(0), N = w.rows(), K = w.cols();
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate) std::fill(y.data_as<float>(), y.data_as<float>() + M * N, 0.0f);
+    return;
+  }
+  amx_product(rows_of(x), K, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K, w.kp_,
+              accumulate);
 }
 
 }  // namespace tandem::ops::cpu

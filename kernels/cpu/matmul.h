@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -19,6 +21,58 @@ enum class MatmulKernel { automatic, portable };
 void set_matmul_kernel(MatmulKernel kernel);
 // Whether this CPU runs the AVX-512 kernel when the choice is `automatic`.
 bool matmul_has_avx512();
+
+// The arithmetic of every CPU matmul product, process-wide (set it before any work: rollout and
+// training must use the same one for their logprobs to agree).
+// - f32 (the default): operands as they are, the dot-product kernel of detail::kChunk.
+// - bf16: both operands rounded to bf16 (round to nearest even, denormal inputs to zero), their
+//   products summed in f32: the mixed precision of the CUDA matmuls. On a CPU with AMX-BF16 the
+//   sums run in AMX tiles (32 K values per tile step, in the hardware's own order, which is not
+//   a sequence of f32 adds); elsewhere, and with MatmulKernel::portable, in the f32 kernel on
+//   the rounded operands. So bits differ between the two, while each is deterministic,
+//   batch-invariant and independent of the thread count.
+enum class MatmulPrecision { f32, bf16 };
+void set_matmul_precision(MatmulPrecision precision);
+MatmulPrecision matmul_precision();
+// Sets the precision for a scope and puts the previous one back.
+class ScopedMatmulPrecision {
+ public:
+  explicit ScopedMatmulPrecision(MatmulPrecision p) : before_(matmul_precision()) {
+    set_matmul_precision(p);
+  }
+  ~ScopedMatmulPrecision() { set_matmul_precision(before_); }
+  ScopedMatmulPrecision(const ScopedMatmulPrecision&) = delete;
+  ScopedMatmulPrecision& operator=(const ScopedMatmulPrecision&) = delete;
+
+ private:
+  MatmulPrecision before_;
+};
+// Whether bf16 products run on AMX here (the CPU has it and the kernel granted the tile state).
+bool matmul_has_amx();
+// Whether matmuls run on AMX now (the bf16 precision, the automatic kernel, AMX here): then a
+// weight can be packed once (PackedWeight) instead of on every call.
+bool matmul_packs_weights();
+
+// w (N, K) rounded and laid out in AMX tiles once: what every bf16 matmul against w builds
+// anew. matmul(x, packed, y) gives bitwise matmul(x, w, y) while w keeps the values it had
+// when packed; the owner packs again when they change. Needs matmul_packs_weights().
+class PackedWeight {
+ public:
+  PackedWeight() = default;
+  explicit PackedWeight(const Tensor& w);
+  bool empty() const { return storage_.empty(); }
+  int64_t rows() const { return n_; }
+  int64_t cols() const { return k_; }
+  size_t nbytes() const { return storage_.size() * sizeof(uint16_t); }
+
+ private:
+  friend void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate);
+  int64_t n_ = 0, k_ = 0, kp_ = 0;
+  std::vector<uint16_t> storage_;
+  int64_t data_ = 0;  // the 64-byte aligned start in storage_ (an offset: moves keep it valid)
+};
+// y (M, N) [+]= x (M, K) · w^T from a packed w. x: f32 or bf16; y: f32; all on the CPU.
+void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate);
 
 namespace detail {
 
@@ -61,6 +115,38 @@ void chunk_avx512(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, f
 void transpose16_avx512(const float* src, int64_t lds, float* dst, int64_t ldd);
 // dst[i] = the f32 value of the bf16 bits src[i] (exact), i < n, with AVX-512.
 void widen_bf16_avx512(const uint16_t* src, float* dst, int64_t n);
+
+// f32 -> bf16 as the bf16 precision rounds (AVX512-BF16's conversion): to nearest even, a
+// denormal input becomes a zero of its sign, a NaN stays a quiet NaN.
+inline uint16_t bf16_bits_daz(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7f800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// The AMX path of the bf16 precision (kernels/cpu/matmul_amx.cpp). Packed operands have kp
+// values per row, K rounded up to kAmxK and zero-filled.
+inline constexpr int64_t kAmxK = 32;
+bool amx_usable();
+// dst rows (kp bf16 each) = src rows (k values, f32 or bf16, leading dimension ld), rounded.
+void amx_pack_rows(const void* src, bool bf16, int64_t ld, int64_t rows, int64_t k, uint16_t* dst,
+                   int64_t kp);
+// Column groups [g0, g1) of the second operand, 16 columns each, in the tile layout: group g
+// holds kp / 2 pair-rows of 32 bf16, (B[2p][c], B[2p + 1][c]) for c = 16 g ... 16 g + 15, at
+// dst + g kp 16. From src (r_count, cols) row-major (B itself: amx_pack_pairs) or src
+// (cols, k) row-major (B^T: amx_pack_transposed); out-of-range values are zero.
+void amx_pack_pairs(const void* src, bool bf16, int64_t ld, int64_t r_count, int64_t cols,
+                    uint16_t* dst, int64_t g0, int64_t g1, int64_t kp);
+void amx_pack_transposed(const void* src, bool bf16, int64_t ld, int64_t cols, int64_t k,
+                         uint16_t* dst, int64_t g0, int64_t g1, int64_t kp);
+// y (rows, cols; leading dimension ldy) [+]= a · b over row_groups 32-row groups of packed a
+// and col_groups 32-column groups of packed b (4 tiles per 32 x 32 block, summed over kp from
+// zero, then added to y when `add`). Rows and columns past rows/cols are not written.
+void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t* b, int64_t col_groups,
+                int64_t kp, float* y, int64_t ldy, int64_t rows, int64_t cols, bool add);
 
 }  // namespace detail
 }  // namespace tandem::ops::cpu

@@ -52,7 +52,7 @@ TEST_CASE("tandem bench kernels --json prints one valid measurement per line", "
 TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps", "[e2e]") {
   // The TRL peer is minutes of work: leave it out, so the run reports it missing.
   ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
-  const Run r = run("bench step --quick --json", /*merge_stderr=*/false);
+  const Run r = run("bench step --quick --json --filter f32", /*merge_stderr=*/false);
   ::unsetenv("TANDEM_BENCH_PYTHON");
   INFO(r.out);
   CHECK(r.status == 1);  // a missing peer fails the run

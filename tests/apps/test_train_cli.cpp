@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -150,6 +151,23 @@ TEST_CASE("tandem train with the default f32 rollout publishes without moving a 
       else  // the old logprobs are the rollout's: no difference is logged
         CHECK(!m.contains("rollout_trainer_logp/max_abs"));
     }
+  }
+}
+
+TEST_CASE("tandem train with bf16 CPU matmuls: engine and trainer logprobs agree bitwise",
+          "[e2e]") {
+  const tandem::test::TempDir tmp("train-bf16-matmul");
+  write_tiny_model(tmp.file("model"));
+  // The engine's packed weights (AMX) and the trainer's per-call packing round alike; without
+  // AMX both take the portable path. Either way the difference is exactly 0.
+  const auto steps = run_tiny_job(tmp, tmp.file("model"),
+                                  "placement.cpu_matmul=bf16 trainer.always_recompute_old=true");
+  REQUIRE(steps.size() == 3);
+  for (const auto& m : steps) {
+    INFO(m.dump());
+    CHECK(m["old_logp_recomputed"].get<int>() == 1);
+    CHECK(m["rollout_trainer_logp/max_abs"].get<double>() == 0);
+    CHECK(std::isfinite(m["loss"].get<double>()));
   }
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/matmul.h"
 #include "model/decoder.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -156,33 +157,38 @@ ForwardComparison compare_with_forward(const model::Weights& w, const std::vecto
 
 TEST_CASE("engine logprobs equal the training forward's logprobs bitwise for a ragged batch",
           "[unit]") {
-  for (bool qwen3 : {false, true}) {
-    const DType dtype = qwen3 ? DType::bf16 : DType::f32;
-    INFO((qwen3 ? "qwen3 bf16" : "llama f32"));
-    const model::ModelConfig c = tiny_config(qwen3);
-    model::Weights w(c, dtype);
-    fill_random(w, qwen3 ? 900 : 800);
-    EngineOptions o = small_options();
-    o.max_batch_tokens = 10;  // the 13-token prompt is prefilled in chunks
-    Engine engine(w, o);
-    std::vector<Request> rs = mixed_requests(c.vocab_size);
-    for (Request& r : rs) r.params.temperature = 0.7f;  // the trainer's temperature below
-    const std::vector<RequestOutput> outs = engine.generate(rs);
-    for (size_t r = 0; r < outs.size(); ++r) {
-      REQUIRE(outs[r].status == RequestStatus::done);
-      REQUIRE(outs[r].samples.size() == static_cast<size_t>(rs[r].params.n));
-      for (const SampleOutput& smp : outs[r].samples) {
-        CHECK(smp.tokens.size() == static_cast<size_t>(rs[r].params.max_tokens));
-        CHECK(smp.finish_reason == FinishReason::length);
+  // Also with the bf16 matmul precision (AMX where the CPU has it): decode's few rows and the
+  // packed forward's many still get the same bits.
+  for (const auto precision : {ops::cpu::MatmulPrecision::f32, ops::cpu::MatmulPrecision::bf16})
+    for (bool qwen3 : {false, true}) {
+      const ops::cpu::ScopedMatmulPrecision scope(precision);
+      const DType dtype = qwen3 ? DType::bf16 : DType::f32;
+      INFO((qwen3 ? "qwen3 bf16" : "llama f32")
+           << " bf16 matmuls: " << (precision == ops::cpu::MatmulPrecision::bf16));
+      const model::ModelConfig c = tiny_config(qwen3);
+      model::Weights w(c, dtype);
+      fill_random(w, qwen3 ? 900 : 800);
+      EngineOptions o = small_options();
+      o.max_batch_tokens = 10;  // the 13-token prompt is prefilled in chunks
+      Engine engine(w, o);
+      std::vector<Request> rs = mixed_requests(c.vocab_size);
+      for (Request& r : rs) r.params.temperature = 0.7f;  // the trainer's temperature below
+      const std::vector<RequestOutput> outs = engine.generate(rs);
+      for (size_t r = 0; r < outs.size(); ++r) {
+        REQUIRE(outs[r].status == RequestStatus::done);
+        REQUIRE(outs[r].samples.size() == static_cast<size_t>(rs[r].params.n));
+        for (const SampleOutput& smp : outs[r].samples) {
+          CHECK(smp.tokens.size() == static_cast<size_t>(rs[r].params.max_tokens));
+          CHECK(smp.finish_reason == FinishReason::length);
+        }
       }
+      const ForwardComparison cmp = compare_with_forward(w, rs, outs, 0.7f);
+      INFO("max |delta| " << cmp.max_abs);
+      CHECK(cmp.equal == cmp.compared);  // bitwise
+      CHECK(cmp.compared == 7 + 3 * 9 + 2 * 6 + 11);
+      CHECK(engine.stats().forks == 2 + 1);
+      CHECK(engine.blocks().num_free_blocks() == o.num_blocks);
     }
-    const ForwardComparison cmp = compare_with_forward(w, rs, outs, 0.7f);
-    INFO("max |delta| " << cmp.max_abs);
-    CHECK(cmp.equal == cmp.compared);  // bitwise
-    CHECK(cmp.compared == 7 + 3 * 9 + 2 * 6 + 11);
-    CHECK(engine.stats().forks == 2 + 1);
-    CHECK(engine.blocks().num_free_blocks() == o.num_blocks);
-  }
 }
 
 TEST_CASE("engine group of n samples equals n separate requests with the same seeds", "[unit]") {

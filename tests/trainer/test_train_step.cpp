@@ -6,6 +6,7 @@
 #include <cmath>
 #include <deque>
 
+#include "kernels/cpu/matmul.h"
 #include "rollout/engine.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
@@ -76,31 +77,37 @@ float small_ids(const std::vector<int32_t>& t) {
 }  // namespace
 
 TEST_CASE("train step at step 0 has ratio 1 and KL 0 with the rollout's logprobs", "[unit]") {
-  const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::qwen3);
-  model::Weights policy(cfg, DType::f32), ref(cfg, DType::f32);
-  test::fill_random_weights(policy, 3);
-  ref.copy_from(policy);
-  rollout::Engine engine(policy, engine_options());
-  const auto samples =
-      rollout_samples(engine, prompts_of(3, 5, cfg.vocab_size, 1), 4, 6, 9, small_ids);
+  // In both CPU matmul precisions: bf16 rounds the operands (AMX where the CPU has it), and
+  // the engine's decode and the trainer's packed forward still compute alike.
+  for (const auto precision : {ops::cpu::MatmulPrecision::f32, ops::cpu::MatmulPrecision::bf16}) {
+    INFO("bf16 matmuls: " << (precision == ops::cpu::MatmulPrecision::bf16));
+    const ops::cpu::ScopedMatmulPrecision scope(precision);
+    const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::qwen3);
+    model::Weights policy(cfg, DType::f32), ref(cfg, DType::f32);
+    test::fill_random_weights(policy, 3);
+    ref.copy_from(policy);
+    rollout::Engine engine(policy, engine_options());
+    const auto samples =
+        rollout_samples(engine, prompts_of(3, 5, cfg.vocab_size, 1), 4, 6, 9, small_ids);
 
-  AdamW opt(policy, AdamWConfig{});
-  const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
-  TrainStepConfig tc;
-  tc.loss.kl_beta = 0.1;
-  tc.always_recompute_old = true;  // measures rollout vs trainer logprobs
-  PolicyTrainer trainer(policy, &ref, opt, lr, tc);
-  const TrainStepMetrics m = trainer.step(samples);
-  CHECK(m.old_recomputed);
-  // The engine's logprobs are the training forward's, bitwise.
-  CHECK(m.rollout_vs_trainer_max_abs == 0.0);
-  CHECK(m.policy.ratio_min == 1.0);
-  CHECK(m.policy.ratio_max == 1.0);
-  CHECK(m.policy.kl_ref_sum == 0.0);
-  CHECK(m.policy.clipped_low + m.policy.clipped_high == 0);
-  CHECK(m.optimizer_steps == 1);
-  CHECK(std::isfinite(m.grad_norm));
-  CHECK(m.grad_norm > 0);
+    AdamW opt(policy, AdamWConfig{});
+    const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
+    TrainStepConfig tc;
+    tc.loss.kl_beta = 0.1;
+    tc.always_recompute_old = true;  // measures rollout vs trainer logprobs
+    PolicyTrainer trainer(policy, &ref, opt, lr, tc);
+    const TrainStepMetrics m = trainer.step(samples);
+    CHECK(m.old_recomputed);
+    // The engine's logprobs are the training forward's, bitwise.
+    CHECK(m.rollout_vs_trainer_max_abs == 0.0);
+    CHECK(m.policy.ratio_min == 1.0);
+    CHECK(m.policy.ratio_max == 1.0);
+    CHECK(m.policy.kl_ref_sum == 0.0);
+    CHECK(m.policy.clipped_low + m.policy.clipped_high == 0);
+    CHECK(m.optimizer_steps == 1);
+    CHECK(std::isfinite(m.grad_norm));
+    CHECK(m.grad_norm > 0);
+  }
 }
 
 TEST_CASE("train step loss and gradient do not depend on the micro-batch split", "[unit]") {

@@ -1,0 +1,294 @@
+// The bf16 precision of the CPU matmuls: against f64 references of the rounded operands, the
+// AMX path against the portable one within f32 summation error, batch invariance and
+// thread-count independence bit for bit, and the AMX packing against scalar rounding.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/half.h"
+#include "core/parallel.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
+#include "tests/testutil.h"
+
+using namespace tandem;
+using namespace tandem::test;
+namespace cpu = tandem::ops::cpu;
+
+namespace {
+
+// The bf16 precision (and optionally the portable kernel) for one scope.
+struct Bf16Scope {
+  explicit Bf16Scope(bool portable = false) : precision(cpu::MatmulPrecision::bf16) {
+    if (portable) cpu::set_matmul_kernel(cpu::MatmulKernel::portable);
+  }
+  ~Bf16Scope() { cpu::set_matmul_kernel(cpu::MatmulKernel::automatic); }
+  Bf16Scope(const Bf16Scope&) = delete;
+  Bf16Scope& operator=(const Bf16Scope&) = delete;
+  cpu::ScopedMatmulPrecision precision;
+};
+
+double rounded(double v) {
+  return bf16_bits_to_f32(cpu::detail::bf16_bits_daz(static_cast<float>(v)));
+}
+
+enum class Op { forward, backward_input, backward_weight };
+
+struct Run {
+  Tensor out;
+  std::vector<double> truth;  // f64 product of the bf16-rounded operands
+  std::vector<double> bound;  // f32 summation error bound per element: R * eps * sum |a b|
+};
+
+// out (R, C) = sum_s a(r, s) b(c, s) [+ init], given by strides, in f64 on rounded operands.
+void reference(const std::vector<double>& a, int64_t a_rs, int64_t a_ss,
+               const std::vector<double>& b, int64_t b_cs, int64_t b_ss, int64_t R, int64_t C,
+               int64_t S, const std::vector<double>* init, Run& run) {
+  run.truth.assign(static_cast<size_t>(R * C), 0.0);
+  run.bound.assign(static_cast<size_t>(R * C), 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      double acc = 0, mag = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const double p = rounded(a[static_cast<size_t>(r * a_rs + s * a_ss)]) *
+                         rounded(b[static_cast<size_t>(c * b_cs + s * b_ss)]);
+        acc += p;
+        mag += std::abs(p);
+      }
+      const size_t o = static_cast<size_t>(r * C + c);
+      if (init) {
+        acc += (*init)[o];
+        mag += std::abs((*init)[o]);
+      }
+      run.truth[o] = acc;
+      run.bound[o] = static_cast<double>(S + 2) * 0x1p-24 * mag + 1e-30;
+    }
+}
+
+Run run_op(Op op, int64_t M, int64_t N, int64_t K, DType a_type, DType b_type, bool accumulate,
+           uint64_t seed) {
+  Tensor a, b;
+  Run run;
+  switch (op) {
+    case Op::forward:
+      a = random_tensor({M, K}, a_type, seed);
+      b = random_tensor({N, K}, b_type, seed + 1);
+      run.out = random_tensor({M, N}, DType::f32, seed + 2);
+      break;
+    case Op::backward_input:
+      a = random_tensor({M, N}, DType::f32, seed);
+      b = random_tensor({N, K}, b_type, seed + 1);
+      run.out = random_tensor({M, K}, DType::f32, seed + 2);
+      break;
+    case Op::backward_weight:
+      a = random_tensor({M, N}, DType::f32, seed);
+      b = random_tensor({M, K}, b_type, seed + 1);
+      run.out = random_tensor({N, K}, DType::f32, seed + 2);
+      break;
+  }
+  const std::vector<double> av = to_f64(a), bv = to_f64(b), init = to_f64(run.out);
+  const std::vector<double>* ip = accumulate ? &init : nullptr;
+  switch (op) {
+    case Op::forward:
+      reference(av, K, 1, bv, K, 1, M, N, K, ip, run);
+      ops::matmul(a, b, run.out, accumulate);
+      break;
+    case Op::backward_input:
+      reference(av, N, 1, bv, 1, K, M, K, N, ip, run);
+      ops::matmul_backward_input(a, b, run.out, accumulate);
+      break;
+    case Op::backward_weight:
+      reference(av, 1, N, bv, 1, K, N, K, M, ip, run);
+      ops::matmul_backward_weight(a, b, run.out, accumulate);
+      break;
+  }
+  return run;
+}
+
+void check_run(const Run& run, const std::string& what) {
+  INFO(what);
+  const std::vector<double> got = to_f64(run.out);
+  int64_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(std::abs(got[i] - run.truth[i]) <= run.bound[i])) ++bad;
+  CHECK(bad == 0);
+}
+
+struct Dims {
+  int64_t M, N, K;
+};
+constexpr Dims kShapes[] = {{7, 13, 37},  {65, 33, 577}, {1, 5, 16},   {3, 7, 1},
+                            {33, 48, 64}, {5, 9, 1601},  {40, 70, 100}};
+
+bool rows_equal(const Tensor& a, int64_t a_row, const Tensor& b, int64_t b_row) {
+  const int64_t n = a.size(1);
+  return std::memcmp(a.data_as<float>() + a_row * n, b.data_as<float>() + b_row * n,
+                     static_cast<size_t>(n) * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 matmuls match f64 products of the rounded operands", "[unit]") {
+  for (const bool portable : {false, true}) {
+    Bf16Scope scope(portable);
+    for (const Dims& d : kShapes)
+      for (const Op op : {Op::forward, Op::backward_input, Op::backward_weight})
+        for (const DType bt : {DType::f32, DType::bf16})
+          for (const bool acc : {false, true}) {
+            const DType at = op == Op::forward ? bt : DType::f32;
+            const Run run = run_op(op, d.M, d.N, d.K, at, bt, acc, 900 + static_cast<int>(op));
+            check_run(run,
+                      fmt::format("portable={} op={} M={} N={} K={} {} accumulate={}", portable,
+                                  static_cast<int>(op), d.M, d.N, d.K, dtype_name(bt), acc));
+          }
+  }
+}
+
+TEST_CASE("bf16 matmul rows are bitwise the same alone and inside batches of any size", "[unit]") {
+  for (const bool portable : {false, true}) {
+    Bf16Scope scope(portable);
+    INFO("portable=" << portable << " amx=" << cpu::matmul_has_amx());
+    const int64_t N = 70, K = 200;
+    const Tensor x = random_tensor({50, K}, DType::f32, 31);
+    const Tensor w = random_tensor({N, K}, DType::bf16, 32);
+    Tensor all = Tensor::empty({50, N}, DType::f32);
+    ops::matmul(x, w, all);
+    for (const int64_t first : {int64_t{0}, int64_t{17}, int64_t{49}}) {
+      for (const int64_t rows : {int64_t{1}, int64_t{2}, int64_t{33}}) {
+        if (first + rows > 50) continue;
+        Tensor part = Tensor::empty({rows, N}, DType::f32);
+        ops::matmul(x.narrow(first, rows), w, part);
+        for (int64_t r = 0; r < rows; ++r) CHECK(rows_equal(part, r, all, first + r));
+      }
+    }
+  }
+}
+
+TEST_CASE("bf16 matmul products are bitwise the same with 1 and 2 threads", "[unit]") {
+  Bf16Scope scope;
+  const int threads = num_threads();
+  const Tensor x = random_tensor({300, 96}, DType::f32, 41);
+  const Tensor w = random_tensor({200, 96}, DType::f32, 42);
+  const Tensor dy = random_tensor({300, 200}, DType::f32, 43);
+  auto all = [&] {
+    Tensor y = Tensor::empty({300, 200}, DType::f32), dx = Tensor::empty({300, 96}, DType::f32),
+           dw = Tensor::empty({200, 96}, DType::f32);
+    ops::matmul(x, w, y);
+    ops::matmul_backward_input(dy, w, dx);
+    ops::matmul_backward_weight(dy, x, dw);
+    return std::vector<Tensor>{y, dx, dw};
+  };
+  set_num_threads(1);
+  const std::vector<Tensor> one = all();
+  set_num_threads(2);
+  const std::vector<Tensor> two = all();
+  set_num_threads(threads);
+  for (size_t i = 0; i < one.size(); ++i) CHECK(bitwise_equal(one[i], two[i]));
+}
+
+TEST_CASE("bf16 rounding keeps NaN and infinities and sends denormals to zero", "[unit]") {
+  const float denormal = std::numeric_limits<float>::denorm_min() * 1000.0f;
+  CHECK(cpu::detail::bf16_bits_daz(denormal) == 0);
+  CHECK(cpu::detail::bf16_bits_daz(-denormal) == 0x8000);
+  CHECK(cpu::detail::bf16_bits_daz(std::numeric_limits<float>::infinity()) == 0x7f80);
+  const uint16_t nan = cpu::detail::bf16_bits_daz(std::numeric_limits<float>::quiet_NaN());
+  CHECK(std::isnan(bf16_bits_to_f32(nan)));
+  CHECK(cpu::detail::bf16_bits_daz(1.0f + 0x1p-8f) == 0x3f80);             // tie to even
+  CHECK(cpu::detail::bf16_bits_daz(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);  // above the tie
+}
+
+TEST_CASE("AMX packing rounds as the scalar bf16 rounding and lays out tiles", "[unit]") {
+  if (!cpu::detail::amx_usable()) {
+    WARN("no AMX-BF16 here: the packing is not exercised");
+    return;
+  }
+  // Values across magnitudes, with denormals, ties, infinities and NaN.
+  const int64_t rows = 21, k = 45, kp = 64;
+  std::vector<float> src(static_cast<size_t>(rows * k));
+  for (size_t i = 0; i < src.size(); ++i) {
+    const double v = std::sin(static_cast<double>(i) * 1.7) * std::pow(2.0, (i % 61) - 30.0);
+    src[i] = static_cast<float>(v);
+  }
+  src[3] = std::numeric_limits<float>::denorm_min() * 77.0f;
+  src[4] = -src[3];
+  src[5] = 1.0f + 0x1p-8f;
+  src[6] = std::numeric_limits<float>::infinity();
+  src[7] = std::numeric_limits<float>::quiet_NaN();
+  auto expect = [&](int64_t r, int64_t c) -> uint16_t {
+    return r < rows && c < k ? cpu::detail::bf16_bits_daz(src[static_cast<size_t>(r * k + c)])
+                             : uint16_t{0};
+  };
+  std::vector<uint16_t> a(static_cast<size_t>(rows * kp), 0xffff);
+  cpu::detail::amx_pack_rows(src.data(), false, k, rows, k, a.data(), kp);
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kp; ++c) bad += a[static_cast<size_t>(r * kp + c)] != expect(r, c);
+  CHECK(bad == 0);
+  // src as (cols = rows, k) rows: the forward's w. Two groups of 16 columns.
+  std::vector<uint16_t> b(static_cast<size_t>(32 * kp), 0xffff);
+  cpu::detail::amx_pack_transposed(src.data(), false, k, rows, k, b.data(), 0, 2, kp);
+  bad = 0;
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t p = 0; p < kp / 2; ++p)
+      for (int64_t c = 0; c < 16; ++c)
+        for (int64_t h = 0; h < 2; ++h)
+          bad += b[static_cast<size_t>(g * kp * 16 + p * 32 + c * 2 + h)] !=
+                 expect(g * 16 + c, 2 * p + h);
+  CHECK(bad == 0);
+  // src as (r_count = rows, cols = k) rows: the backward products' second operand.
+  const int64_t kp2 = 32, groups = 3;  // r_count 21 -> 32; cols 45 -> 48
+  std::vector<uint16_t> t(static_cast<size_t>(groups * 16 * kp2), 0xffff);
+  cpu::detail::amx_pack_pairs(src.data(), false, k, rows, k, t.data(), 0, groups, kp2);
+  bad = 0;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t p = 0; p < kp2 / 2; ++p)
+      for (int64_t c = 0; c < 16; ++c)
+        for (int64_t h = 0; h < 2; ++h)
+          bad += t[static_cast<size_t>(g * kp2 * 16 + p * 32 + c * 2 + h)] !=
+                 expect(2 * p + h, g * 16 + c);
+  CHECK(bad == 0);
+}
+
+TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[unit]") {
+  Bf16Scope scope;
+  if (!cpu::matmul_packs_weights()) {
+    WARN("no AMX-BF16 here: weights are not packed");
+    CHECK_THROWS_WITH(cpu::PackedWeight(random_tensor({4, 4}, DType::f32, 1)),
+                      Catch::Contains("AMX"));
+    return;
+  }
+  for (const DType wt : {DType::f32, DType::bf16}) {
+    for (const Dims& d : kShapes) {
+      INFO("M=" << d.M << " N=" << d.N << " K=" << d.K << " " << dtype_name(wt));
+      const Tensor x = random_tensor({d.M, d.K}, DType::f32, 51);
+      const Tensor w = random_tensor({d.N, d.K}, wt, 52);
+      const cpu::PackedWeight packed(w);
+      CHECK(packed.rows() == d.N);
+      CHECK(packed.cols() == d.K);
+      for (const bool acc : {false, true}) {
+        Tensor want = random_tensor({d.M, d.N}, DType::f32, 53);
+        Tensor got = want.to(Device::cpu());
+        ops::matmul(x, w, want, acc);
+        cpu::matmul(x, packed, got, acc);
+        CHECK(bitwise_equal(want, got));
+      }
+    }
+  }
+  // Moved, the packed copy stays valid; with the f32 precision it is refused.
+  const Tensor x = random_tensor({3, 40}, DType::f32, 61);
+  const Tensor w = random_tensor({20, 40}, DType::f32, 62);
+  cpu::PackedWeight a(w);
+  const cpu::PackedWeight b = std::move(a);
+  Tensor want = Tensor::empty({3, 20}, DType::f32), got = Tensor::empty({3, 20}, DType::f32);
+  ops::matmul(x, w, want);
+  cpu::matmul(x, b, got, false);
+  CHECK(bitwise_equal(want, got));
+  CHECK_THROWS_WITH(cpu::matmul(random_tensor({3, 41}, DType::f32, 63), b, got, false),
+                    Catch::Contains("packed w (20, 40)"));
+  cpu::set_matmul_precision(cpu::MatmulPrecision::f32);
+  CHECK_THROWS_WITH(cpu::matmul(x, b, got, false), Catch::Contains("bf16 precision"));
+}
