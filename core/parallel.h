@@ -33,4 +33,20 @@ void parallel_for(int64_t n, F&& f, int64_t min_chunk = 1) {
   }
 }
 
+// Calls f(i) for every i in [0, n), handing items to threads as they finish: for items of
+// unequal cost whose results do not depend on the thread that computes them. Runs on one
+// thread when n < 2 * min_items.
+template <class F>
+void parallel_for_dynamic(int64_t n, F&& f, int64_t min_items = 1) {
+  if (n <= 0) return;
+  const int64_t max_threads = n / (min_items < 1 ? 1 : min_items);
+  const int threads = static_cast<int>(max_threads < num_threads() ? max_threads : num_threads());
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) f(i);
+}
+
 }  // namespace tandem

@@ -12,8 +12,10 @@
 // - All tensors of one call live on the same device; the op runs there (CPU, or CUDA on
 //   `stream`). A mismatch of shape, dtype or device throws tandem::Error naming the op and the
 //   shapes; nothing broadcasts. Token ids out of range throw, they are never read out of bounds.
-// - CPU ops compute in f32 (bf16/f16 inputs are widened exactly). CUDA matmuls compute in bf16
-//   with f32 accumulation; everything else accumulates in f32.
+// - CPU ops compute in f32 (bf16/f16 inputs are widened exactly); the CPU matmuls can be set to
+//   round their operands to bf16 instead (ops::cpu::set_matmul_precision, kernels/cpu/matmul.h;
+//   AMX where the CPU has it). CUDA matmuls compute in bf16 with f32 accumulation; everything
+//   else accumulates in f32.
 // - Batch invariance: the result for one row (token, sequence) never depends on the other rows
 //   of the call or on how many there are: reductions run in a fixed order along K and along the
 //   sequence. So the rollout engine (decode, small batches) and the trainer (packed, large

@@ -282,8 +282,19 @@ void pack_second(Second b, int64_t ldb, int64_t N, int64_t R, int64_t kp, uint16
 
 // y (M, N) [+]= a (M, R) · b^T on AMX, b packed by pack_second: packs a's rows, then threads take
 // contiguous ranges of (row block, 64-column block) items.
-void amx_product(Rows a, int64_t lda, const uint16_t* bp, float* y, int64_t M, int64_t N, int64_t R,
-                 int64_t kp, bool accumulate) {
+// The first operand of a product, (M, R): given as its rows, or (transposed) as the rows of its
+// transpose, (R, M) row-major (dyᵀ in dw).
+struct First {
+  Rows src;
+  int64_t ld;
+  bool transposed = false;
+};
+
+// y (M, N) [+]= a (M, R) · b^T on AMX, b packed by pack_second: packs a's rows, then the
+// (row block, 64-column block) items go to threads as they finish (each item sums whole
+// elements, so the bits do not depend on which thread runs it).
+void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, int64_t R, int64_t kp,
+                 bool accumulate) {
   const int64_t Mp = round_up(M, 32), Np = round_up(N, 32);
   thread_local std::vector<uint16_t> a_buf;
   uint16_t* ap = grow16(a_buf, Mp * kp);
@@ -291,10 +302,13 @@ void amx_product(Rows a, int64_t lda, const uint16_t* bp, float* y, int64_t M, i
       Mp / 32,
       [&](int64_t g0, int64_t g1) {
         const int64_t r0 = g0 * 32, r1 = std::min(M, g1 * 32);
-        if (r1 > r0) {
-          const size_t esize = a.bf16 ? 2 : 4;
-          detail::amx_pack_rows(static_cast<const char*>(a.data) + r0 * lda * esize, a.bf16, lda,
-                                r1 - r0, R, ap + r0 * kp, kp);
+        if (r1 > r0 && a.transposed) {
+          detail::amx_pack_rows_transposed(a.src.data, a.src.bf16, a.ld, R, M, ap, 2 * g0,
+                                           (r1 + 15) / 16, kp);
+        } else if (r1 > r0) {
+          const size_t esize = a.src.bf16 ? 2 : 4;
+          detail::amx_pack_rows(static_cast<const char*>(a.src.data) + r0 * a.ld * esize,
+                                a.src.bf16, a.ld, r1 - r0, R, ap + r0 * kp, kp);
         }
         const int64_t z0 = std::max(r0, r1);
         if (g1 * 32 > z0)
@@ -307,17 +321,15 @@ void amx_product(Rows a, int64_t lda, const uint16_t* bp, float* y, int64_t M, i
   const int64_t block_rows = round_up((Mp + row_blocks - 1) / row_blocks, 32);
   const int64_t col_blocks = (Np + kAmxColBlock - 1) / kAmxColBlock;
   const int64_t item_work = std::max<int64_t>(1, std::min(Mp, block_rows) * kAmxColBlock * kp);
-  parallel_for(
+  parallel_for_dynamic(
       row_blocks * col_blocks,
-      [&](int64_t i0, int64_t i1) {
-        for (int64_t item = i0; item < i1; ++item) {
-          const int64_t ib = item / col_blocks, jb = item % col_blocks;
-          const int64_t r0 = ib * block_rows, c0 = jb * kAmxColBlock;
-          const int64_t row_groups = (std::min(Mp, r0 + block_rows) - r0) / 32;
-          const int64_t col_groups = (std::min(Np, c0 + kAmxColBlock) - c0) / 32;
-          detail::amx_blocks(ap + r0 * kp, row_groups, bp + c0 * kp, col_groups, kp,
-                             y + r0 * N + c0, N, M - r0, N - c0, accumulate);
-        }
+      [&](int64_t item) {
+        const int64_t ib = item / col_blocks, jb = item % col_blocks;
+        const int64_t r0 = ib * block_rows, c0 = jb * kAmxColBlock;
+        const int64_t row_groups = (std::min(Mp, r0 + block_rows) - r0) / 32;
+        const int64_t col_groups = (std::min(Np, c0 + kAmxColBlock) - c0) / 32;
+        detail::amx_blocks(ap + r0 * kp, row_groups, bp + c0 * kp, col_groups, kp, y + r0 * N + c0,
+                           N, M - r0, N - c0, accumulate);
       },
       std::max<int64_t>(1, kMinWorkPerThread * 8 / item_work));
 }
@@ -372,7 +384,7 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
   thread_local std::vector<uint16_t> b_buf;
   uint16_t* bp = grow16(b_buf, round_up(N, 32) * kp);
   pack_second(b, ldb, N, R, kp, bp);
-  amx_product(a, lda, bp, y, M, N, R, kp, accumulate);
+  amx_product({a, lda}, bp, y, M, N, R, kp, accumulate);
 }
 
 }  // namespace
@@ -412,6 +424,20 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
   // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
   const int64_t ld = padded(M);
+  if (g_precision == MatmulPrecision::bf16 && use_amx()) {
+    // dyᵀ rounded and packed straight from dy; x as the rows of the second operand's transpose.
+    if (N == 0 || K == 0) return;
+    if (M == 0) {  // an empty sum
+      if (!accumulate) std::fill(dw.data_as<float>(), dw.data_as<float>() + N * K, 0.0f);
+      return;
+    }
+    const int64_t kp = round_up(M, detail::kAmxK);
+    thread_local std::vector<uint16_t> b_buf;
+    uint16_t* bp = grow16(b_buf, round_up(K, 32) * kp);
+    pack_second({rows_of(x), true}, K, K, M, kp, bp);
+    amx_product({rows_of(dy), N, true}, bp, dw.data_as<float>(), N, K, M, kp, accumulate);
+    return;
+  }
   if (g_precision == MatmulPrecision::bf16) {
     thread_local std::vector<float> dy_t;  // (N, M), leading dimension ld
     float* dyt = grow(dy_t, N * ld);
@@ -457,7 +483,7 @@ void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumu
     if (!accumulate) std::fill(y.data_as<float>(), y.data_as<float>() + M * N, 0.0f);
     return;
   }
-  amx_product(rows_of(x), K, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K, w.kp_,
+  amx_product({rows_of(x), K}, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K, w.kp_,
               accumulate);
 }
 

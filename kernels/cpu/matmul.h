@@ -134,6 +134,10 @@ bool amx_usable();
 // dst rows (kp bf16 each) = src rows (k values, f32 or bf16, leading dimension ld), rounded.
 void amx_pack_rows(const void* src, bool bf16, int64_t ld, int64_t rows, int64_t k, uint16_t* dst,
                    int64_t kp);
+// The same from the transpose: dst row n (n in [16 g0, 16 g1) and < rows) = src column n over
+// src rows 0 ... r_count - 1 (src (r_count, rows) row-major), zero-filled to kp.
+void amx_pack_rows_transposed(const void* src, bool bf16, int64_t ld, int64_t r_count, int64_t rows,
+                              uint16_t* dst, int64_t g0, int64_t g1, int64_t kp);
 // Column groups [g0, g1) of the second operand, 16 columns each, in the tile layout: group g
 // holds kp / 2 pair-rows of 32 bf16, (B[2p][c], B[2p + 1][c]) for c = 16 g ... 16 g + 15, at
 // dst + g kp 16. From src (r_count, cols) row-major (B itself: amx_pack_pairs) or src

@@ -126,6 +126,23 @@ TANDEM_AMX void pack_transposed_impl(const T* src, int64_t ld, int64_t cols, int
   }
 }
 
+template <class T>
+TANDEM_AMX void pack_rows_transposed_impl(const T* src, int64_t ld, int64_t r_count, int64_t rows,
+                                          uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = g * 16;
+    const __mmask16 m = mask_of(rows - n0);
+    for (int64_t r0 = 0; r0 < kp; r0 += 16) {
+      __m512 t[16];
+      for (int64_t i = 0; i < 16; ++i)
+        t[i] = r0 + i < r_count ? load16(src + (r0 + i) * ld + n0, m) : _mm512_setzero_ps();
+      transpose16x16(t);  // t[j]: row n0 + j of the result, values r0 ... r0 + 15
+      for (int64_t j = 0; j < 16 && n0 + j < rows; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (n0 + j) * kp + r0), round16(t[j]));
+    }
+  }
+}
+
 }  // namespace
 
 bool amx_usable() {
@@ -142,6 +159,15 @@ void amx_pack_rows(const void* src, bool bf16, int64_t ld, int64_t rows, int64_t
     pack_rows_impl(static_cast<const uint16_t*>(src), ld, rows, k, dst, kp);
   else
     pack_rows_impl(static_cast<const float*>(src), ld, rows, k, dst, kp);
+}
+
+void amx_pack_rows_transposed(const void* src, bool bf16, int64_t ld, int64_t r_count, int64_t rows,
+                              uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
+  if (bf16)
+    pack_rows_transposed_impl(static_cast<const uint16_t*>(src), ld, r_count, rows, dst, g0, g1,
+                              kp);
+  else
+    pack_rows_transposed_impl(static_cast<const float*>(src), ld, r_count, rows, dst, g0, g1, kp);
 }
 
 void amx_pack_pairs(const void* src, bool bf16, int64_t ld, int64_t r_count, int64_t cols,
@@ -185,6 +211,15 @@ TANDEM_AMX void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+      }
+      if (!add && ig * 32 + 32 <= rows && jg * 32 + 32 <= cols) {
+        // A whole block, overwritten: straight from the tiles into y.
+        float* out = y + ig * 32 * ldy + jg * 32;
+        _tile_stored(0, out, ldy * 4);
+        _tile_stored(1, out + 16, ldy * 4);
+        _tile_stored(2, out + 16 * ldy, ldy * 4);
+        _tile_stored(3, out + 16 * ldy + 16, ldy * 4);
+        continue;
       }
       _tile_stored(0, c[0], 64);
       _tile_stored(1, c[1], 64);
