@@ -153,37 +153,34 @@ bool amx_usable() {
   return usable;
 }
 
+// Calls f with src as a pointer to the type it holds (bf16 bits or f32).
+template <class F>
+void typed(const void* src, bool bf16, F&& f) {
+  if (bf16)
+    f(static_cast<const uint16_t*>(src));
+  else
+    f(static_cast<const float*>(src));
+}
+
 void amx_pack_rows(const void* src, bool bf16, int64_t ld, int64_t rows, int64_t k, uint16_t* dst,
                    int64_t kp) {
-  if (bf16)
-    pack_rows_impl(static_cast<const uint16_t*>(src), ld, rows, k, dst, kp);
-  else
-    pack_rows_impl(static_cast<const float*>(src), ld, rows, k, dst, kp);
+  typed(src, bf16, [&](auto p) { pack_rows_impl(p, ld, rows, k, dst, kp); });
 }
 
 void amx_pack_rows_transposed(const void* src, bool bf16, int64_t ld, int64_t r_count, int64_t rows,
                               uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
-  if (bf16)
-    pack_rows_transposed_impl(static_cast<const uint16_t*>(src), ld, r_count, rows, dst, g0, g1,
-                              kp);
-  else
-    pack_rows_transposed_impl(static_cast<const float*>(src), ld, r_count, rows, dst, g0, g1, kp);
+  typed(src, bf16,
+        [&](auto p) { pack_rows_transposed_impl(p, ld, r_count, rows, dst, g0, g1, kp); });
 }
 
 void amx_pack_pairs(const void* src, bool bf16, int64_t ld, int64_t r_count, int64_t cols,
                     uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
-  if (bf16)
-    pack_pairs_impl(static_cast<const uint16_t*>(src), ld, r_count, cols, dst, g0, g1, kp);
-  else
-    pack_pairs_impl(static_cast<const float*>(src), ld, r_count, cols, dst, g0, g1, kp);
+  typed(src, bf16, [&](auto p) { pack_pairs_impl(p, ld, r_count, cols, dst, g0, g1, kp); });
 }
 
 void amx_pack_transposed(const void* src, bool bf16, int64_t ld, int64_t cols, int64_t k,
                          uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
-  if (bf16)
-    pack_transposed_impl(static_cast<const uint16_t*>(src), ld, cols, k, dst, g0, g1, kp);
-  else
-    pack_transposed_impl(static_cast<const float*>(src), ld, cols, k, dst, g0, g1, kp);
+  typed(src, bf16, [&](auto p) { pack_transposed_impl(p, ld, cols, k, dst, g0, g1, kp); });
 }
 
 TANDEM_AMX void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t* b,
