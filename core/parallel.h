@@ -1,4 +1,5 @@
-// The CPU thread pool (OpenMP): one pool for every op, a fixed split of work over threads.
+// The CPU thread pool (OpenMP): one pool for every op; a fixed split of work over threads, or
+// items handed out as threads finish where the result cannot depend on who computes what.
 #pragma once
 
 #include <omp.h>
