@@ -19,7 +19,8 @@ TEST_CASE("parallel loops visit every index exactly once with 1 and 2 threads", 
         for (int64_t i = b; i < e; ++i) seen[static_cast<size_t>(i)]++;
       });
       parallel_for_dynamic(n, [&](int64_t i) { seen[static_cast<size_t>(i)] += 10; });
-      parallel_for_dynamic(n, [&](int64_t i) { seen[static_cast<size_t>(i)] += 100; }, 400);
+      parallel_for_dynamic(
+          n, [&](int64_t i) { seen[static_cast<size_t>(i)] += 100; }, 400);
       int64_t bad = 0;
       for (const auto& s : seen) bad += s.load() != 111;
       CHECK(bad == 0);
