@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <optional>
 #include <tuple>
 
 #include "bench/bench.h"
@@ -69,8 +68,8 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
                     bf16 ? "bf16 compute" : "f32", B, L - 1);
     if (bf16 && !ops::cpu::matmul_has_amx()) continue;
     if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
-    std::optional<ops::cpu::ScopedMatmulPrecision> precision;
-    precision.emplace(bf16 ? ops::cpu::MatmulPrecision::bf16 : ops::cpu::MatmulPrecision::f32);
+    const ops::cpu::ScopedMatmulPrecision precision(bf16 ? ops::cpu::MatmulPrecision::bf16
+                                                         : ops::cpu::MatmulPrecision::f32);
     std::vector<double> times, limits, fractions;
     std::string gemm_source;
     for (int i = 0; i <= steps; ++i) {
@@ -90,7 +89,6 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
       limits.push_back(gemm_gflops * 1e9 / flops_per_token);
       fractions.push_back(static_cast<double>(T) / t / limits.back());
     }
-    precision.reset();
     const double step_s = median(times);
     const double value = static_cast<double>(T) / step_s;
     const double limit = median(limits);

@@ -185,17 +185,30 @@ __attribute__((always_inline)) inline void tile_probs(const BackwardArgs& a, int
   }
 }
 
+// A thread's scratch for one backward item: the key block's k and v transposed (D, 16), the
+// score, probability and dS tiles (16, 16), then `extra` floats.
+struct ItemScratch {
+  float *kt, *vt, *S, *P, *dS, *extra;
+};
+inline ItemScratch item_scratch(int64_t D, int64_t extra) {
+  ItemScratch sc;
+  sc.kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
+  sc.vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
+  sc.S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk + extra));
+  sc.P = sc.S + kBlk * kBlk;
+  sc.dS = sc.P + kBlk * kBlk;
+  sc.extra = sc.dS + kBlk * kBlk;
+  return sc;
+}
+
 // dq rows of one item's query tiles: dq_i = scale * sum_j dS_ij k_j, key blocks in order of
 // position (the prefix's, then the sequence's own).
 template <bool kSimd>
 __attribute__((always_inline)) inline void dq_item(const BackwardArgs& a, const TileItem& it) {
   const int64_t D = a.D, G = a.H / a.Hkv;
   const SeqSpan& sp = it.span;
-  float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
-  float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
-  float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk));
-  float* P = S + kBlk * kBlk;
-  float* dS = P + kBlk * kBlk;
+  const ItemScratch sc = item_scratch(D, 0);
+  float *kt = sc.kt, *vt = sc.vt, *S = sc.S, *P = sc.P, *dS = sc.dS;
   const int64_t tiles[2] = {it.tile_a, it.tile_b};
   for (int ti = 0; ti < (it.tile_a == it.tile_b ? 1 : 2); ++ti) {
     const int64_t q0 = tiles[ti] * kBlk, rows = std::min<int64_t>(kBlk, sp.len - q0);
@@ -248,13 +261,10 @@ template <bool kSimd>
 __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, const TileItem& it) {
   const int64_t D = a.D, G = a.H / a.Hkv;
   const SeqSpan& sp = it.span;
-  float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
-  float* vt = scratch_floats(1, static_cast<size_t>(D * kBlk));
-  float* S = scratch_floats(2, static_cast<size_t>(3 * kBlk * kBlk + 2 * kBlk * D));
-  float* P = S + kBlk * kBlk;
-  float* dS = P + kBlk * kBlk;
-  float* dk = dS + kBlk * kBlk;  // (16, D)
-  float* dv = dk + kBlk * D;     // (16, D)
+  const ItemScratch sc = item_scratch(D, 2 * kBlk * D);
+  float *kt = sc.kt, *vt = sc.vt, *S = sc.S, *P = sc.P, *dS = sc.dS;
+  float* dk = sc.extra;       // (16, D)
+  float* dv = dk + kBlk * D;  // (16, D)
   const Sequences& seqs = *a.seqs;
   const int64_t c0 = seqs.child_ptr[static_cast<size_t>(it.seq)];
   const int64_t c1 = seqs.child_ptr[static_cast<size_t>(it.seq) + 1];

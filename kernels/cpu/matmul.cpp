@@ -83,11 +83,12 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 // never freed, so the steady state allocates nothing.
 // The returned pointer is 64-byte aligned: with rows a multiple of 16 floats long, no vector
 // load then straddles two cache lines.
-float* grow(std::vector<float>& buf, int64_t n) {
-  constexpr int64_t kAlign = 16;  // floats
+template <class T>
+T* grow(std::vector<T>& buf, int64_t n) {
+  constexpr int64_t kAlign = 64 / sizeof(T);
   if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
   const auto address = reinterpret_cast<uintptr_t>(buf.data());
-  return buf.data() + (kAlign - static_cast<int64_t>(address / sizeof(float) % kAlign)) % kAlign;
+  return buf.data() + (kAlign - static_cast<int64_t>(address / sizeof(T) % kAlign)) % kAlign;
 }
 
 // One operand of the forward product: rows of K elements, f32 or bf16, `ld` elements apart
@@ -244,13 +245,6 @@ int64_t padded(int64_t n) { return (n + 15) / 16 * 16 + 16; }
 // ---------------------------------------------------------------------------------------------
 // The bf16 precision.
 
-uint16_t* grow16(std::vector<uint16_t>& buf, int64_t n) {
-  constexpr int64_t kAlign = 32;  // 64 bytes
-  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
-  const auto address = reinterpret_cast<uintptr_t>(buf.data());
-  return buf.data() + (kAlign - static_cast<int64_t>(address / 2 % kAlign)) % kAlign;
-}
-
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // The second operand of a product, the (N, R) matrix whose rows y's columns are dotted with:
@@ -280,8 +274,6 @@ void pack_second(Second b, int64_t ldb, int64_t N, int64_t R, int64_t kp, uint16
       4);
 }
 
-// y (M, N) [+]= a (M, R) · b^T on AMX, b packed by pack_second: packs a's rows, then threads take
-// contiguous ranges of (row block, 64-column block) items.
 // The first operand of a product, (M, R): given as its rows, or (transposed) as the rows of its
 // transpose, (R, M) row-major (dyᵀ in dw).
 struct First {
@@ -295,9 +287,14 @@ struct First {
 // elements, so the bits do not depend on which thread runs it).
 void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, int64_t R, int64_t kp,
                  bool accumulate) {
+  if (M == 0 || N == 0) return;
+  if (R == 0) {  // an empty sum
+    if (!accumulate) std::fill(y, y + M * N, 0.0f);
+    return;
+  }
   const int64_t Mp = round_up(M, 32), Np = round_up(N, 32);
   thread_local std::vector<uint16_t> a_buf;
-  uint16_t* ap = grow16(a_buf, Mp * kp);
+  uint16_t* ap = grow(a_buf, Mp * kp);
   parallel_for(
       Mp / 32,
       [&](int64_t g0, int64_t g1) {
@@ -337,19 +334,14 @@ void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, in
 // y (M, N) [+]= a (M, R) · b (N, R)^T in the bf16 precision. a: rows of R, leading dimension
 // a.ld (0: R).
 void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, bool accumulate) {
-  if (M == 0 || N == 0) return;
-  if (R == 0) {
-    if (!accumulate) std::fill(y, y + M * N, 0.0f);
-    return;
-  }
   const int64_t lda = a.ld > 0 ? a.ld : R;
   const int64_t ldb = b.src.ld > 0 ? b.src.ld : (b.transposed ? N : R);
   if (!use_amx()) {
     // Round both operands to bf16 rows, then the f32 kernel on their exact widening.
     thread_local std::vector<uint16_t> a16, b16;
     thread_local std::vector<float> bt;
-    uint16_t* ar = grow16(a16, M * R);
-    uint16_t* br = grow16(b16, N * R);
+    uint16_t* ar = grow(a16, M * R);
+    uint16_t* br = grow(b16, N * R);
     auto round_rows = [](Rows src, int64_t ld, int64_t rows, int64_t cols, uint16_t* dst) {
       parallel_for(rows, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
@@ -364,15 +356,7 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
     if (b.transposed) {
       // (R, N) -> (N, R) f32, then rounded.
       float* t = grow(bt, N * R);
-      if (ldb == N) {
-        transpose(b.src, R, N, t, R);
-      } else {
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t c = 0; c < N; ++c)
-            t[c * R + r] =
-                b.src.bf16 ? bf16_bits_to_f32(static_cast<const uint16_t*>(b.src.data)[r * ldb + c])
-                           : static_cast<const float*>(b.src.data)[r * ldb + c];
-      }
+      transpose(b.src, R, N, t, R);  // the backward products' sources are dense: ldb == N
       round_rows({t, false, R}, R, N, R, br);
     } else {
       round_rows(b.src, ldb, N, R, br);
@@ -382,7 +366,7 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
   }
   const int64_t kp = round_up(R, detail::kAmxK);
   thread_local std::vector<uint16_t> b_buf;
-  uint16_t* bp = grow16(b_buf, round_up(N, 32) * kp);
+  uint16_t* bp = grow(b_buf, round_up(N, 32) * kp);
   pack_second(b, ldb, N, R, kp, bp);
   amx_product({a, lda}, bp, y, M, N, R, kp, accumulate);
 }
@@ -426,14 +410,9 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
   const int64_t ld = padded(M);
   if (g_precision == MatmulPrecision::bf16 && use_amx()) {
     // dyᵀ rounded and packed straight from dy; x as the rows of the second operand's transpose.
-    if (N == 0 || K == 0) return;
-    if (M == 0) {  // an empty sum
-      if (!accumulate) std::fill(dw.data_as<float>(), dw.data_as<float>() + N * K, 0.0f);
-      return;
-    }
     const int64_t kp = round_up(M, detail::kAmxK);
     thread_local std::vector<uint16_t> b_buf;
-    uint16_t* bp = grow16(b_buf, round_up(K, 32) * kp);
+    uint16_t* bp = grow(b_buf, round_up(K, 32) * kp);
     pack_second({rows_of(x), true}, K, K, M, kp, bp);
     amx_product({rows_of(dy), N, true}, bp, dw.data_as<float>(), N, K, M, kp, accumulate);
     return;
@@ -463,7 +442,7 @@ PackedWeight::PackedWeight(const Tensor& w) : n_(w.size(0)), k_(w.size(1)) {
       "PackedWeight: w must be a 2-d f32 or bf16 CPU tensor, got {} {}", w.shape(),
       dtype_name(w.dtype()));
   kp_ = round_up(std::max<int64_t>(k_, 1), detail::kAmxK);
-  data_ = grow16(storage_, round_up(n_, 32) * kp_) - storage_.data();
+  data_ = grow(storage_, round_up(n_, 32) * kp_) - storage_.data();
   pack_second({rows_of(w), false}, k_, n_, k_, kp_, storage_.data() + data_);
 }
 
@@ -478,11 +457,6 @@ void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumu
                "matmul: x {} {} against a packed w ({}, {}) into y {} {}", x.shape(),
                dtype_name(x.dtype()), w.rows(), w.cols(), y.shape(), dtype_name(y.dtype()));
   const int64_t M = x.size(0), N = w.rows(), K = w.cols();
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    if (!accumulate) std::fill(y.data_as<float>(), y.data_as<float>() + M * N, 0.0f);
-    return;
-  }
   amx_product({rows_of(x), K}, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K, w.kp_,
               accumulate);
 }

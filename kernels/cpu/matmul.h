@@ -3,9 +3,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "core/half.h"
 #include "core/tensor.h"
 
 namespace tandem::ops::cpu {
@@ -119,12 +119,9 @@ void widen_bf16_avx512(const uint16_t* src, float* dst, int64_t n);
 // f32 -> bf16 as the bf16 precision rounds (AVX512-BF16's conversion): to nearest even, a
 // denormal input becomes a zero of its sign, a NaN stays a quiet NaN.
 inline uint16_t bf16_bits_daz(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
+  const uint32_t u = float_bits(f);
   if ((u & 0x7f800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  return f32_to_bf16_bits(f);
 }
 
 // The AMX path of the bf16 precision (kernels/cpu/matmul_amx.cpp). Packed operands have kp
