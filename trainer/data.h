@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/chat_template.h"
+#include "model/loader.h"
 #include "model/tokenizer.h"
 
 namespace tandem::trainer {
@@ -117,16 +118,44 @@ class PromptStream {
   std::vector<int64_t> order_;
 };
 
-// The prompt token ids of an example.
-//  chat = true: the conversation (with a system message `system_prompt` first when it is not
-//    empty and the conversation has none; else the template's own default system prompt) rendered
-//    with the tokenizer's chat format (model::chat_style) and the assistant generation prompt,
-//    special tokens parsed. For a text prompt and no system prompt this equals
-//    model::encode_prompt(tok, prompt, true).
-//  chat = false: the prompt text as it is (prefixed by system_prompt and a blank line when
-//    given); chat messages (with system_prompt as above) are rendered in the plain
+// How the job turns an example into the model's input: model.chat_template resolved against the
+// tokenizer, and data.system_prompt.
+struct PromptFormat {
+  bool chat = true;           // false: the prompt text as it is ("none")
+  model::ChatStyle style{};   // the chat format and its default system prompt, when chat
+  std::string system_prompt;  // inserted as the first message when the conversation has none
+};
+
+// model.chat_template:
+//  "auto"    the model's own template (model::chat_style of the tokenizer)
+//  "none"    no template: the prompt text as it is (see render_prompt)
+//  "chatml" | "llama3" | "plain"   that format, without a default system prompt
+//  a path    a Jinja template file, recognised by its markers as ChatML or Llama 3 (tandem renders
+//            those formats without Jinja), with the default system prompt it holds.
+// Throws naming the value when a file is missing or is neither format.
+PromptFormat prompt_format(const model::Tokenizer& tok, const std::string& chat_template,
+                           const std::string& system_prompt = "");
+
+// A prompt ready for the engine: the text the model sees (what reward functions get as the
+// prompt) and its token ids.
+struct RenderedPrompt {
+  std::string text;
+  std::vector<int32_t> tokens;  // (T)
+};
+
+// The prompt of an example.
+//  format.chat: the conversation (with the system prompt first when it is not empty and the
+//    conversation has none; else the format's default system prompt) rendered in format.style
+//    with the assistant generation prompt, special tokens parsed. For a text prompt and no system
+//    prompt under "auto" the tokens equal model::encode_prompt(tok, prompt, true).
+//  otherwise: the prompt text as it is (prefixed by the system prompt and a blank line when
+//    given); chat messages (with the system prompt as above) are rendered in the plain
 //    "role: content" format. Special tokens are not parsed.
 // bos first when the tokenizer asks for it.
+RenderedPrompt render_prompt(const model::Tokenizer& tok, const Example& ex,
+                             const PromptFormat& format);
+
+// The token ids of render_prompt under the model's own template (chat) or none.
 std::vector<int32_t> render_prompt(const model::Tokenizer& tok, const Example& ex, bool chat,
                                    const std::string& system_prompt = "");
 

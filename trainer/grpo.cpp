@@ -45,9 +45,7 @@ void validate(const AdvantageConfig& config) {
                config.eps);
 }
 
-Advantages compute_advantages(std::span<const float> rewards, std::span<const int32_t> group_sizes,
-                              const AdvantageConfig& config) {
-  validate(config);
+RewardStats reward_stats(std::span<const float> rewards, std::span<const int32_t> group_sizes) {
   int64_t total = 0;
   for (size_t g = 0; g < group_sizes.size(); ++g) {
     TANDEM_CHECK(group_sizes[g] >= 1, "group_sizes[{}] is {}: expected >= 1", g, group_sizes[g]);
@@ -57,18 +55,41 @@ Advantages compute_advantages(std::span<const float> rewards, std::span<const in
                "group_sizes sum to {}: expected the number of rewards, {}", total, rewards.size());
   check_finite(rewards, "rewards");
 
+  RewardStats s;
+  const size_t n = rewards.size();
+  s.groups = static_cast<int64_t>(group_sizes.size());
+  double sum = 0;
+  for (float r : rewards) sum += r;
+  s.mean = n > 0 ? sum / static_cast<double>(n) : 0.0;
+  double ss = 0;
+  for (float r : rewards) ss += (r - s.mean) * (r - s.mean);
+  s.std = n > 1 ? std::sqrt(ss / static_cast<double>(n - 1)) : 0.0;
+  size_t begin = 0;
+  for (int32_t size : group_sizes) {
+    const auto group = rewards.subspan(begin, static_cast<size_t>(size));
+    if (std::all_of(group.begin(), group.end(), [&](float r) { return r == group[0]; }))
+      ++s.zero_variance_groups;
+    begin += static_cast<size_t>(size);
+  }
+  s.zero_variance_fraction =
+      s.groups > 0 ? static_cast<double>(s.zero_variance_groups) / static_cast<double>(s.groups)
+                   : 0.0;
+  return s;
+}
+
+Advantages compute_advantages(std::span<const float> rewards, std::span<const int32_t> group_sizes,
+                              const AdvantageConfig& config) {
+  validate(config);
+  const RewardStats described = reward_stats(rewards, group_sizes);
   const size_t n = rewards.size();
   Advantages out;
   out.values.assign(n, 0.0f);
   AdvantageStats& s = out.stats;
-  s.groups = static_cast<int64_t>(group_sizes.size());
-
-  double sum = 0;
-  for (float r : rewards) sum += r;
-  s.reward_mean = n > 0 ? sum / static_cast<double>(n) : 0.0;
-  double ss = 0;
-  for (float r : rewards) ss += (r - s.reward_mean) * (r - s.reward_mean);
-  s.reward_std = n > 1 ? std::sqrt(ss / static_cast<double>(n - 1)) : 0.0;
+  s.groups = described.groups;
+  s.reward_mean = described.mean;
+  s.reward_std = described.std;
+  s.zero_variance_groups = described.zero_variance_groups;
+  s.zero_variance_fraction = described.zero_variance_fraction;
 
   size_t begin = 0;
   for (int32_t size : group_sizes) {
@@ -77,7 +98,6 @@ Advantages compute_advantages(std::span<const float> rewards, std::span<const in
         std::all_of(group.begin(), group.end(), [&](float r) { return r == group[0]; });
     if (constant) {
       // Zero variance (a group of one included): exactly 0, whatever the rounding of the mean.
-      ++s.zero_variance_groups;
       begin += static_cast<size_t>(size);
       continue;
     }
@@ -115,9 +135,6 @@ Advantages compute_advantages(std::span<const float> rewards, std::span<const in
     for (float a : out.values) ass += (a - s.advantage_mean) * (a - s.advantage_mean);
     s.advantage_std = n > 1 ? std::sqrt(ass / static_cast<double>(n - 1)) : 0.0;
   }
-  s.zero_variance_fraction =
-      s.groups > 0 ? static_cast<double>(s.zero_variance_groups) / static_cast<double>(s.groups)
-                   : 0.0;
   return out;
 }
 

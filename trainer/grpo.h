@@ -42,6 +42,17 @@ struct AdvantageStats {
   double zero_variance_fraction = 0;
 };
 
+// The rewards of B samples laid out group after group, described for the step metrics (the
+// reward part of AdvantageStats, for groups that need no advantages, e.g. those dynamic sampling
+// dropped). Throws as compute_advantages does.
+struct RewardStats {
+  double mean = 0, std = 0;  // std unbiased; 0 for one reward
+  int64_t groups = 0;
+  int64_t zero_variance_groups = 0;
+  double zero_variance_fraction = 0;
+};
+RewardStats reward_stats(std::span<const float> rewards, std::span<const int32_t> group_sizes);
+
 struct Advantages {
   std::vector<float> values;  // (B) one per sample, in the order of the rewards
   AdvantageStats stats;

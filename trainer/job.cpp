@@ -1,4 +1,5 @@
-// The colocated GRPO loop.
+// The colocated GRPO loop in phases: collect (rollout and refills, scored round by round),
+// select (masks, dynamic sampling, advantages once), update, publish, record.
 #include "trainer/job.h"
 
 #include <fmt/format.h>
@@ -111,6 +112,53 @@ rewards::RewardSet make_rewards(const JobConfig& job) {
   return rewards::RewardSet(std::move(entries), o);
 }
 
+// One completion and its score.
+struct Sample {
+  std::vector<int32_t> tokens;  // (n) completion ids
+  std::vector<float> logprobs;  // (n) the engine's
+  std::string text;
+  bool truncated = false;  // stopped by rollout.max_new_tokens, not by an end token
+  float reward = 0;        // the reward functions' weighted sum plus the overlong penalty
+};
+
+// A prompt ready for the engine.
+struct Prompt {
+  Example example;
+  RenderedPrompt rendered;
+};
+
+// A prompt's G samples.
+struct Group {
+  Prompt prompt;
+  std::vector<Sample> samples;
+  bool kept = false;  // enters the update (every group, unless dynamic sampling drops it)
+};
+
+// The collect phase's result: every group generated in a step, round after round.
+struct Collected {
+  std::vector<Group> groups;
+  rewards::RewardBreakdown breakdown;  // of every sample, in group order
+  int64_t groups_kept = 0, refill_rounds = 0;
+  int64_t prompts_skipped = 0;  // longer than data.max_prompt_tokens
+  double rollout_s = 0, reward_s = 0;
+};
+
+// The select phase's result: what the update trains on, and the statistics of the batch.
+struct Selected {
+  std::vector<TrainSample> train;
+  RewardStats rewards;            // of every generated group
+  AdvantageStats advantages;      // of the kept groups
+  int64_t masked_truncated = 0;   // kept samples left out by trainer.shaping.mask_truncated
+  int64_t dropped_remainder = 0;  // left out so that trainer.minibatches divides the batch
+};
+
+// The update and publish phases' result.
+struct Updated {
+  TrainStepMetrics train;
+  weight_sync::PublishStats published;
+  double train_s = 0, publish_s = 0;
+};
+
 rollout::SamplingParams sampling(const JobConfig& job, const model::LoadedModel& m, int n,
                                  double temperature, uint64_t seed) {
   rollout::SamplingParams sp;
@@ -123,58 +171,6 @@ rollout::SamplingParams sampling(const JobConfig& job, const model::LoadedModel&
   sp.seed = seed;
   sp.stop_token_ids = m.stop_ids();
   return sp;
-}
-
-struct Rollout {
-  std::vector<rewards::RewardSample> reward_samples;
-  std::vector<TrainSample> samples;
-  std::vector<int32_t> group_sizes;
-  std::vector<bool> truncated;
-  int64_t tokens = 0;
-};
-
-// Generates n samples for each example and collects what rewards and the trainer need.
-Rollout generate(rollout::Engine& engine, const model::LoadedModel& m,
-                 const std::vector<Example>& batch, const JobConfig& job, int n, double temperature,
-                 uint64_t seed) {
-  std::vector<rollout::Request> reqs;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    std::vector<int32_t> prompt = render_prompt(m.tok(), batch[i], true, job.data.system_prompt);
-    if (static_cast<int64_t>(prompt.size()) > job.data.max_prompt_tokens)
-      prompt.erase(prompt.begin(), prompt.end() - job.data.max_prompt_tokens);
-    reqs.push_back({fmt::format("{}", i), std::move(prompt),
-                    sampling(job, m, n, temperature, seed + 7919 * i)});
-  }
-  const std::vector<rollout::RequestOutput> outs = engine.generate(std::move(reqs));
-  Rollout r;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const rollout::RequestOutput& o = outs[i];
-    TANDEM_CHECK(o.status == rollout::RequestStatus::done, "rollout of prompt '{}' failed: {}",
-                 batch[i].id, o.error);
-    const std::string prompt_text = m.tok().decode(o.prompt);
-    r.group_sizes.push_back(static_cast<int32_t>(o.samples.size()));
-    for (const rollout::SampleOutput& s : o.samples) {
-      const bool truncated = s.finish_reason == rollout::FinishReason::length;
-      r.reward_samples.push_back({prompt_text, s.text, batch[i].answer, batch[i].extra,
-                                  static_cast<int64_t>(s.tokens.size()), truncated});
-      r.samples.push_back({o.prompt, s.tokens, s.logprobs, 0.0f});
-      r.truncated.push_back(truncated);
-      r.tokens += static_cast<int64_t>(s.tokens.size());
-    }
-  }
-  return r;
-}
-
-// Appends `more` (a later rollout round) to `r`.
-void append(Rollout& r, Rollout&& more) {
-  auto move_all = [](auto& to, auto& from) {
-    to.insert(to.end(), std::make_move_iterator(from.begin()), std::make_move_iterator(from.end()));
-  };
-  move_all(r.reward_samples, more.reward_samples);
-  move_all(r.samples, more.samples);
-  move_all(r.group_sizes, more.group_sizes);
-  r.truncated.insert(r.truncated.end(), more.truncated.begin(), more.truncated.end());
-  r.tokens += more.tokens;
 }
 
 // Appends the scores of a later round (the same functions) to `b`.
@@ -191,107 +187,92 @@ void append(rewards::RewardBreakdown& b, const rewards::RewardBreakdown& more) {
   }
 }
 
-// A step's samples: one round of rollout.prompts_per_step prompts, and with dynamic sampling
-// refill rounds of more prompts until that many groups carry a reward signal.
-struct StepBatch {
-  Rollout rollout;                     // every generated group, round after round
-  rewards::RewardBreakdown breakdown;  // of every sample
-  std::vector<float> rewards;          // the summed reward plus the overlong penalty
-  std::vector<uint8_t> group_kept;     // per group: it enters the update
-  int64_t groups_kept = 0, refill_rounds = 0;
-  double rollout_s = 0, reward_s = 0;
-};
-
-StepBatch collect_batch(rollout::Engine& engine, const model::LoadedModel& m, PromptStream& stream,
-                        rewards::RewardSet& reward_set, const JobConfig& job, int64_t step) {
-  const ShapingSection& shaping = job.trainer.shaping;
-  const int64_t B = job.rollout.prompts_per_step;
-  StepBatch sb;
-  for (int64_t round = 0;; ++round) {
-    // A refill draws the missing groups divided by the share of groups kept so far (a full batch
-    // while none was), so one round usually suffices; at most B prompts.
-    int64_t draw = B;
-    if (round > 0) {
-      const int64_t need = B - sb.groups_kept;
-      const int64_t generated = static_cast<int64_t>(sb.group_kept.size());
-      draw = std::clamp((need * generated + std::max<int64_t>(sb.groups_kept, 1) - 1) /
-                            std::max<int64_t>(sb.groups_kept, 1),
-                        need, B);
-    }
-    const std::vector<Example> batch = stream.next_batch(draw);
-    // Round 0 keeps the seeds of a job without refill; each round gets its own stream of seeds.
-    const uint64_t seed = static_cast<uint64_t>(job.rollout.seed) * 1000003 +
-                          static_cast<uint64_t>(step) * 7919 +
-                          static_cast<uint64_t>(round) * 0x9e3779b97f4a7c15ull;
-    const auto t0 = Clock::now();
-    Rollout r = generate(engine, m, batch, job, static_cast<int>(job.rollout.n),
-                         job.rollout.temperature, seed);
-    sb.rollout_s += seconds_since(t0);
-
-    const auto t1 = Clock::now();
-    const rewards::RewardBreakdown rb = reward_set.score(r.reward_samples);
-    std::vector<float> rewards(rb.total.begin(), rb.total.end());
-    if (shaping.overlong_factor > 0) {
-      for (size_t i = 0; i < rewards.size(); ++i)
-        rewards[i] +=
-            overlong_penalty(r.reward_samples[i].completion_tokens, job.rollout.max_new_tokens,
-                             shaping.overlong_buffer, static_cast<float>(shaping.overlong_factor));
-    }
-    std::vector<uint8_t> kept(r.group_sizes.size(), shaping.dynamic_sampling ? 0 : 1);
-    if (shaping.dynamic_sampling) {
-      // Groups past the B-th with signal are dropped too: the batch keeps its configured size.
-      for (int32_t g : groups_with_signal(rewards, r.group_sizes))
-        if (sb.groups_kept < B) {
-          kept[static_cast<size_t>(g)] = 1;
-          ++sb.groups_kept;
-        }
-    } else {
-      sb.groups_kept += static_cast<int64_t>(kept.size());
-    }
-    sb.reward_s += seconds_since(t1);
-    append(sb.rollout, std::move(r));
-    append(sb.breakdown, rb);
-    sb.rewards.insert(sb.rewards.end(), rewards.begin(), rewards.end());
-    sb.group_kept.insert(sb.group_kept.end(), kept.begin(), kept.end());
-    if (!shaping.dynamic_sampling || sb.groups_kept >= B || round >= shaping.max_refill_rounds)
-      break;
-    sb.refill_rounds = round + 1;
+// Generates n samples for each prompt, the i-th prompt's from seed + 7919 i.
+std::vector<Group> generate(rollout::Engine& engine, const model::LoadedModel& m,
+                            std::vector<Prompt> prompts, const JobConfig& job, int n,
+                            double temperature, uint64_t seed) {
+  std::vector<rollout::Request> requests;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    requests.push_back({fmt::format("{}", i), prompts[i].rendered.tokens,
+                        sampling(job, m, n, temperature, seed + 7919 * i)});
+  std::vector<rollout::RequestOutput> outputs = engine.generate(std::move(requests));
+  std::vector<Group> groups(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    rollout::RequestOutput& o = outputs[i];
+    TANDEM_CHECK(o.status == rollout::RequestStatus::done, "rollout of prompt '{}' failed: {}",
+                 prompts[i].example.id, o.error);
+    groups[i].prompt = std::move(prompts[i]);
+    for (rollout::SampleOutput& s : o.samples)
+      groups[i].samples.push_back({std::move(s.tokens), std::move(s.logprobs), std::move(s.text),
+                                   s.finish_reason == rollout::FinishReason::length});
   }
-  return sb;
+  return groups;
 }
 
-struct EvalResult {
-  double mean_reward = 0, pass1 = 0, passk = 0;
-};
-
-// Held-out prompts: pass_k samples each; a sample is correct when the first reward function
-// gives it at least 1 (e.g. math_match).
-EvalResult evaluate(rollout::Engine& engine, const model::LoadedModel& m,
-                    const std::vector<Example>& eval, const JobConfig& job,
-                    rewards::RewardSet& rewards) {
-  EvalResult e;
-  const size_t count = std::min<size_t>(eval.size(), static_cast<size_t>(job.eval.max_prompts));
-  if (count == 0) return e;
-  const std::vector<Example> prompts(eval.begin(), eval.begin() + static_cast<int64_t>(count));
-  const int k = static_cast<int>(job.eval.pass_k);
-  Rollout r = generate(engine, m, prompts, job, k, job.eval.temperature, 424242);
-  const rewards::RewardBreakdown b = rewards.score(r.reward_samples);
-  size_t at = 0;
-  double correct_samples = 0, solved = 0;
-  for (size_t p = 0; p < count; ++p) {
-    bool any = false;
-    for (int j = 0; j < k; ++j, ++at) {
-      e.mean_reward += b.total[at];
-      const bool ok = !b.values.empty() && b.values[0][at] >= 1.0;
-      correct_samples += ok ? 1 : 0;
-      any = any || ok;
+// Scores every sample of `groups` (setting Sample::reward) and returns the breakdown.
+rewards::RewardBreakdown score(std::span<Group> groups, rewards::RewardSet& reward_set,
+                               const JobConfig& job) {
+  std::vector<rewards::RewardSample> inputs;
+  for (const Group& g : groups)
+    for (const Sample& s : g.samples)
+      inputs.push_back({g.prompt.rendered.text, s.text, g.prompt.example.answer,
+                        g.prompt.example.extra, static_cast<int64_t>(s.tokens.size()),
+                        s.truncated});
+  rewards::RewardBreakdown breakdown = reward_set.score(inputs);
+  const ShapingSection& shaping = job.trainer.shaping;
+  size_t i = 0;
+  for (Group& g : groups) {
+    for (Sample& s : g.samples) {
+      s.reward = static_cast<float>(breakdown.total[i++]);
+      if (shaping.overlong_factor > 0)
+        s.reward +=
+            overlong_penalty(static_cast<int64_t>(s.tokens.size()), job.rollout.max_new_tokens,
+                             shaping.overlong_buffer, static_cast<float>(shaping.overlong_factor));
     }
-    solved += any ? 1 : 0;
   }
-  e.mean_reward /= static_cast<double>(at);
-  e.pass1 = correct_samples / static_cast<double>(at);
-  e.passk = solved / static_cast<double>(count);
-  return e;
+  return breakdown;
+}
+
+std::vector<float> rewards_of(const Group& g) {
+  std::vector<float> r;
+  for (const Sample& s : g.samples) r.push_back(s.reward);
+  return r;
+}
+
+// The select phase: advantages of the kept groups, computed once (the reward statistics describe
+// every generated group); the samples that enter the loss; a remainder that trainer.minibatches
+// does not divide dropped and counted.
+Selected select(Collected& c, const JobConfig& job) {
+  std::vector<float> all_rewards, kept_rewards;
+  std::vector<int32_t> all_sizes, kept_sizes;
+  for (const Group& g : c.groups) {
+    const std::vector<float> r = rewards_of(g);
+    all_rewards.insert(all_rewards.end(), r.begin(), r.end());
+    all_sizes.push_back(static_cast<int32_t>(r.size()));
+    if (!g.kept) continue;
+    kept_rewards.insert(kept_rewards.end(), r.begin(), r.end());
+    kept_sizes.push_back(static_cast<int32_t>(r.size()));
+  }
+  Selected s;
+  s.rewards = reward_stats(all_rewards, all_sizes);
+  const Advantages adv = compute_advantages(kept_rewards, kept_sizes, job.trainer.grpo.advantage);
+  s.advantages = adv.stats;
+  size_t a = 0;
+  for (Group& g : c.groups) {
+    if (!g.kept) continue;
+    for (Sample& x : g.samples) {
+      const float advantage = adv.values[a++];
+      if (!enters_loss(x.truncated, job.trainer.shaping.mask_truncated)) {
+        ++s.masked_truncated;
+        continue;
+      }
+      s.train.push_back({g.prompt.rendered.tokens, x.tokens, x.logprobs, advantage});
+    }
+  }
+  const size_t minibatches = static_cast<size_t>(job.trainer.step.minibatches);
+  s.dropped_remainder = static_cast<int64_t>(s.train.size() % minibatches);
+  s.train.resize(s.train.size() - static_cast<size_t>(s.dropped_remainder));
+  return s;
 }
 
 // The process's peak resident memory so far (Linux reports ru_maxrss in KiB).
@@ -306,6 +287,454 @@ std::string format_eta(double seconds) {
   if (seconds < 3600)
     return fmt::format("{:.0f}m{:02.0f}s", std::floor(seconds / 60), std::fmod(seconds, 60));
   return fmt::format("{:.1f}h", seconds / 3600);
+}
+
+std::vector<weight_sync::Param> params_of(const model::Weights& w) {
+  std::vector<weight_sync::Param> params;
+  for (const model::NamedTensor& t : w.storage()) params.push_back({t.name, t.tensor});
+  return params;
+}
+
+rollout::EngineOptions engine_options(const JobConfig& job, const model::ModelConfig& c) {
+  rollout::EngineOptions eo;
+  eo.block_size = job.rollout.block_size;
+  eo.num_blocks = job.rollout.num_blocks;
+  eo.max_batch_tokens = job.rollout.max_batch_tokens;
+  eo.max_seqs = std::max<int64_t>(job.rollout.max_seqs, job.rollout.n);
+  eo.max_context = std::min<int64_t>(job.data.max_prompt_tokens + job.rollout.max_new_tokens + 1,
+                                     c.max_position_embeddings);
+  return eo;
+}
+
+TrainStepConfig train_step_config(const JobConfig& job) {
+  TrainStepConfig tc = job.trainer.step;
+  tc.loss = job.trainer.grpo.loss;
+  tc.temperature = static_cast<float>(job.rollout.temperature);
+  return tc;
+}
+
+LrScheduleConfig schedule_config(const JobConfig& job) {
+  LrScheduleConfig sc = job.trainer.schedule;
+  if (sc.total_steps == 0)
+    sc.total_steps = job.trainer.steps * job.trainer.step.epochs * job.trainer.step.minibatches;
+  return sc;
+}
+
+// A running job: the model, data, rewards, rollout engine, trainer and outputs of one process,
+// and the phases of a step.
+class Job {
+ public:
+  Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks);
+  JobResult run();
+
+ private:
+  std::vector<Prompt> draw_prompts(int64_t count, int64_t& skipped);
+  Collected collect();
+  Updated update_and_publish(const Selected& selected);
+  weight_sync::PublishStats publish();
+  void record(const Collected& c, const Selected& s, const Updated& u, double step_s);
+  void evaluate();
+  void checkpoint();
+  void resume();
+
+  const JobConfig& job_;
+  const std::atomic<bool>& stop_;
+  const JobHooks& hooks_;
+  const Clock::time_point start_ = Clock::now();
+  model::LoadedModel m_;
+  model::Weights& policy_;
+  std::unique_ptr<model::Weights> reference_;  // frozen, for the KL term (kl_beta > 0)
+  Dataset data_;
+  PromptFormat format_;
+  PromptStream stream_;
+  std::vector<Prompt> eval_prompts_;  // the held-out prompts evaluated, rendered once
+  rewards::RewardSet rewards_;
+  // Weight publish, weight_sync's single-rank path: with rollout.dtype = trainer.dtype the engine
+  // reads the trainer's tensors as they are and publishing moves no bytes; otherwise the engine
+  // has its own copy (same storage tensors in its dtype) and publishing casts each tensor into
+  // it. The engine then drops its prefix cache and stamps the version.
+  std::unique_ptr<model::Weights> rollout_copy_;
+  std::vector<weight_sync::Param> policy_params_, engine_params_;
+  std::unique_ptr<weight_sync::LocalPublisher> publisher_;
+  std::unique_ptr<rollout::Engine> engine_;
+  AdamW adamw_;
+  const LrSchedule schedule_;
+  TrainStepConfig step_config_;
+  std::unique_ptr<PolicyTrainer> trainer_;
+  TrainerState state_;
+  std::ofstream metrics_out_, samples_out_;
+  std::map<std::string, std::string> tokenizer_files_;
+  JobResult result_;
+  int64_t first_step_ = 0;
+  bool warned_skipped_ = false;
+};
+
+Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks)
+    : job_(job),
+      stop_(stop),
+      hooks_(hooks),
+      m_(model::load_model(job.model.path, DType::f32)),
+      policy_(*m_.weights),
+      data_(make_data(job)),
+      format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
+      stream_(data_.train, static_cast<uint64_t>(job.data.seed), true),
+      rewards_(make_rewards(job)),
+      adamw_(policy_, job.trainer.optimizer),
+      schedule_(schedule_config(job)),
+      step_config_(train_step_config(job)) {
+  TANDEM_CHECK(!data_.train.empty(), "the training split is empty ({})", job.where("data.source"));
+  if (job.trainer.grpo.loss.kl_beta > 0) {
+    reference_ = std::make_unique<model::Weights>(policy_.config(), DType::f32);
+    reference_->copy_from(policy_);
+  }
+  if (job.rollout.dtype != job.trainer.dtype)
+    rollout_copy_ = std::make_unique<model::Weights>(policy_.config(),
+                                                     dtype_from_name(job.rollout.dtype.c_str()));
+  const model::Weights& engine_weights = rollout_copy_ ? *rollout_copy_ : policy_;
+  policy_params_ = params_of(policy_);
+  engine_params_ = params_of(engine_weights);
+  publisher_ = std::make_unique<weight_sync::LocalPublisher>(policy_params_, engine_params_);
+  publisher_->publish(0);
+  engine_ = std::make_unique<rollout::Engine>(engine_weights, engine_options(job, m_.config()),
+                                              &m_.tok());
+  // pi_old is the trainer's policy: an engine sampling from other-precision weights reports
+  // logprobs of another policy, so the trainer computes its own.
+  if (!publisher_->zero_copy()) step_config_.always_recompute_old = true;
+  trainer_ =
+      std::make_unique<PolicyTrainer>(policy_, reference_.get(), adamw_, schedule_, step_config_);
+  if (job.trainer.optimizer_offload)
+    std::fprintf(stderr,
+                 "tandem: trainer.optimizer.offload: on cpu the optimizer state is in host memory "
+                 "already; nothing to offload\n");
+
+  // The held-out prompts: the first eval.max_prompts of the eval split that fit.
+  int64_t skipped = 0;
+  for (const Example& ex : data_.eval) {
+    if (static_cast<int64_t>(eval_prompts_.size()) >= job.eval.max_prompts) break;
+    RenderedPrompt r = render_prompt(m_.tok(), ex, format_);
+    if (static_cast<int64_t>(r.tokens.size()) > job.data.max_prompt_tokens) {
+      ++skipped;
+      continue;
+    }
+    eval_prompts_.push_back({ex, std::move(r)});
+  }
+  if (skipped > 0)
+    std::fprintf(stderr,
+                 "tandem: %lld held-out prompts are longer than data.max_prompt_tokens = %lld and "
+                 "are not evaluated\n",
+                 static_cast<long long>(skipped),
+                 static_cast<long long>(job.data.max_prompt_tokens));
+
+  state_.config = to_toml(job);
+  resume();
+  metrics_out_.open(fs::path(job.logging.dir) / "metrics.jsonl", std::ios::app);
+  samples_out_.open(fs::path(job.logging.dir) / "samples.jsonl", std::ios::app);
+  tokenizer_files_ = model::hf_tokenizer_files(m_.tok().data());
+  first_step_ = state_.step;
+}
+
+void Job::resume() {
+  std::string from = job_.checkpoint.resume;
+  if (from == "auto") from = latest_checkpoint(job_.checkpoint.dir).value_or("");
+  if (from == "none") from.clear();
+  if (from.empty()) return;
+  load_checkpoint(from, policy_, adamw_, state_);
+  if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
+  trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
+  publish();
+  std::fprintf(stderr, "tandem: resumed from %s at step %lld\n", from.c_str(),
+               static_cast<long long>(state_.step));
+}
+
+// The next `count` prompts of the stream, rendered. A prompt longer than data.max_prompt_tokens
+// is skipped (cutting it would change its task), counted in `skipped`, and another drawn.
+std::vector<Prompt> Job::draw_prompts(int64_t count, int64_t& skipped) {
+  std::vector<Prompt> prompts;
+  int64_t skipped_here = 0;
+  while (static_cast<int64_t>(prompts.size()) < count) {
+    for (Example& ex : stream_.next_batch(count - static_cast<int64_t>(prompts.size()))) {
+      RenderedPrompt r = render_prompt(m_.tok(), ex, format_);
+      const auto length = static_cast<int64_t>(r.tokens.size());
+      if (length <= job_.data.max_prompt_tokens) {
+        prompts.push_back({std::move(ex), std::move(r)});
+        continue;
+      }
+      ++skipped_here;
+      if (!warned_skipped_)
+        std::fprintf(stderr,
+                     "tandem: prompt '%s' has %lld tokens, more than data.max_prompt_tokens = "
+                     "%lld: skipped (counted as data/prompts_skipped_too_long)\n",
+                     ex.id.c_str(), static_cast<long long>(length),
+                     static_cast<long long>(job_.data.max_prompt_tokens));
+      warned_skipped_ = true;
+    }
+    TANDEM_CHECK(!prompts.empty() || skipped_here < stream_.size(),
+                 "every prompt of the training split is longer than data.max_prompt_tokens = {} "
+                 "({})",
+                 job_.data.max_prompt_tokens, job_.where("data.max_prompt_tokens"));
+  }
+  skipped += skipped_here;
+  return prompts;
+}
+
+// The collect phase: one round of rollout.prompts_per_step prompts, generated and scored; with
+// dynamic sampling, refill rounds of more prompts until that many groups carry a reward signal
+// (groups past the B-th with signal are dropped too: the batch keeps its configured size).
+Collected Job::collect() {
+  const ShapingSection& shaping = job_.trainer.shaping;
+  const int64_t B = job_.rollout.prompts_per_step;
+  Collected c;
+  for (int64_t round = 0;; ++round) {
+    // A refill draws the missing groups divided by the share of groups kept so far (a full batch
+    // while none was), so one round usually suffices; at most B prompts.
+    int64_t draw = B;
+    if (round > 0) {
+      const int64_t need = B - c.groups_kept;
+      const auto generated = static_cast<int64_t>(c.groups.size());
+      const int64_t kept = std::max<int64_t>(c.groups_kept, 1);
+      draw = std::clamp((need * generated + kept - 1) / kept, need, B);
+    }
+    std::vector<Prompt> prompts = draw_prompts(draw, c.prompts_skipped);
+    // Round 0 keeps the seeds of a job without refill; each round gets its own stream of seeds.
+    const uint64_t seed = static_cast<uint64_t>(job_.rollout.seed) * 1000003 +
+                          static_cast<uint64_t>(state_.step) * 7919 +
+                          static_cast<uint64_t>(round) * 0x9e3779b97f4a7c15ull;
+    const auto t0 = Clock::now();
+    std::vector<Group> groups =
+        generate(*engine_, m_, std::move(prompts), job_, static_cast<int>(job_.rollout.n),
+                 job_.rollout.temperature, seed);
+    c.rollout_s += seconds_since(t0);
+
+    const auto t1 = Clock::now();
+    append(c.breakdown, score(groups, rewards_, job_));
+    for (Group& g : groups) {
+      g.kept = !shaping.dynamic_sampling || (c.groups_kept < B && has_signal(rewards_of(g)));
+      c.groups_kept += g.kept ? 1 : 0;
+    }
+    c.reward_s += seconds_since(t1);
+    c.groups.insert(c.groups.end(), std::make_move_iterator(groups.begin()),
+                    std::make_move_iterator(groups.end()));
+    if (!shaping.dynamic_sampling || c.groups_kept >= B || round >= shaping.max_refill_rounds)
+      break;
+    c.refill_rounds = round + 1;
+  }
+  return c;
+}
+
+weight_sync::PublishStats Job::publish() {
+  const auto version = static_cast<uint64_t>(state_.weight_version);
+  const weight_sync::PublishStats st = publisher_->publish(version);
+  engine_->set_weights(rollout_copy_ ? *rollout_copy_ : policy_, version);
+  return st;
+}
+
+// The update and publish phases. The training phase does not need the engine's KV cache and
+// activations: with placement.release_memory they are freed for the trainer, and the trainer's
+// activations for the rollout and eval that follow.
+Updated Job::update_and_publish(const Selected& selected) {
+  Updated u;
+  if (job_.placement.release_memory) engine_->release_memory();
+  if (selected.train.empty()) return u;
+  const auto t0 = Clock::now();
+  u.train = trainer_->step(selected.train);
+  if (job_.placement.release_memory) trainer_->release_activations();
+  state_.weight_version += 1;
+  const auto t1 = Clock::now();
+  u.published = publish();
+  u.publish_s = seconds_since(t1);
+  u.train_s = seconds_since(t0);
+  return u;
+}
+
+// Held-out prompts: eval.pass_k samples each; a sample is correct when the first reward function
+// gives it at least 1 (e.g. math_match).
+void Job::evaluate() {
+  if (eval_prompts_.empty()) return;
+  const int k = static_cast<int>(job_.eval.pass_k);
+  std::vector<Group> groups =
+      generate(*engine_, m_, eval_prompts_, job_, k, job_.eval.temperature, 424242);
+  const rewards::RewardBreakdown b = score(groups, rewards_, job_);
+  double reward_sum = 0, correct = 0, solved = 0;
+  size_t i = 0;
+  for (const Group& g : groups) {
+    bool any = false;
+    for (size_t j = 0; j < g.samples.size(); ++j, ++i) {
+      reward_sum += b.total[i];
+      const bool ok = !b.values.empty() && b.values[0][i] >= 1.0;
+      correct += ok ? 1 : 0;
+      any = any || ok;
+    }
+    solved += any ? 1 : 0;
+  }
+  const double pass1 = correct / static_cast<double>(i), passk = solved / groups.size();
+  const double mean_reward = reward_sum / static_cast<double>(i);
+  const nlohmann::ordered_json j{{"step", state_.step},
+                                 {"eval/mean_reward", mean_reward},
+                                 {"eval/pass@1", pass1},
+                                 {"eval/pass@k", passk},
+                                 {"eval/k", job_.eval.pass_k}};
+  metrics_out_ << j.dump() << "\n" << std::flush;
+  std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
+               static_cast<long long>(state_.step), pass1, static_cast<long long>(k), passk,
+               mean_reward);
+  write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
+               (fs::path(job_.logging.dir) / "report.html").string(),
+               fmt::format("tandem: {}", job_.source));
+  if (result_.first_eval_accuracy < 0) result_.first_eval_accuracy = pass1;
+  result_.last_eval_accuracy = pass1;
+}
+
+void Job::checkpoint() {
+  state_.extra["stream"] = stream_.state();
+  state_.extra["optimizer_steps"] = trainer_->steps_done();
+  CheckpointOptions co;
+  co.keep_last = static_cast<int>(job_.checkpoint.keep_last);
+  co.extra_files = tokenizer_files_;
+  const std::string dir =
+      save_checkpoint(job_.checkpoint.dir, state_.step, policy_, adamw_, state_, co);
+  std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
+}
+
+// The record phase: the step's metrics line, the report, the progress line and a sample.
+void Job::record(const Collected& c, const Selected& s, const Updated& u, double step_s) {
+  const TrainStepMetrics& tm = u.train;
+  int64_t samples = 0, tokens = 0, max_len = 0, truncated = 0;
+  for (const Group& g : c.groups) {
+    for (const Sample& x : g.samples) {
+      const auto len = static_cast<int64_t>(x.tokens.size());
+      ++samples;
+      tokens += len;
+      max_len = std::max(max_len, len);
+      truncated += x.truncated ? 1 : 0;
+    }
+  }
+  const double n_samples = std::max<double>(static_cast<double>(samples), 1.0);
+  nlohmann::ordered_json j;
+  j["step"] = state_.step;
+  j["loss"] = tm.loss;
+  j["reward/mean"] = s.rewards.mean;
+  j["reward/std"] = s.rewards.std;
+  const nlohmann::json reward_metrics = c.breakdown.metrics();
+  for (auto it = reward_metrics.begin(); it != reward_metrics.end(); ++it) j[it.key()] = *it;
+  j["advantage/mean"] = s.advantages.advantage_mean;
+  j["advantage/std"] = s.advantages.advantage_std;
+  j["advantage/min"] = s.advantages.advantage_min;
+  j["advantage/max"] = s.advantages.advantage_max;
+  j["zero_variance_group_fraction"] = s.rewards.zero_variance_fraction;
+  j["pg_clipfrac_low"] = tm.policy.pg_clipfrac_low();
+  j["pg_clipfrac_high"] = tm.policy.pg_clipfrac_high();
+  j["kl_old"] = tm.policy.approx_kl_old();
+  j["kl_ref"] = tm.policy.kl_ref_mean();
+  j["entropy"] = tm.policy.entropy_mean();
+  j["grad_norm"] = tm.grad_norm;
+  j["lr"] = tm.lr;
+  j["skipped_steps"] = tm.skipped_steps;
+  j["response_length/mean"] = static_cast<double>(tokens) / n_samples;
+  j["response_length/max"] = max_len;
+  j["response_tokens"] = tokens;
+  j["truncation_rate"] = static_cast<double>(truncated) / n_samples;
+  j["old_logp_recomputed"] = tm.old_recomputed ? 1 : 0;
+  if (tm.old_recomputed) {  // otherwise the old logprobs are the rollout's: nothing to compare
+    j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
+    j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
+    j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
+  }
+  j["samples_trained"] = s.train.size();
+  j["samples_masked_truncated"] = s.masked_truncated;
+  j["samples_dropped_remainder"] = s.dropped_remainder;
+  j["data/prompts_skipped_too_long"] = c.prompts_skipped;
+  j["packed_tokens"] = tm.packed_tokens;
+  j["update_skipped"] = s.train.empty() ? 1 : 0;
+  j["dynamic_sampling/groups_generated"] = c.groups.size();
+  j["dynamic_sampling/groups_kept"] = c.groups_kept;
+  j["dynamic_sampling/refill_rounds"] = c.refill_rounds;
+  j["memory/peak_rss_mib"] = peak_rss_mib();
+  j["tokens_per_s"] = static_cast<double>(tokens) / std::max(step_s, 1e-9);
+  j["time/rollout_s"] = c.rollout_s;
+  j["time/reward_s"] = c.reward_s;
+  j["time/train_s"] = u.train_s;
+  j["time/old_logp_s"] = tm.seconds_old;
+  j["time/ref_logp_s"] = tm.seconds_ref;
+  j["time/update_s"] = tm.seconds_update;
+  j["weight_sync/bytes"] = u.published.bytes_written;
+  j["weight_sync/cast_tensors"] = u.published.cast;
+  j["weight_sync/copied_tensors"] = u.published.copied;
+  j["weight_sync/shared_tensors"] = u.published.shared;
+  j["time/publish_s"] = u.publish_s;
+  j["time/step_s"] = step_s;
+  metrics_out_ << j.dump() << "\n" << std::flush;
+  if (hooks_.on_step) hooks_.on_step(j);
+  write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
+               (fs::path(job_.logging.dir) / "report.html").string(),
+               fmt::format("tandem: {}", job_.source));
+
+  if (s.train.empty())
+    std::fprintf(stderr,
+                 "tandem: step %lld: no sample to train on (%lld groups generated, none with "
+                 "reward variance after %lld refill rounds): update skipped\n",
+                 static_cast<long long>(state_.step), static_cast<long long>(c.groups.size()),
+                 static_cast<long long>(c.refill_rounds));
+  if (s.dropped_remainder > 0)
+    std::fprintf(stderr,
+                 "tandem: step %lld: %lld samples left out so that trainer.minibatches = %lld "
+                 "divides the %lld that enter the loss\n",
+                 static_cast<long long>(state_.step), static_cast<long long>(s.dropped_remainder),
+                 static_cast<long long>(job_.trainer.step.minibatches),
+                 static_cast<long long>(s.train.size() + s.dropped_remainder));
+  const double per_step = seconds_since(start_) / static_cast<double>(state_.step - first_step_);
+  const std::string groups = job_.trainer.shaping.dynamic_sampling
+                                 ? fmt::format(" | groups {}/{} ({} refills)", c.groups_kept,
+                                               c.groups.size(), c.refill_rounds)
+                                 : "";
+  std::fprintf(
+      stderr,
+      "step %lld/%lld | reward %.3f%s | kl %.4f | entropy %.3f | len %.1f | %.0f tok/s | "
+      "%.1fs (rollout %.1f, train %.1f) | eta %s\n",
+      static_cast<long long>(state_.step), static_cast<long long>(job_.trainer.steps),
+      s.rewards.mean, groups.c_str(), tm.policy.kl_ref_mean(), tm.policy.entropy_mean(),
+      j["response_length/mean"].get<double>(), j["tokens_per_s"].get<double>(), step_s, c.rollout_s,
+      u.train_s,
+      format_eta(per_step * static_cast<double>(job_.trainer.steps - state_.step)).c_str());
+  if (job_.logging.samples_every > 0 && state_.step % job_.logging.samples_every == 0 &&
+      !c.groups.empty() && !c.groups[0].samples.empty()) {
+    const Group& g = c.groups[0];
+    samples_out_ << nlohmann::json{{"step", state_.step},
+                                   {"prompt", g.prompt.rendered.text},
+                                   {"completion", g.samples[0].text},
+                                   {"answer", g.prompt.example.answer},
+                                   {"reward", g.samples[0].reward}}
+                        .dump()
+                 << "\n"
+                 << std::flush;
+  }
+}
+
+JobResult Job::run() {
+  const bool eval = job_.eval.every > 0 && !eval_prompts_.empty();
+  if (eval) evaluate();
+  while (state_.step < job_.trainer.steps) {
+    const auto t0 = Clock::now();
+    Collected collected = collect();
+    const Selected selected = select(collected, job_);
+    const Updated updated = update_and_publish(selected);
+    state_.step += 1;
+    state_.data_epoch = stream_.epoch();
+    state_.data_position = stream_.index();
+    record(collected, selected, updated, seconds_since(t0));
+    result_.steps_done = state_.step;
+    if (eval && state_.step % job_.eval.every == 0) evaluate();
+    const bool last = state_.step >= job_.trainer.steps;
+    if (hooks_.checkpoints &&
+        (stop_.load() || last ||
+         (job_.checkpoint.every > 0 && state_.step % job_.checkpoint.every == 0)))
+      checkpoint();
+    if (stop_.load()) {
+      result_.interrupted = true;
+      break;
+    }
+  }
+  if (eval && state_.step % job_.eval.every != 0) evaluate();
+  return result_;
 }
 
 }  // namespace
@@ -326,302 +755,9 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     spdlog::warn(
         "placement.cpu_matmul = \"bf16\" without AMX-BF16 on this CPU: the operands are "
         "rounded, then summed by the f32 kernel (slower than f32)");
-  const auto run_t0 = Clock::now();
   fs::create_directories(job.logging.dir);
-  model::LoadedModel m = model::load_model(job.model.path, DType::f32);
-  model::Weights& policy = *m.weights;
-  std::unique_ptr<model::Weights> reference;
-  if (job.trainer.grpo.loss.kl_beta > 0) {
-    reference = std::make_unique<model::Weights>(policy.config(), DType::f32);
-    reference->copy_from(policy);
-  }
-  Dataset data = make_data(job);
-  TANDEM_CHECK(!data.train.empty(), "the training split is empty ({})", job.where("data.source"));
-  PromptStream stream(data.train, static_cast<uint64_t>(job.data.seed), true);
-  rewards::RewardSet reward_set = make_rewards(job);
-
-  rollout::EngineOptions eo;
-  eo.block_size = job.rollout.block_size;
-  eo.num_blocks = job.rollout.num_blocks;
-  eo.max_batch_tokens = job.rollout.max_batch_tokens;
-  eo.max_seqs = std::max<int64_t>(job.rollout.max_seqs, job.rollout.n);
-  eo.max_context = std::min<int64_t>(job.data.max_prompt_tokens + job.rollout.max_new_tokens + 1,
-                                     m.config().max_position_embeddings);
-  // Weight publish, weight_sync's single-rank path: with rollout.dtype = trainer.dtype the engine
-  // reads the trainer's tensors as they are and publishing moves no bytes; otherwise the engine
-  // has its own copy (same storage tensors in its dtype) and publishing casts each tensor into
-  // it. The engine then drops its prefix cache and stamps the version.
-  std::unique_ptr<model::Weights> rollout_copy;
-  if (job.rollout.dtype != job.trainer.dtype)
-    rollout_copy = std::make_unique<model::Weights>(policy.config(),
-                                                    dtype_from_name(job.rollout.dtype.c_str()));
-  const model::Weights& engine_weights = rollout_copy ? *rollout_copy : policy;
-  const auto params_of = [](const model::Weights& w) {
-    std::vector<weight_sync::Param> params;
-    for (const model::NamedTensor& t : w.storage()) params.push_back({t.name, t.tensor});
-    return params;
-  };
-  const std::vector<weight_sync::Param> policy_params = params_of(policy),
-                                        engine_params = params_of(engine_weights);
-  const weight_sync::LocalPublisher publisher(policy_params, engine_params);
-  publisher.publish(0);
-  rollout::Engine engine(engine_weights, eo, &m.tok());
-
-  AdamW adamw(policy, job.trainer.optimizer);
-  LrScheduleConfig sc = job.trainer.schedule;
-  if (sc.total_steps == 0)
-    sc.total_steps = job.trainer.steps * job.trainer.step.epochs * job.trainer.step.minibatches;
-  const LrSchedule schedule(sc);
-  TrainStepConfig tc = job.trainer.step;
-  tc.loss = job.trainer.grpo.loss;
-  tc.temperature = static_cast<float>(job.rollout.temperature);
-  // pi_old is the trainer's policy: an engine sampling from other-precision weights reports
-  // logprobs of another policy, so the trainer computes its own.
-  if (!publisher.zero_copy()) tc.always_recompute_old = true;
-  PolicyTrainer trainer(policy, reference.get(), adamw, schedule, tc);
-
-  if (job.trainer.optimizer_offload)
-    std::fprintf(stderr,
-                 "tandem: trainer.optimizer.offload: on cpu the optimizer state is in host memory "
-                 "already; nothing to offload\n");
-
-  TrainerState state;
-  auto publish = [&] {
-    const auto version = static_cast<uint64_t>(state.weight_version);
-    const weight_sync::PublishStats st = publisher.publish(version);
-    engine.set_weights(engine_weights, version);
-    return st;
-  };
-  state.config = to_toml(job);
-  std::string resume = job.checkpoint.resume;
-  if (resume == "auto") resume = latest_checkpoint(job.checkpoint.dir).value_or("");
-  if (resume == "none") resume.clear();
-  if (!resume.empty()) {
-    load_checkpoint(resume, policy, adamw, state);
-    if (state.extra.contains("stream")) stream.restore(state.extra["stream"]);
-    trainer.set_steps_done(state.extra.value("optimizer_steps", int64_t{0}));
-    publish();
-    std::fprintf(stderr, "tandem: resumed from %s at step %lld\n", resume.c_str(),
-                 static_cast<long long>(state.step));
-  }
-
-  std::ofstream metrics_out(fs::path(job.logging.dir) / "metrics.jsonl", std::ios::app);
-  std::ofstream samples_out(fs::path(job.logging.dir) / "samples.jsonl", std::ios::app);
-  const std::map<std::string, std::string> tokenizer_files =
-      model::hf_tokenizer_files(m.tok().data());
-  auto checkpoint = [&] {
-    state.extra["stream"] = stream.state();
-    state.extra["optimizer_steps"] = trainer.steps_done();
-    CheckpointOptions co;
-    co.keep_last = static_cast<int>(job.checkpoint.keep_last);
-    co.extra_files = tokenizer_files;
-    const std::string dir =
-        save_checkpoint(job.checkpoint.dir, state.step, policy, adamw, state, co);
-    std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
-  };
-
-  JobResult result;
-  auto run_eval = [&](int64_t step) {
-    const EvalResult e = evaluate(engine, m, data.eval, job, reward_set);
-    nlohmann::ordered_json j{{"step", step},
-                             {"eval/mean_reward", e.mean_reward},
-                             {"eval/pass@1", e.pass1},
-                             {"eval/pass@k", e.passk},
-                             {"eval/k", job.eval.pass_k}};
-    metrics_out << j.dump() << "\n" << std::flush;
-    std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
-                 static_cast<long long>(step), e.pass1, static_cast<long long>(job.eval.pass_k),
-                 e.passk, e.mean_reward);
-    write_report((fs::path(job.logging.dir) / "metrics.jsonl").string(),
-                 (fs::path(job.logging.dir) / "report.html").string(),
-                 fmt::format("tandem: {}", job.source));
-    if (result.first_eval_accuracy < 0) result.first_eval_accuracy = e.pass1;
-    result.last_eval_accuracy = e.pass1;
-  };
-  if (job.eval.every > 0 && !data.eval.empty()) run_eval(state.step);
-
-  const int64_t first_step = state.step;
-  while (state.step < job.trainer.steps) {
-    const auto t0 = Clock::now();
-    StepBatch sb = collect_batch(engine, m, stream, reward_set, job, state.step);
-    Rollout& r = sb.rollout;
-    const std::vector<float>& rewards = sb.rewards;
-    const rewards::RewardBreakdown& rb = sb.breakdown;
-    // Reward and zero-variance statistics describe every generated group; the update's
-    // advantages are those of the kept groups (the same values unless advantage_scale is
-    // batch-std).
-    const Advantages adv = compute_advantages(rewards, r.group_sizes, job.trainer.grpo.advantage);
-
-    // Samples that enter the loss: truncated ones masked on request, groups without signal
-    // dropped with dynamic sampling.
-    const auto truncated_flags = std::make_unique<bool[]>(r.truncated.size());
-    std::copy(r.truncated.begin(), r.truncated.end(), truncated_flags.get());
-    const std::vector<bool> keep =
-        loss_mask(std::span<const bool>(truncated_flags.get(), r.truncated.size()),
-                  job.trainer.shaping.mask_truncated);
-    std::vector<float> kept_rewards;
-    std::vector<int32_t> kept_sizes;
-    size_t at = 0;
-    for (size_t g = 0; g < r.group_sizes.size(); ++g) {
-      if (sb.group_kept[g]) {
-        kept_rewards.insert(kept_rewards.end(), rewards.begin() + static_cast<int64_t>(at),
-                            rewards.begin() + static_cast<int64_t>(at) + r.group_sizes[g]);
-        kept_sizes.push_back(r.group_sizes[g]);
-      }
-      at += static_cast<size_t>(r.group_sizes[g]);
-    }
-    const Advantages kept_adv =
-        kept_sizes.size() == r.group_sizes.size() ? adv
-        : kept_sizes.empty()
-            ? Advantages{}
-            : compute_advantages(kept_rewards, kept_sizes, job.trainer.grpo.advantage);
-    std::vector<TrainSample> train;
-    at = 0;
-    size_t kept_at = 0;
-    for (size_t g = 0; g < r.group_sizes.size(); ++g) {
-      for (int32_t j = 0; j < r.group_sizes[g]; ++j, ++at) {
-        if (!sb.group_kept[g]) continue;
-        const float advantage = kept_adv.values[kept_at++];
-        if (!keep[at]) continue;
-        r.samples[at].advantage = advantage;
-        train.push_back(std::move(r.samples[at]));
-      }
-    }
-    // Minibatches must divide the batch: trim the remainder (only after filtering).
-    train.resize(train.size() - train.size() % static_cast<size_t>(tc.minibatches));
-    if (train.empty())
-      std::fprintf(stderr,
-                   "tandem: step %lld: no sample to train on (%lld groups generated, none with "
-                   "reward variance after %lld refill rounds): update skipped\n",
-                   static_cast<long long>(state.step + 1),
-                   static_cast<long long>(r.group_sizes.size()),
-                   static_cast<long long>(sb.refill_rounds));
-    // The training phase does not need the engine's KV cache and activations: free them for
-    // the trainer; the next rollout or eval takes them again.
-    if (job.placement.release_memory) engine.release_memory();
-
-    const auto t2 = Clock::now();
-    TrainStepMetrics tm;
-    double t_publish = 0;
-    weight_sync::PublishStats published;
-    if (!train.empty()) {
-      tm = trainer.step(train);
-      // And the other way round: the rollout and eval that follow take the trainer's memory.
-      if (job.placement.release_memory) trainer.release_activations();
-      state.weight_version += 1;
-      const auto t3 = Clock::now();
-      published = publish();
-      t_publish = seconds_since(t3);
-    }
-    const double t_train = seconds_since(t2);
-    state.step += 1;
-    state.data_epoch = stream.epoch();
-    state.data_position = stream.index();
-
-    int64_t max_len = 0, truncated = 0;
-    for (const auto& s : r.reward_samples) {
-      max_len = std::max(max_len, s.completion_tokens);
-      truncated += s.truncated ? 1 : 0;
-    }
-    const double step_s = seconds_since(t0);
-    const double n_samples = static_cast<double>(r.reward_samples.size());
-    nlohmann::ordered_json j;
-    j["step"] = state.step;
-    j["loss"] = tm.loss;
-    j["reward/mean"] = adv.stats.reward_mean;
-    j["reward/std"] = adv.stats.reward_std;
-    const nlohmann::json reward_metrics = rb.metrics();
-    for (auto it = reward_metrics.begin(); it != reward_metrics.end(); ++it) j[it.key()] = *it;
-    j["advantage/mean"] = kept_adv.stats.advantage_mean;
-    j["advantage/std"] = kept_adv.stats.advantage_std;
-    j["advantage/min"] = kept_adv.stats.advantage_min;
-    j["advantage/max"] = kept_adv.stats.advantage_max;
-    j["zero_variance_group_fraction"] = adv.stats.zero_variance_fraction;
-    j["pg_clipfrac_low"] = tm.policy.pg_clipfrac_low();
-    j["pg_clipfrac_high"] = tm.policy.pg_clipfrac_high();
-    j["kl_old"] = tm.policy.approx_kl_old();
-    j["kl_ref"] = tm.policy.kl_ref_mean();
-    j["entropy"] = tm.policy.entropy_mean();
-    j["grad_norm"] = tm.grad_norm;
-    j["lr"] = tm.lr;
-    j["skipped_steps"] = tm.skipped_steps;
-    j["response_length/mean"] = static_cast<double>(r.tokens) / std::max(n_samples, 1.0);
-    j["response_length/max"] = max_len;
-    j["response_tokens"] = r.tokens;
-    j["truncation_rate"] = static_cast<double>(truncated) / std::max(n_samples, 1.0);
-    j["old_logp_recomputed"] = tm.old_recomputed ? 1 : 0;
-    if (tm.old_recomputed) {  // otherwise the old logprobs are the rollout's: nothing to compare
-      j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
-      j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
-      j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
-    }
-    j["samples_trained"] = train.size();
-    j["packed_tokens"] = tm.packed_tokens;
-    j["update_skipped"] = train.empty() ? 1 : 0;
-    j["dynamic_sampling/groups_generated"] = r.group_sizes.size();
-    j["dynamic_sampling/groups_kept"] = sb.groups_kept;
-    j["dynamic_sampling/refill_rounds"] = sb.refill_rounds;
-    j["memory/peak_rss_mib"] = peak_rss_mib();
-    j["tokens_per_s"] = static_cast<double>(r.tokens) / std::max(step_s, 1e-9);
-    j["time/rollout_s"] = sb.rollout_s;
-    j["time/reward_s"] = sb.reward_s;
-    j["time/train_s"] = t_train;
-    j["time/old_logp_s"] = tm.seconds_old;
-    j["time/ref_logp_s"] = tm.seconds_ref;
-    j["time/update_s"] = tm.seconds_update;
-    j["weight_sync/bytes"] = published.bytes_written;
-    j["weight_sync/cast_tensors"] = published.cast;
-    j["weight_sync/copied_tensors"] = published.copied;
-    j["weight_sync/shared_tensors"] = published.shared;
-    j["time/publish_s"] = t_publish;
-    j["time/step_s"] = step_s;
-    metrics_out << j.dump() << "\n" << std::flush;
-    if (hooks.on_step) hooks.on_step(j);
-    write_report((fs::path(job.logging.dir) / "metrics.jsonl").string(),
-                 (fs::path(job.logging.dir) / "report.html").string(),
-                 fmt::format("tandem: {}", job.source));
-
-    const double elapsed = seconds_since(run_t0);
-    const double per_step = elapsed / static_cast<double>(state.step - first_step);
-    const std::string groups = job.trainer.shaping.dynamic_sampling
-                                   ? fmt::format(" | groups {}/{} ({} refills)", sb.groups_kept,
-                                                 r.group_sizes.size(), sb.refill_rounds)
-                                   : "";
-    std::fprintf(
-        stderr,
-        "step %lld/%lld | reward %.3f%s | kl %.4f | entropy %.3f | len %.1f | %.0f tok/s | "
-        "%.1fs (rollout %.1f, train %.1f) | eta %s\n",
-        static_cast<long long>(state.step), static_cast<long long>(job.trainer.steps),
-        adv.stats.reward_mean, groups.c_str(), tm.policy.kl_ref_mean(), tm.policy.entropy_mean(),
-        j["response_length/mean"].get<double>(), j["tokens_per_s"].get<double>(), step_s,
-        sb.rollout_s, t_train,
-        format_eta(per_step * static_cast<double>(job.trainer.steps - state.step)).c_str());
-    if (job.logging.samples_every > 0 && state.step % job.logging.samples_every == 0 &&
-        !r.reward_samples.empty()) {
-      samples_out << nlohmann::json{{"step", state.step},
-                                    {"prompt", r.reward_samples[0].prompt},
-                                    {"completion", r.reward_samples[0].completion},
-                                    {"answer", r.reward_samples[0].answer},
-                                    {"reward", rewards[0]}}
-                         .dump()
-                  << "\n"
-                  << std::flush;
-    }
-    result.steps_done = state.step;
-    if (job.eval.every > 0 && !data.eval.empty() && state.step % job.eval.every == 0)
-      run_eval(state.step);
-    const bool last = state.step >= job.trainer.steps;
-    if (hooks.checkpoints && (stop.load() || last ||
-                              (job.checkpoint.every > 0 && state.step % job.checkpoint.every == 0)))
-      checkpoint();
-    if (stop.load()) {
-      result.interrupted = true;
-      break;
-    }
-  }
-  if (job.eval.every > 0 && !data.eval.empty() && state.step % job.eval.every != 0)
-    run_eval(state.step);
-  return result;
+  Job running(job, stop, hooks);
+  return running.run();
 }
 
 }  // namespace tandem::trainer

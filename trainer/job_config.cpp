@@ -168,7 +168,8 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "A GGUF file or a Hugging Face model directory."))
       .must_set();
   add(bind<J>("model.chat_template", TANDEM_MEMBER(model.chat_template),
-              "\"auto\" (the model's own), \"none\" (raw prompts), or a template file."));
+              "\"auto\" (the model's own), \"none\" (raw prompts), \"chatml\", \"llama3\", "
+              "\"plain\", or a ChatML or Llama 3 Jinja template file."));
   // data
   add(bind<J>("data.source", TANDEM_MEMBER(data.source), "Where prompts come from."))
       .one_of({"synthetic", "jsonl"});

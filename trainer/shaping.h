@@ -4,7 +4,6 @@
 
 #include <cstdint>
 #include <span>
-#include <vector>
 
 namespace tandem::trainer {
 
@@ -13,15 +12,13 @@ namespace tandem::trainer {
 // buffer 0 gives the hard form (0 or -factor).
 float overlong_penalty(int64_t length, int64_t max_length, int64_t buffer, float factor);
 
-// Dynamic sampling (DAPO): the groups (of group_sizes, laid out in order over rewards) whose
-// rewards are not all equal — the others have zero advantage and teach nothing. Returns the
-// indices of the kept groups.
-std::vector<int32_t> groups_with_signal(std::span<const float> rewards,
-                                        std::span<const int32_t> group_sizes);
+// Dynamic sampling (DAPO): whether a group's rewards are not all equal. A group whose rewards are
+// all equal (a group of one included) has zero advantage and teaches nothing.
+bool has_signal(std::span<const float> group_rewards);
 
-// Overlong filtering: per sample, whether it enters the loss. A truncated sample (finished by
-// the length limit) is left out when mask_truncated is set, so an unfinished answer is never
-// scored as if it were complete.
-std::vector<bool> loss_mask(std::span<const bool> truncated, bool mask_truncated);
+// Overlong filtering: whether a sample enters the loss. A truncated sample (finished by the
+// length limit) is left out when mask_truncated is set, so an unfinished answer is never scored
+// as if it were complete.
+bool enters_loss(bool truncated, bool mask_truncated);
 
 }  // namespace tandem::trainer

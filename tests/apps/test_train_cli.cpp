@@ -368,3 +368,50 @@ samples_every = 0
           read_bytes(tmp.file(std::string("b/ckpt/step-3/") + f)));
   }
 }
+
+TEST_CASE("tandem train skips prompts longer than data.max_prompt_tokens and counts them",
+          "[e2e]") {
+  const tandem::test::TempDir tmp("train-long-prompts");
+  write_tiny_model(tmp.file("model"));
+  // Five short prompts and three far past the 96-token limit: those are never cut and trained on.
+  std::string lines;
+  for (int i = 0; i < 5; ++i)
+    lines +=
+        nlohmann::json{
+            {"id", "short" + std::to_string(i)}, {"prompt", "Say hello."}, {"answer", "hello"}}
+            .dump() +
+        "\n";
+  std::string lengthy;
+  for (int w = 0; w < 150; ++w) lengthy += "lengthy ";
+  for (int i = 0; i < 3; ++i)
+    lines +=
+        nlohmann::json{{"id", "long" + std::to_string(i)}, {"prompt", lengthy}, {"answer", "no"}}
+            .dump() +
+        "\n";
+  const std::string data = tmp.write("data.jsonl", lines);
+  const auto steps = run_tiny_job(
+      tmp, tmp.file("model"),
+      "data.source=jsonl data.path=" + data + " eval.split_fraction=0 logging.samples_every=1");
+  REQUIRE(steps.size() == 3);
+  int64_t skipped = 0;
+  for (const auto& m : steps) skipped += m["data/prompts_skipped_too_long"].get<int64_t>();
+  // Six prompts drawn in three steps from a shuffled stream of eight: the first epoch's three
+  // long ones at least were met and skipped.
+  CHECK(skipped >= 3);
+  for (const auto& s : read_jsonl(tmp.file("run/samples.jsonl")))
+    CHECK(s["prompt"].get<std::string>().find("lengthy") == std::string::npos);
+}
+
+TEST_CASE("tandem train renders prompts as model.chat_template says", "[e2e]") {
+  const tandem::test::TempDir tmp("train-chat-template");
+  write_tiny_model(tmp.file("model"));
+  run_tiny_job(tmp, tmp.file("model"), "model.chat_template=none logging.samples_every=1");
+  const auto samples = read_jsonl(tmp.file("run/samples.jsonl"));
+  REQUIRE(samples.size() == 3);
+  for (const auto& s : samples) {
+    const std::string prompt = s["prompt"].get<std::string>();
+    INFO(prompt);
+    CHECK(prompt.find("<|im_start|>") == std::string::npos);
+    CHECK(prompt.rfind("What is", 0) == 0);
+  }
+}

@@ -480,6 +480,40 @@ TEST_CASE("render_prompt applies the chat template and a system prompt", "[unit]
         "system: Be terse.\nuser: Hi\nassistant: Yo\nuser: Bye\nassistant: ");
 }
 
+TEST_CASE("model chat_template chooses the prompt format a job renders", "[unit]") {
+  const model::Tokenizer tok(model::tokenizer_data_from_hf(smollm2_dir().string()));
+  const Example text{.id = "t", .prompt = "What is 2 + 3?", .answer = "5"};
+  // "auto": the model's own template, its default system prompt, the text rewards see.
+  const RenderedPrompt automatic = render_prompt(tok, text, prompt_format(tok, "auto"));
+  CHECK(automatic.tokens == model::encode_prompt(tok, text.prompt, true));
+  CHECK(automatic.text.find("named SmolLM") != std::string::npos);
+  CHECK(tok.decode(automatic.tokens) == automatic.text);
+  // "none": the raw text, no template.
+  const RenderedPrompt raw = render_prompt(tok, text, prompt_format(tok, "none"));
+  CHECK(raw.text == "What is 2 + 3?");
+  CHECK(raw.tokens == model::encode_prompt(tok, text.prompt, false));
+  // A format by name has no default system prompt.
+  CHECK(render_prompt(tok, text, prompt_format(tok, "chatml")).text ==
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n");
+  CHECK(render_prompt(tok, text, prompt_format(tok, "plain")).text ==
+        "user: What is 2 + 3?\nassistant: ");
+  // A Jinja file recognised as ChatML, with the default system prompt it holds.
+  const TempDir dir("chat-template");
+  const std::string chatml = (dir.path / "chatml.jinja").string();
+  std::ofstream(chatml) << "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe "
+                           "brief.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>"
+                           "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}";
+  CHECK(render_prompt(tok, text, prompt_format(tok, chatml)).text ==
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n");
+  // A template tandem cannot render, and a missing file, are refused naming the value.
+  const std::string other = (dir.path / "other.jinja").string();
+  std::ofstream(other) << "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}";
+  CHECK(error_of([&] { prompt_format(tok, other); }).find("neither ChatML") != std::string::npos);
+  CHECK(error_of([&] { prompt_format(tok, "missing.jinja"); }).find("'missing.jinja'") !=
+        std::string::npos);
+}
+
 TEST_CASE("synthetic tasks by name split into disjoint train and eval parts", "[unit]") {
   SyntheticOptions opt;
   opt.count = 500;

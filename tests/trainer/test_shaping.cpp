@@ -17,15 +17,16 @@ TEST_CASE("soft overlong penalty is 0 then linear then the full factor", "[unit]
 }
 
 TEST_CASE("dynamic sampling keeps only groups whose rewards differ", "[unit]") {
-  const std::vector<float> rewards = {1, 1, 1, 0, 1, 0.5f, 0.5f, 0, 0};
-  const std::vector<int32_t> sizes = {3, 2, 1, 1, 2};
-  CHECK(groups_with_signal(rewards, sizes) == std::vector<int32_t>{1});
-  const std::vector<int32_t> bad = {3, 3};
-  CHECK_THROWS_WITH(groups_with_signal(rewards, bad), Catch::Contains("rewards"));
+  const std::vector<float> varied = {1, 0.5f, 1}, equal = {0.5f, 0.5f, 0.5f}, one = {1};
+  CHECK(has_signal(varied));
+  CHECK_FALSE(has_signal(equal));
+  CHECK_FALSE(has_signal(one));
+  CHECK_FALSE(has_signal({}));
 }
 
 TEST_CASE("truncated samples are masked only when asked", "[unit]") {
-  const bool t[] = {false, true, false};
-  CHECK(loss_mask(t, false) == std::vector<bool>{true, true, true});
-  CHECK(loss_mask(t, true) == std::vector<bool>{true, false, true});
+  CHECK(enters_loss(false, false));
+  CHECK(enters_loss(true, false));
+  CHECK(enters_loss(false, true));
+  CHECK_FALSE(enters_loss(true, true));
 }
