@@ -29,6 +29,7 @@
 #include "trainer/report.h"
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
+#include "trainer/tensorboard.h"
 #include "trainer/train_step.h"
 #include "weight_sync/local.h"
 
@@ -336,6 +337,7 @@ class Job {
   void evaluate();
   void checkpoint();
   void resume();
+  void write_metrics(const nlohmann::ordered_json& line);
 
   const JobConfig& job_;
   const std::atomic<bool>& stop_;
@@ -363,6 +365,7 @@ class Job {
   std::unique_ptr<PolicyTrainer> trainer_;
   TrainerState state_;
   std::ofstream metrics_out_, samples_out_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // with logging.tensorboard
   std::map<std::string, std::string> tokenizer_files_;
   JobResult result_;
   int64_t first_step_ = 0;
@@ -429,6 +432,8 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   resume();
   metrics_out_.open(fs::path(job.logging.dir) / "metrics.jsonl", std::ios::app);
   samples_out_.open(fs::path(job.logging.dir) / "samples.jsonl", std::ios::app);
+  if (job.logging.tensorboard)
+    tensorboard_ = std::make_unique<TensorBoardWriter>(job.logging.dir, state_.step);
   tokenizer_files_ = model::hf_tokenizer_files(m_.tok().data());
   first_step_ = state_.step;
 }
@@ -573,7 +578,7 @@ void Job::evaluate() {
                                  {"eval/pass@1", pass1},
                                  {"eval/pass@k", passk},
                                  {"eval/k", job_.eval.pass_k}};
-  metrics_out_ << j.dump() << "\n" << std::flush;
+  write_metrics(j);
   std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
                static_cast<long long>(state_.step), pass1, static_cast<long long>(k), passk,
                mean_reward);
@@ -582,6 +587,15 @@ void Job::evaluate() {
                fmt::format("tandem: {}", job_.source));
   if (result_.first_eval_accuracy < 0) result_.first_eval_accuracy = pass1;
   result_.last_eval_accuracy = pass1;
+}
+
+// One line of metrics.jsonl, and its numbers as TensorBoard scalars.
+void Job::write_metrics(const nlohmann::ordered_json& line) {
+  metrics_out_ << line.dump() << "\n" << std::flush;
+  if (tensorboard_)
+    tensorboard_->write(
+        line,
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
 }
 
 void Job::checkpoint() {
@@ -662,7 +676,7 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   j["weight_sync/shared_tensors"] = u.published.shared;
   j["time/publish_s"] = u.publish_s;
   j["time/step_s"] = step_s;
-  metrics_out_ << j.dump() << "\n" << std::flush;
+  write_metrics(j);
   if (hooks_.on_step) hooks_.on_step(j);
   write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
                (fs::path(job_.logging.dir) / "report.html").string(),

@@ -424,6 +424,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
       .range(0, 1e9);
   add(bind<J>("logging.level", TANDEM_MEMBER(logging.level), "Log level."))
       .one_of({"trace", "debug", "info", "warn", "error"});
+  add(bind<J>("logging.tensorboard", TANDEM_MEMBER(logging.tensorboard),
+              "Write every scalar of metrics.jsonl into a TensorBoard event file in dir "
+              "(tensorboard --logdir runs/)."));
   // eval
   add(bind<J>("eval.every", TANDEM_MEMBER(eval.every), "Steps between evaluations; 0: off."))
       .range(0, 1e9);

@@ -107,6 +107,7 @@ struct LoggingSection {
   int64_t every = 1;
   int64_t samples_every = 10;  // 0: never
   std::string level = "info";
+  bool tensorboard = true;  // TensorBoard event file in dir
 };
 
 struct EvalSection {
