@@ -177,9 +177,10 @@ auto RemoteReward::with_retries(const std::string& what, Call&& call) {
       give_back(std::move(c));
     } catch (const rpc::Unauthorized& e) {
       give_back(std::move(c));
-      throw Refused(fmt::format(
-          "{}: {}: the server refused the token ({}): set the reward's token to the server's",
-          where, what, e.message));
+      throw FatalRewardError(
+          fmt::format("{}: {}: the server refused the token ({}): the token is wrong or missing; "
+                      "set the reward's token (token_env in the job config) to the server's",
+                      where, what, e.message));
     } catch (const rpc::InvalidRequest& e) {
       give_back(std::move(c));
       throw Refused(

@@ -70,7 +70,6 @@ Dataset make_data(const JobConfig& job) {
 
 rewards::RewardSet make_rewards(const JobConfig& job) {
   std::vector<rewards::RewardSet::Entry> entries;
-  int max_failures = 3;
   for (const RewardSpec& r : job.rewards) {
     nlohmann::json opt = nlohmann::json::object();
     std::string kind = r.kind;
@@ -100,15 +99,13 @@ rewards::RewardSet make_rewards(const JobConfig& job) {
                    r.kind, job.where("rewards"));
     }
     try {
-      entries.push_back({rewards::make_reward(kind, r.name, opt), r.weight, r.fallback});
+      entries.push_back({rewards::make_reward(kind, r.name, opt), r.weight, r.fallback,
+                         static_cast<int>(r.max_consecutive_failures)});
     } catch (const Error& e) {
       TANDEM_CHECK(false, "{} ({})", e.what(), job.where("rewards"));
     }
-    max_failures = static_cast<int>(r.max_consecutive_failures);
   }
-  rewards::RewardSetOptions o;
-  o.max_consecutive_failures = max_failures;
-  return rewards::RewardSet(std::move(entries), o);
+  return rewards::RewardSet(std::move(entries));
 }
 
 rollout::SamplingParams sampling(const JobConfig& job, const model::LoadedModel& m, int n,
