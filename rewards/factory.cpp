@@ -117,10 +117,12 @@ std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::
   if (kind == "plugin") {
     std::string path;
     std::string config;
+    PluginReward::Options o;
     r.read("path", path, /*required=*/true);
     r.read("config", config);
+    r.read("isolate", o.isolate);
     r.finish();
-    return std::make_unique<PluginReward>(name, path, config);
+    return std::make_unique<PluginReward>(name, path, config, o);
   }
   if (kind == "remote") {
     RemoteReward::Options o;

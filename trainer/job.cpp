@@ -80,6 +80,7 @@ rewards::RewardSet make_rewards(const JobConfig& job) {
     } else if (r.kind == "plugin") {
       opt["path"] = r.path;
       opt["config"] = r.config;
+      opt["isolate"] = r.isolate;
     } else if (r.kind == "remote") {
       opt = {{"address", r.address},
              {"timeout_ms", r.timeout_ms},
