@@ -120,6 +120,7 @@ std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& re
   c->socket->setNoDelay(true);
   // An answer holds one score per sample sent, so a longer list is never read.
   const ThriftLimits limits{.max_container_elements = static_cast<int32_t>(options_.batch_size)};
+  check_thrift_limits(limits, fmt::format("reward '{}' (remote)", name_));
   c->transport = bounded_framed_transport(c->socket, limits);
   c->client =
       std::make_unique<rpc::RewardServiceClient>(bounded_binary_protocol(c->transport, limits));

@@ -169,6 +169,7 @@ RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options opt
                             .max_container_elements = static_cast<int32_t>(
                                 std::max<int64_t>(m.options.max_batch_size, 1 << 16)),
                             .max_depth = 16};
+  check_thrift_limits(limits, fmt::format("reward server '{}'", m.options.name));
   m.socket = std::make_shared<at::transport::TServerSocket>(m.options.host, m.options.port);
   m.socket->setRecvTimeout(static_cast<int>(m.options.idle_timeout_ms));
   m.socket->setSendTimeout(static_cast<int>(m.options.idle_timeout_ms));

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "rewards/bounded_thrift.h"
 #include "rewards/builtins.h"
 #include "rewards/factory.h"
 #include "rewards/remote.h"
@@ -187,6 +188,13 @@ TEST_CASE("a reward server closes connections whose frames claim huge lists or s
 
 TEST_CASE("bounded Thrift connections carry more than max_message_bytes over many messages",
           "[unit]") {
+  CHECK_NOTHROW(tandem::check_thrift_limits({}, "defaults"));
+  CHECK_THROWS_WITH(tandem::check_thrift_limits({.max_depth = 2}, "the service"),
+                    Contains("the service: a Thrift limit is out of range") &&
+                        Contains("max_depth 2 in 4..1024"));
+  CHECK_THROWS_WITH(tandem::check_thrift_limits({.max_message_bytes = 100}, "s"),
+                    Contains("max_message_bytes 100 >= 1024"));
+
   auto len = std::make_shared<LengthPenaltyReward>(
       "len", LengthPenaltyReward::Options{.target_tokens = 4});
   RewardServer server(len, {.max_message_bytes = 4096});
