@@ -117,10 +117,12 @@ std::unique_ptr<RewardFunction> make_reward(const std::string& kind, const std::
   if (kind == "plugin") {
     std::string path;
     std::string config;
+    PluginReward::Options o;
     r.read("path", path, /*required=*/true);
     r.read("config", config);
+    r.read("isolate", o.isolate);
     r.finish();
-    return std::make_unique<PluginReward>(name, path, config);
+    return std::make_unique<PluginReward>(name, path, config, o);
   }
   if (kind == "remote") {
     RemoteReward::Options o;
@@ -160,10 +162,12 @@ RewardSet make_reward_set(const nlohmann::json& entries, const RewardSetOptions&
       const bool type_ok = key == "name"                          ? value.is_string()
                            : key == "options"                     ? value.is_object()
                            : key == "weight" || key == "fallback" ? value.is_number()
+                           : key == "max_consecutive_failures"    ? value.is_number_integer()
                                                                   : true;
-      TANDEM_CHECK(key == "name" || key == "options" || key == "weight" || key == "fallback",
+      TANDEM_CHECK(key == "name" || key == "options" || key == "weight" || key == "fallback" ||
+                       key == "max_consecutive_failures",
                    "rewards[{}] ({}): unknown key '{}' (known: kind, name, weight, fallback, "
-                   "options)",
+                   "max_consecutive_failures, options)",
                    i, kind, key);
       TANDEM_CHECK(type_ok, "rewards[{}] ({}): '{}' has the wrong type: {}", i, kind, key,
                    value.dump());
@@ -171,6 +175,7 @@ RewardSet make_reward_set(const nlohmann::json& entries, const RewardSetOptions&
       if (key == "options") fn_options = value;
       if (key == "weight") entry.weight = value.get<double>();
       if (key == "fallback") entry.fallback = value.get<double>();
+      if (key == "max_consecutive_failures") entry.max_consecutive_failures = value.get<int>();
     }
     entry.function = make_reward(kind, name, fn_options);
     set.push_back(std::move(entry));

@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include "core/error.h"
+#include "rewards/plugin_process.h"
 #include "rewards/reward_plugin.h"
 
 namespace tandem::rewards {
@@ -25,8 +26,13 @@ std::string last_error_of(const auto& api, void* state) {
 
 }  // namespace
 
-PluginReward::PluginReward(std::string name, const std::string& path, const std::string& config)
+PluginReward::PluginReward(std::string name, const std::string& path, const std::string& config,
+                           Options options)
     : name_(std::move(name)), path_(path), api_(std::make_unique<Api>()) {
+  if (options.isolate) {
+    process_ = std::make_unique<PluginProcess>(name_, path_, config);
+    return;
+  }
   dlerror();
   handle_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle_ == nullptr) {
@@ -77,7 +83,10 @@ PluginReward::~PluginReward() {
   if (handle_ != nullptr) dlclose(handle_);
 }
 
+int64_t PluginReward::crashes() const { return process_ ? process_->crashes() : 0; }
+
 std::vector<RewardResult> PluginReward::score(std::span<const RewardSample> samples) {
+  if (process_) return process_->score(samples);
   std::vector<std::string> extras(samples.size());
   std::vector<tandem_reward_sample_v1> c_samples(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) {

@@ -3,9 +3,10 @@
 #include "rewards/remote.h"
 
 #include <spdlog/spdlog.h>
-#include <thrift/protocol/TBinaryProtocol.h>
-#include <thrift/transport/TBufferTransports.h>
+#include <thrift/Thrift.h>
+#include <thrift/protocol/TProtocolException.h>
 #include <thrift/transport/TSocket.h>
+#include <thrift/transport/TTransportException.h>
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/utf8.h"
+#include "rewards/bounded_thrift.h"
 #include "rewards/rpc/RewardService.h"
 #include "rewards/rpc/reward_constants.h"
 
@@ -116,9 +118,12 @@ std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& re
   c->socket->setSendTimeout(static_cast<int>(options_.timeout_ms));
   c->socket->setRecvTimeout(static_cast<int>(options_.timeout_ms));
   c->socket->setNoDelay(true);
-  c->transport = std::make_shared<at::transport::TFramedTransport>(c->socket);
-  c->client = std::make_unique<rpc::RewardServiceClient>(
-      std::make_shared<at::protocol::TBinaryProtocol>(c->transport));
+  // An answer holds one score per sample sent, so a longer list is never read.
+  const ThriftLimits limits{.max_container_elements = static_cast<int32_t>(options_.batch_size)};
+  check_thrift_limits(limits, fmt::format("reward '{}' (remote)", name_));
+  c->transport = bounded_framed_transport(c->socket, limits);
+  c->client =
+      std::make_unique<rpc::RewardServiceClient>(bounded_binary_protocol(c->transport, limits));
   c->transport->open();
   return c;
 }
@@ -173,9 +178,10 @@ auto RemoteReward::with_retries(const std::string& what, Call&& call) {
       give_back(std::move(c));
     } catch (const rpc::Unauthorized& e) {
       give_back(std::move(c));
-      throw Refused(fmt::format(
-          "{}: {}: the server refused the token ({}): set the reward's token to the server's",
-          where, what, e.message));
+      throw FatalRewardError(
+          fmt::format("{}: {}: the server refused the token ({}): the token is wrong or missing; "
+                      "set the reward's token (token_env in the job config) to the server's",
+                      where, what, e.message));
     } catch (const rpc::InvalidRequest& e) {
       give_back(std::move(c));
       throw Refused(

@@ -2,12 +2,10 @@
 #include "rewards/remote_server.h"
 
 #include <spdlog/spdlog.h>
-#include <thrift/TConfiguration.h>
-#include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/server/TThreadedServer.h>
-#include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TServerSocket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <mutex>
@@ -15,6 +13,7 @@
 
 #include "core/build_info.h"
 #include "core/error.h"
+#include "rewards/bounded_thrift.h"
 #include "rewards/remote.h"
 #include "rewards/rpc/RewardService.h"
 #include "rewards/rpc/reward_constants.h"
@@ -100,7 +99,7 @@ class Handler : public rpc::RewardServiceIf {
     ++scored_;
   }
 
-  RewardServer::Stats stats() const { return {scored_.load(), overloaded_.load()}; }
+  RewardServer::Stats stats() const { return {scored_.load(), overloaded_.load(), 0}; }
 
   bool health() override { return true; }
 
@@ -125,20 +124,6 @@ class Handler : public rpc::RewardServiceIf {
   std::atomic<int64_t> scored_{0}, overloaded_{0};
 };
 
-// Framed transports whose frame and message sizes are bounded.
-class BoundedFramedFactory : public at::transport::TTransportFactory {
- public:
-  explicit BoundedFramedFactory(int max_bytes)
-      : config_(std::make_shared<at::TConfiguration>(max_bytes, max_bytes)) {}
-  std::shared_ptr<at::transport::TTransport> getTransport(
-      std::shared_ptr<at::transport::TTransport> trans) override {
-    return std::make_shared<at::transport::TFramedTransport>(trans, config_);
-  }
-
- private:
-  std::shared_ptr<at::TConfiguration> config_;
-};
-
 // Tells the constructor that the server listens.
 class ReadySignal : public at::server::TServerEventHandler {
  public:
@@ -155,6 +140,7 @@ struct RewardServer::Impl {
   Options options;
   std::shared_ptr<at::transport::TServerSocket> socket;
   std::shared_ptr<Handler> handler;
+  std::atomic<int64_t> refused{0};
   std::shared_ptr<at::server::TThreadedServer> server;
   std::promise<void> ready;  // set when the server listens, or with why it could not
   std::thread thread;
@@ -177,14 +163,27 @@ RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options opt
                options.max_in_flight, options.idle_timeout_ms);
   Impl& m = *impl_;
   m.options = std::move(options);
+  // A list longer than max_batch_size is still read, to be refused with InvalidRequest.
+  const ThriftLimits limits{.max_message_bytes = static_cast<int32_t>(m.options.max_message_bytes),
+                            .max_string_bytes = static_cast<int32_t>(m.options.max_message_bytes),
+                            .max_container_elements = static_cast<int32_t>(
+                                std::max<int64_t>(m.options.max_batch_size, 1 << 16)),
+                            .max_depth = 16};
+  check_thrift_limits(limits, fmt::format("reward server '{}'", m.options.name));
   m.socket = std::make_shared<at::transport::TServerSocket>(m.options.host, m.options.port);
   m.socket->setRecvTimeout(static_cast<int>(m.options.idle_timeout_ms));
   m.socket->setSendTimeout(static_cast<int>(m.options.idle_timeout_ms));
   m.handler = std::make_shared<Handler>(std::move(function), m.options);
   m.server = std::make_shared<at::server::TThreadedServer>(
-      std::make_shared<rpc::RewardServiceProcessor>(m.handler), m.socket,
-      std::make_shared<BoundedFramedFactory>(static_cast<int>(m.options.max_message_bytes)),
-      std::make_shared<at::protocol::TBinaryProtocolFactory>());
+      report_refused_requests(std::make_shared<rpc::RewardServiceProcessor>(m.handler),
+                              [&m](const std::string& peer, const std::string& why) {
+                                const int64_t n = ++m.refused;
+                                spdlog::warn(
+                                    "reward server '{}': closed the connection of {}: {} ({} "
+                                    "so far)",
+                                    m.options.name, peer, why, n);
+                              }),
+      m.socket, bounded_framed_transport_factory(limits), bounded_binary_protocol_factory(limits));
   m.server->setConcurrentClientLimit(m.options.max_connections);
   std::future<void> listening = m.ready.get_future();
   m.server->setServerEventHandler(std::make_shared<ReadySignal>(m.ready));
@@ -211,7 +210,11 @@ RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options opt
 
 RewardServer::~RewardServer() { stop(); }
 
-RewardServer::Stats RewardServer::stats() const { return impl_->handler->stats(); }
+RewardServer::Stats RewardServer::stats() const {
+  Stats s = impl_->handler->stats();
+  s.refused = impl_->refused.load();
+  return s;
+}
 
 void RewardServer::stop() {
   if (!impl_ || !impl_->thread.joinable()) return;

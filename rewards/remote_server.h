@@ -9,7 +9,11 @@ namespace tandem::rewards {
 
 // A threaded server (one thread per connection) on its own thread. Requests are bounded (batch
 // size, message size, connections, score calls in flight) and checked (token, extra_json); a bad
-// one is answered with InvalidRequest or Unauthorized, never a crash. The function is called from
+// one is answered with InvalidRequest or Unauthorized, never a crash. Every size read from the
+// wire is checked before it is allocated (rewards/bounded_thrift.h): a frame over
+// max_message_bytes, a string or list longer than what is left of its frame, a list over
+// max(max_batch_size, 65536) or nesting deeper than 16 closes that connection and is counted
+// (stats().refused, and a warning in the log). The function is called from
 // one thread at a time; up to max_in_flight score calls wait for it, and one more is answered
 // with Overloaded at once (clients retry after a pause) instead of joining an ever longer queue.
 // A function that throws or returns the wrong number of results fails every sample of that
@@ -19,6 +23,9 @@ class RewardServer {
   struct Stats {
     int64_t scored = 0;      // score calls answered with scores
     int64_t overloaded = 0;  // score calls refused with Overloaded
+    // connections closed because a request broke a limit (ThriftLimits: message, string or list
+    // size, nesting) or was not framed binary Thrift; the server serves the others on
+    int64_t refused = 0;
   };
 
   struct Options {

@@ -8,7 +8,16 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+
 namespace tandem::rewards {
+
+// A failure that neither a fallback nor a retry can cure (a remote reward's token is refused):
+// RewardSet lets it through, so the run stops at the first call instead of training on
+// fallbacks.
+struct FatalRewardError : Error {
+  using Error::Error;
+};
 
 // One completion to score, with what a reward function may need to judge it.
 struct RewardSample {

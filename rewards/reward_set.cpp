@@ -1,6 +1,8 @@
 // RewardSet: weighted combination, deadlines, fallbacks, failure counting.
 #include "rewards/reward_set.h"
 
+#include <spdlog/spdlog.h>
+
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -19,7 +21,8 @@ struct RewardSet::InFlight {
   std::condition_variable finished;
   bool done = false;
   std::vector<RewardResult> results;
-  std::string error;  // what the function threw
+  std::string error;         // what the function threw
+  std::exception_ptr fatal;  // a FatalRewardError it threw
 };
 
 namespace {
@@ -53,6 +56,9 @@ RewardSet::RewardSet(std::vector<Entry> entries, RewardSetOptions options)
                  name, e.weight);
     TANDEM_CHECK(!e.fallback || std::isfinite(*e.fallback),
                  "reward '{}' fallback: expected a finite value, got {}", name, *e.fallback);
+    TANDEM_CHECK(!e.max_consecutive_failures || *e.max_consecutive_failures >= 0,
+                 "reward '{}' max_consecutive_failures: expected >= 0, got {}", name,
+                 *e.max_consecutive_failures);
     RewardFunctionStats st;
     st.name = name;
     st.weight = e.weight;
@@ -94,6 +100,8 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
     } else if (options_.timeout_s <= 0) {
       try {
         results = entry.function->score(samples);
+      } catch (const FatalRewardError&) {
+        throw;
       } catch (...) {
         ++st.thrown;
         call_error = "threw: " + describe(std::current_exception());
@@ -103,14 +111,18 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
       std::thread([function = entry.function, call, shared] {
         std::vector<RewardResult> r;
         std::string error;
+        std::exception_ptr fatal;
         try {
           r = function->score(*shared);
+        } catch (const FatalRewardError&) {
+          fatal = std::current_exception();
         } catch (...) {
           error = "threw: " + describe(std::current_exception());
         }
         std::lock_guard lock(call->mutex);
         call->results = std::move(r);
         call->error = std::move(error);
+        call->fatal = fatal;
         call->done = true;
         call->finished.notify_all();
       }).detach();
@@ -120,6 +132,8 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
         ++st.timed_out;
         call_error = fmt::format("did not return within {} s (abandoned)", options_.timeout_s);
         abandoned_[f] = call;
+      } else if (call->fatal) {
+        std::rethrow_exception(call->fatal);
       } else if (!call->error.empty()) {
         ++st.thrown;
         call_error = call->error;
@@ -135,6 +149,7 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
     std::vector<double> values(n, fallback);
     std::vector<uint8_t> failed(n, 1);
     size_t n_failed = n;
+    std::string first_error = call_error;
     if (call_error.empty()) {
       n_failed = 0;
       for (size_t i = 0; i < n; ++i) {
@@ -151,7 +166,7 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
           st.value_sum += r.value;
           continue;
         }
-        ++n_failed;
+        if (n_failed++ == 0) first_error = fmt::format("sample {}: {}", i, st.last_error);
       }
     } else {
       st.last_error = call_error;
@@ -168,9 +183,12 @@ RewardBreakdown RewardSet::score(std::span<const RewardSample> samples) {
     out.values.push_back(std::move(values));
     out.failed.push_back(std::move(failed));
     out.call_errors.push_back(call_error);
+    if (n_failed > 0)
+      spdlog::warn("reward '{}': {} of {} samples got the fallback {}; first error: {}", st.name,
+                   n_failed, n, fallback, first_error);
 
-    TANDEM_CHECK(options_.max_consecutive_failures == 0 ||
-                     st.consecutive_failed_calls < options_.max_consecutive_failures,
+    const int limit = entry.max_consecutive_failures.value_or(options_.max_consecutive_failures);
+    TANDEM_CHECK(limit == 0 || st.consecutive_failed_calls < limit,
                  "reward function '{}' failed {} calls in a row (last error: {}); stopping the "
                  "run: fix the function or remove it from the rewards section of the config",
                  st.name, st.consecutive_failed_calls, st.last_error);
@@ -191,6 +209,9 @@ nlohmann::json RewardBreakdown::metrics() const {
     int64_t n_failed = 0;
     for (uint8_t x : failed[f]) n_failed += x;
     m[fmt::format("reward/{}/failed", names[f])] = n_failed;
+    m[fmt::format("reward/{}/fallback_fraction", names[f])] =
+        failed[f].empty() ? 0.0
+                          : static_cast<double>(n_failed) / static_cast<double>(failed[f].size());
   }
   return m;
 }

@@ -17,7 +17,7 @@ struct RewardSetOptions {
   double timeout_s = 60.0;
   // A function whose calls fail this many times in a row stops the run (score throws); 0: never.
   // A call fails when it throws, passes its deadline, returns the wrong number of results, or
-  // fails on every sample of the batch.
+  // fails on every sample of the batch. An entry may set its own.
   int max_consecutive_failures = 3;
 };
 
@@ -46,7 +46,8 @@ struct RewardBreakdown {
   std::vector<std::vector<uint8_t>> failed;  // (F, N) 1 where the fallback was used
   std::vector<std::string> call_errors;      // (F) why the whole call failed, "" if it did not
 
-  // {"reward/mean": .., "reward/<name>/mean": .., "reward/<name>/failed": ..} for this batch.
+  // {"reward/mean": .., "reward/<name>/mean": .., "reward/<name>/failed": ..,
+  //  "reward/<name>/fallback_fraction": ..} for this batch (the fraction: failed / N).
   nlohmann::json metrics() const;
 };
 
@@ -56,12 +57,17 @@ class RewardSet {
     std::shared_ptr<RewardFunction> function{};
     double weight = 1.0;
     std::optional<double> fallback{};  // overrides RewardSetOptions::fallback for this function
+    // overrides RewardSetOptions::max_consecutive_failures for this function
+    std::optional<int> max_consecutive_failures{};
   };
-  // Throws when there is no function, a weight or fallback is not finite, or two share a name.
+  // Throws when there is no function, a weight or fallback is not finite, a failure limit is
+  // negative, or two share a name.
   RewardSet(std::vector<Entry> entries, RewardSetOptions options = {});
 
   // Scores the batch with every function (one after the other). Throws tandem::Error naming the
-  // function when one reaches max_consecutive_failures; otherwise always returns N totals.
+  // function when one reaches its max_consecutive_failures, and lets a FatalRewardError through;
+  // otherwise always returns N totals. Logs a warning for each function that gave fallbacks in
+  // this call: how many, and the first error.
   RewardBreakdown score(std::span<const RewardSample> samples);
 
   const std::vector<RewardFunctionStats>& stats() const { return stats_; }

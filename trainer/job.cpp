@@ -72,7 +72,6 @@ Dataset make_data(const JobConfig& job) {
 
 rewards::RewardSet make_rewards(const JobConfig& job) {
   std::vector<rewards::RewardSet::Entry> entries;
-  int max_failures = 3;
   for (const RewardSpec& r : job.rewards) {
     nlohmann::json opt = nlohmann::json::object();
     std::string kind = r.kind;
@@ -83,6 +82,7 @@ rewards::RewardSet make_rewards(const JobConfig& job) {
     } else if (r.kind == "plugin") {
       opt["path"] = r.path;
       opt["config"] = r.config;
+      opt["isolate"] = r.isolate;
     } else if (r.kind == "remote") {
       opt = {{"address", r.address},
              {"timeout_ms", r.timeout_ms},
@@ -102,15 +102,13 @@ rewards::RewardSet make_rewards(const JobConfig& job) {
                    r.kind, job.where("rewards"));
     }
     try {
-      entries.push_back({rewards::make_reward(kind, r.name, opt), r.weight, r.fallback});
+      entries.push_back({rewards::make_reward(kind, r.name, opt), r.weight, r.fallback,
+                         static_cast<int>(r.max_consecutive_failures)});
     } catch (const Error& e) {
       TANDEM_CHECK(false, "{} ({})", e.what(), job.where("rewards"));
     }
-    max_failures = static_cast<int>(r.max_consecutive_failures);
   }
-  rewards::RewardSetOptions o;
-  o.max_consecutive_failures = max_failures;
-  return rewards::RewardSet(std::move(entries), o);
+  return rewards::RewardSet(std::move(entries));
 }
 
 // One completion and its score.

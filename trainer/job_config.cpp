@@ -136,6 +136,9 @@ const std::vector<Binding<RewardSpec>>& reward_bindings() {
     v.push_back(bind<R>("path", TANDEM_MEMBER(path),
                         "plugin: the shared library exporting tandem_reward_v1."));
     v.push_back(bind<R>("config", TANDEM_MEMBER(config), "plugin: the string given to its init."));
+    v.push_back(bind<R>("isolate", TANDEM_MEMBER(isolate),
+                        "plugin: run it in a child process, so that a crash fails one batch "
+                        "(fallback scores) instead of the job."));
     v.push_back(
         bind<R>("address", TANDEM_MEMBER(address), "remote: the Thrift server, host:port."));
     v.push_back(bind<R>("timeout_ms", TANDEM_MEMBER(timeout_ms),

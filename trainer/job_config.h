@@ -87,6 +87,7 @@ struct RewardSpec {
   int64_t target_length = 0;  // builtin length_penalty: tokens without penalty
   std::string path;           // plugin: the shared library
   std::string config;         // plugin: the string given to init
+  bool isolate = true;        // plugin: run it in a child process (a crash fails one batch)
   std::string address;        // remote: host:port
   int64_t timeout_ms = 10000;
   int64_t retries = 2;

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -107,6 +109,29 @@ std::string svg(const Chart& c) {
   return out + "</svg>";
 }
 
+constexpr const char* kFallbackChart = "reward fallbacks (fraction of samples)";
+
+// A series in the fallback chart for each reward/<name>/fallback_fraction of the line.
+void add_fallback_series(const nlohmann::json& line, std::vector<Chart>& charts) {
+  static constexpr const char* kColors[] = {"#d62728", "#ff7f0e", "#8c564b", "#e377c2",
+                                            "#7f7f7f", "#bcbd22", "#17becf", "#1f77b4"};
+  constexpr std::string_view kPrefix = "reward/", kSuffix = "/fallback_fraction";
+  auto chart = std::find_if(charts.begin(), charts.end(),
+                            [](const Chart& c) { return c.title == kFallbackChart; });
+  for (auto it = line.begin(); it != line.end(); ++it) {
+    const std::string& key = it.key();
+    if (key.size() <= kPrefix.size() + kSuffix.size() || !key.starts_with(kPrefix) ||
+        !key.ends_with(kSuffix))
+      continue;
+    std::vector<Series>& series = chart->series;
+    if (std::any_of(series.begin(), series.end(), [&](const Series& s) { return s.key == key; }))
+      continue;
+    const std::string name =
+        key.substr(kPrefix.size(), key.size() - kPrefix.size() - kSuffix.size());
+    series.push_back({key, name, kColors[series.size() % std::size(kColors)], {}});
+  }
+}
+
 }  // namespace
 
 void write_report(const std::string& metrics_jsonl, const std::string& html_path,
@@ -127,6 +152,8 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
        {{"dynamic_sampling/groups_generated", "generated", "#393b79", {}},
         {"dynamic_sampling/groups_kept", "kept", "#6b6ecf", {}}}},
       {"peak memory (RSS, MiB)", {{"memory/peak_rss_mib", "peak RSS", "#843c39", {}}}},
+      // One series per reward function, added as its reward/<name>/fallback_fraction appears.
+      {kFallbackChart, {}},
       {"time per phase (s)",
        {{"time/rollout_s", "rollout", "#ff7f0e", {}},
         {"time/reward_s", "reward", "#bcbd22", {}},
@@ -145,6 +172,7 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
     if (!j.is_object() || !j.contains("step") || !j["step"].is_number()) continue;
     ++rows;
     const double step = j["step"].get<double>();
+    add_fallback_series(j, charts);
     for (Chart& c : charts)
       for (Series& s : c.series)
         if (j.contains(s.key) && j[s.key].is_number()) {

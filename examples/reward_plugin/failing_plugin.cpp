@@ -1,9 +1,14 @@
 // A deliberately failing tandem reward plugin for the tests. The config string picks the failure:
 // "init" (init returns 7), "score" (score returns 5 with a message), "nan" (scores are NaN),
+// "segv" (a segmentation fault when a completion is "segv"), "hang" (sleeps 60 s when a
+// completion is "hang"), "fields" (a sum over every field of the sample, to check they arrive),
 // anything else scores 0.5. Built with -DFAILING_PLUGIN_ABI=N it reports ABI version N; built
 // with -DFAILING_PLUGIN_NO_FREE it lacks tandem_reward_v1_free.
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <string>
+#include <thread>
 
 #include "rewards/reward_plugin.h"
 
@@ -33,14 +38,26 @@ int tandem_reward_v1_init(const char* config, void** state) {
   return 0;
 }
 
-int tandem_reward_v1_score(void* state, const tandem_reward_sample_v1*, size_t n,
+int tandem_reward_v1_score(void* state, const tandem_reward_sample_v1* samples, size_t n,
                            double* out_scores) {
   auto* s = static_cast<State*>(state);
   if (s->mode == "score") {
     s->error = "failing on purpose in score";
     return 5;
   }
-  for (size_t i = 0; i < n; ++i) out_scores[i] = s->mode == "nan" ? std::nan("") : 0.5;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string completion(samples[i].completion, samples[i].completion_len);
+    if (s->mode == "segv" && completion == "segv") std::raise(SIGSEGV);
+    if (s->mode == "hang" && completion == "hang")
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    const tandem_reward_sample_v1& x = samples[i];
+    out_scores[i] = s->mode == "nan" ? std::nan("")
+                    : s->mode == "fields"
+                        ? static_cast<double>(x.prompt_len + 2 * x.completion_len +
+                                              3 * x.answer_len + 5 * x.extra_json_len) +
+                              7.0 * static_cast<double>(x.completion_tokens) + 11.0 * x.truncated
+                        : 0.5;
+  }
   return 0;
 }
 

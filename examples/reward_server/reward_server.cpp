@@ -4,7 +4,9 @@
 //   build/bin/tandem_reward_server --port 0 --kind regex_format --options '{"pattern": "####.*"}'
 //
 // It prints "listening on PORT" on stdout once it accepts connections (PORT is the chosen one
-// when --port is 0). A job uses it with a [[rewards]] entry of kind = "remote".
+// when --port is 0). A job uses it with a [[rewards]] entry of kind = "remote". On SIGINT/SIGTERM
+// it stops taking connections and lets the calls in progress finish for at most
+// --stop-timeout-ms (or until a second signal), then exits all the same.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -12,7 +14,10 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <thread>
 
 #include "core/error.h"
 #include "rewards/factory.h"
@@ -41,6 +46,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-in-flight", o.max_in_flight,
                  "Score calls admitted at once; one more is answered with Overloaded")
       ->capture_default_str();
+  int64_t stop_timeout_ms = 5000;
+  app.add_option("--stop-timeout-ms", stop_timeout_ms,
+                 "After SIGTERM, how long calls in progress may finish before the exit")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{3'600'000}));
   CLI11_PARSE(app, argc, argv);
 
   // The signals are taken by sigwait below, so every thread the server starts must block them.
@@ -60,7 +70,24 @@ int main(int argc, char** argv) {
     int signal = 0;
     sigwait(&stop_signals, &signal);
     std::fprintf(stderr, "tandem_reward_server: %s, stopping\n", strsignal(signal));
+    // A call that does not return (a hung function) must not keep the process alive.
+    std::thread([&stop_signals, stop_timeout_ms] {
+      const timespec timeout{static_cast<time_t>(stop_timeout_ms / 1000),
+                             static_cast<long>(stop_timeout_ms % 1000) * 1'000'000};
+      siginfo_t info;
+      const bool again = sigtimedwait(&stop_signals, &info, &timeout) > 0;
+      std::fprintf(stderr, "tandem_reward_server: %s; exiting with calls in progress\n",
+                   again ? "signalled again" : "calls still in progress after --stop-timeout-ms");
+      std::fflush(stderr);
+      std::_Exit(1);
+    }).detach();
     server.stop();
+    const auto stats = server.stats();
+    std::fprintf(stderr,
+                 "tandem_reward_server: stopped; %lld calls scored, %lld overloaded, %lld "
+                 "connections refused for a request over a limit\n",
+                 static_cast<long long>(stats.scored), static_cast<long long>(stats.overloaded),
+                 static_cast<long long>(stats.refused));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tandem_reward_server: %s\n", e.what());
     return 1;

@@ -63,8 +63,8 @@ TEST_CASE("report html renders its charts with data points in headless Chromium"
   const auto dom = shell(browser + "--dump-dom " + url + " 2>" + tmp.file("dom.log"));
   INFO(read_text(tmp.file("dom.log")));
   REQUIRE(dom.status == 0);
-  // The DOM after Chromium parsed and laid out the page: ten charts, each line with its points.
-  CHECK(count(dom.out, "<svg") == 10);
+  // The DOM after Chromium parsed and laid out the page: eleven charts, each line with its points.
+  CHECK(count(dom.out, "<svg") == 11);
   CHECK(dom.out.find("data-key=\"reward/mean\" data-points=\"2\"") != std::string::npos);
   CHECK(dom.out.find("data-key=\"eval/pass@1\" data-points=\"3\"") != std::string::npos);
   CHECK(dom.out.find("data-key=\"memory/peak_rss_mib\" data-points=\"2\"") != std::string::npos);
