@@ -4,6 +4,7 @@
 
 #include <cstdio>
 
+#include "apps/launch.h"
 #include "apps/model_commands.h"
 #include "apps/train_command.h"
 #include "bench/bench.h"
@@ -52,6 +53,7 @@ int main(int argc, char** argv) {
 
   tandem::apps::add_model_commands(app);
   tandem::apps::add_train_command(app);
+  tandem::apps::add_launch_command(app);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -62,6 +64,7 @@ int main(int argc, char** argv) {
     }
     if (const int rc = tandem::apps::run_model_commands(); rc >= 0) return rc;
     if (const int rc = tandem::apps::run_train_command(); rc >= 0) return rc;
+    if (const int rc = tandem::apps::run_launch_command(); rc >= 0) return rc;
     if (bench->parsed()) {
       if (bench_device.rfind("cuda", 0) == 0) {
         const int index = bench_device.size() > 5 ? std::stoi(bench_device.substr(5)) : 0;
