@@ -217,6 +217,58 @@ int scenario_collectives(const tandem::CommOptions& options) {
   return failures == 0 ? 0 : 1;
 }
 
+// The CUDA path (NCCL): each collective once on device copies, checked on the host.
+int scenario_cuda(const tandem::CommOptions& options) {
+  auto comm = Communicator::from_environment(options);
+  const tandem::Device dev = options.device;
+  const int P = comm->size(), r = comm->rank();
+  std::vector<int> all;
+  for (int q = 0; q < P; ++q) all.push_back(q);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const std::string dt = tandem::dtype_name(dtype);
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
+      Tensor t = filled(100003, dtype, 1, r).to(dev);
+      comm->all_reduce(t, op);
+      check_values(t.to(tandem::Device::cpu()),
+                   fmt::format("nccl all_reduce {} {}", reduce_op_name(op), dt),
+                   [&](int64_t i) { return reduce_ref(P, 1, i, op, all); });
+    }
+    Tensor in = filled(333 * P, dtype, 2, r).to(dev), out = Tensor::empty({333}, dtype, dev);
+    comm->reduce_scatter(in, out);
+    check_values(out.to(tandem::Device::cpu()), "nccl reduce_scatter " + dt,
+                 [&](int64_t i) { return reduce_ref(P, 2, r * 333 + i, ReduceOp::sum, all); });
+    std::vector<int64_t> counts, offsets{0};
+    for (int q = 0; q < P; ++q) {
+      counts.push_back((q * 3 + 1) % 5 * 37);
+      offsets.push_back(offsets.back() + counts.back());
+    }
+    Tensor piece = filled(counts[static_cast<size_t>(r)], dtype, 3, r).to(dev);
+    Tensor gathered = Tensor::empty({offsets.back()}, dtype, dev);
+    comm->all_gather_v(piece, gathered, counts);
+    check_values(gathered.to(tandem::Device::cpu()), "nccl all_gather_v " + dt, [&](int64_t i) {
+      int q = 0;
+      while (i >= offsets[static_cast<size_t>(q) + 1]) ++q;
+      return value_of(3, q, i - offsets[static_cast<size_t>(q)]);
+    });
+    Tensor b = filled(513, dtype, 4, r).to(dev);
+    comm->broadcast(b, P - 1);
+    check_values(b.to(tandem::Device::cpu()), "nccl broadcast " + dt,
+                 [&](int64_t i) { return value_of(4, P - 1, i); });
+  }
+  if (P > 1) {
+    Tensor to_right = filled(300, DType::f32, 5, r).to(dev);
+    Tensor from_left = Tensor::empty({300}, DType::f32, dev);
+    std::vector<tandem::P2POp> ops{tandem::send_to((r + 1) % P, to_right),
+                                   tandem::recv_from((r + P - 1) % P, from_left)};
+    comm->send_recv(ops);
+    check_values(from_left.to(tandem::Device::cpu()), "nccl send_recv ring",
+                 [&](int64_t i) { return value_of(5, (r + P - 1) % P, i); });
+  }
+  comm->barrier();
+  std::printf("%s rank %d of %d\n", failures == 0 ? "ok" : "failed", r, P);
+  return failures == 0 ? 0 : 1;
+}
+
 int scenario_die(const tandem::CommOptions& options, int victim, bool stuck) {
   auto comm = Communicator::from_environment(options);
   comm->barrier();
@@ -227,7 +279,7 @@ int scenario_die(const tandem::CommOptions& options, int victim, bool stuck) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    Tensor t = filled(4096, DType::f32, 1, comm->rank());
+    Tensor t = filled(4096, DType::f32, 1, comm->rank()).to(options.device);
     for (int i = 0; i < 100; ++i) comm->all_reduce(t);
   } catch (const tandem::Error& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -288,7 +340,7 @@ int scenario_fail(int victim, int code) {
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: tandem_comm_worker collectives|die K|stuck K|info|config same|differ|"
+                 "usage: tandem_comm_worker collectives|cuda|die K|stuck K|info|config same|differ|"
                  "fail K CODE\n");
     return 2;
   }
@@ -296,8 +348,13 @@ int main(int argc, char** argv) {
   tandem::CommOptions options;
   if (const char* t = std::getenv("TANDEM_TEST_TIMEOUT_S")) options.timeout_s = std::atof(t);
   if (const char* s = std::getenv("TANDEM_TEST_STORE")) options.store = s;
+  if (const char* d = std::getenv("TANDEM_TEST_DEVICE"); d != nullptr && std::string(d) == "cuda") {
+    const char* local = std::getenv("LOCAL_RANK");
+    options.device = tandem::Device::cuda(local != nullptr ? std::atoi(local) : 0);
+  }
   try {
     if (what == "collectives") return scenario_collectives(options);
+    if (what == "cuda") return scenario_cuda(options);
     if (what == "die" || what == "stuck")
       return scenario_die(options, std::atoi(argv[2]), what == "stuck");
     if (what == "info") return scenario_info(options);
