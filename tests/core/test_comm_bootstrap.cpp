@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/rendezvous.h"
 #include "tests/testutil.h"
+#include "trainer/job_config.h"
 
 namespace {
 
@@ -175,4 +176,27 @@ TEST_CASE("ranks bootstrap from torchrun-style variables", "[multiproc]") {
     CHECK(res.out.find(fmt::format("rank {} world 3 local {} node 0 launcher torchrun master "
                                    "127.0.0.1:{} sum 6",
                                    r, r, port)) != std::string::npos);
+}
+
+TEST_CASE("the distributed section of a job takes tcp or a file store and refuses others",
+          "[unit]") {
+  const std::string job =
+      "[model]\npath = \"m.gguf\"\n[[rewards]]\nname = \"correct\"\nfunction = \"math_match\"\n";
+  const auto defaults = tandem::trainer::parse_job_config(job, "job.toml");
+  CHECK(defaults.distributed.store == "tcp");
+  CHECK(defaults.distributed.timeout_s == 300);
+  const std::vector<std::string> file_store{"distributed.store=file:/shared/run1",
+                                            "distributed.master=node0:29400"};
+  const auto shared = tandem::trainer::parse_job_config(job, "job.toml", file_store);
+  CHECK(shared.distributed.store == "file:/shared/run1");
+  CHECK(shared.distributed.master == "node0:29400");
+  for (const std::string bad : {"distributed.store=redis", "distributed.store=file:"}) {
+    const std::vector<std::string> overrides{bad};
+    CHECK_THROWS_WITH(tandem::trainer::parse_job_config(job, "job.toml", overrides),
+                      Catch::Contains("distributed.store") &&
+                          Catch::Contains("expected \"tcp\" or \"file:/shared/dir\""));
+  }
+  const std::vector<std::string> zero{"distributed.timeout_s=0"};
+  CHECK_THROWS_WITH(tandem::trainer::parse_job_config(job, "job.toml", zero),
+                    Catch::Contains("distributed.timeout_s"));
 }
