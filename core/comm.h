@@ -45,7 +45,8 @@ class Backend;
 // A group of ranks. Every member calls the same collectives in the same order with matching
 // shapes; each call returns when this rank's part is done (results are in place on return, CUDA
 // work included). Errors name the collective, the group, the bytes and the peer that failed; after
-// one, the communicator refuses further calls.
+// one, the communicator refuses further calls. One thread at a time uses a communicator; sub-groups
+// are separate communicators and may run on separate threads.
 class Communicator {
  public:
   // The world of the job: rank and size from the launcher (rendezvous::detect_rank_info), the
