@@ -459,6 +459,17 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there; "
               "elsewhere slower than f32). Weights, optimizer and all other ops stay f32."))
       .one_of({"f32", "bf16"});
+  // distributed
+  add(bind<J>("distributed.timeout_s", TANDEM_MEMBER(distributed.timeout_s),
+              "Seconds that bound the rendezvous, every store wait and every collective: a dead "
+              "or stuck rank becomes an error naming the collective and the peer."))
+      .above(0);
+  add(bind<J>("distributed.store", TANDEM_MEMBER(distributed.store),
+              "Where ranks meet: \"tcp\" (a key-value store served by rank 0 at the "
+              "coordinator) or \"file:/shared/dir\" (a fresh directory every rank sees)."));
+  add(bind<J>("distributed.master", TANDEM_MEMBER(distributed.master),
+              "HOST:PORT of the coordinator (rank 0), over the launcher's MASTER_ADDR/"
+              "MASTER_PORT or Slurm node list; empty: from the launcher."));
   return v;
 }
 
@@ -484,6 +495,7 @@ std::shared_ptr<const config::Schema> make_schema() {
   s->describe("logging", "Progress, metrics, report and samples.");
   s->describe("eval", "Held-out evaluation: mean reward, pass@1, pass@k.");
   s->describe("placement", "Where rollout and training run.");
+  s->describe("distributed", "Multi-rank jobs: rendezvous and timeouts (docs/distributed.md).");
   for (const auto& b : job_bindings()) s->add(b.field);
   return s;
 }
@@ -527,6 +539,11 @@ void check_job(const Config& c, JobConfig& j) {
     c.fail("data.prompt_field", "set prompt_field or messages_field");
   if (j.eval.every > 0 && j.eval.split_fraction <= 0)
     c.fail("eval.split_fraction", "expected > 0 when eval.every > 0 (nothing to evaluate on)");
+  if (j.distributed.store != "tcp" &&
+      (j.distributed.store.rfind("file:", 0) != 0 || j.distributed.store.size() == 5))
+    c.fail(
+        "distributed.store",
+        fmt::format("expected \"tcp\" or \"file:/shared/dir\", found \"{}\"", j.distributed.store));
 
   const auto& items = c.get_tables("rewards");
   if (items.empty())

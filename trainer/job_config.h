@@ -130,6 +130,13 @@ struct PlacementSection {
   std::string cpu_matmul = "f32";
 };
 
+// Multi-rank jobs (docs/distributed.md): the Communicator's store, coordinator and timeout.
+struct DistributedSection {
+  double timeout_s = 300;     // bound of the rendezvous, the store and every collective
+  std::string store = "tcp";  // "tcp" (rank 0 serves it) or "file:/shared/dir"
+  std::string master;         // "HOST:PORT" of the coordinator over the launcher's variables
+};
+
 struct JobConfig {
   ModelSection model;
   DataSection data;
@@ -140,6 +147,7 @@ struct JobConfig {
   LoggingSection logging;
   EvalSection eval;
   PlacementSection placement;
+  DistributedSection distributed;
   std::string source;  // the file it came from
   // Where each key's value came from ("job.toml:4:8", "override 'model.path=x'", or
   // "job.toml (default)"), for errors found later: "model.path 'x' does not exist (job.toml:4:8)".
