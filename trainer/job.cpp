@@ -22,9 +22,11 @@
 #include "rewards/factory.h"
 #include "rewards/reward_set.h"
 #include "rollout/engine.h"
+#include "trainer/append_file.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/grpo.h"
+#include "trainer/job_start.h"
 #include "trainer/report.h"
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
@@ -327,7 +329,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
         "placement.cpu_matmul = \"bf16\" without AMX-BF16 on this CPU: the operands are "
         "rounded, then summed by the f32 kernel (slower than f32)");
   const auto run_t0 = Clock::now();
-  fs::create_directories(job.logging.dir);
+  const JobStart started = start_job(job);
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);
   model::Weights& policy = *m.weights;
   std::unique_ptr<model::Weights> reference;
@@ -398,6 +400,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   if (resume == "none") resume.clear();
   if (!resume.empty()) {
     load_checkpoint(resume, policy, adamw, state);
+    state.config = to_toml(job);  // the config this run trains with, not the checkpoint's
     if (state.extra.contains("stream")) stream.restore(state.extra["stream"]);
     trainer.set_steps_done(state.extra.value("optimizer_steps", int64_t{0}));
     publish();
@@ -405,8 +408,8 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                  static_cast<long long>(state.step));
   }
 
-  std::ofstream metrics_out(fs::path(job.logging.dir) / "metrics.jsonl", std::ios::app);
-  std::ofstream samples_out(fs::path(job.logging.dir) / "samples.jsonl", std::ios::app);
+  AppendFile metrics_out((fs::path(job.logging.dir) / "metrics.jsonl").string());
+  AppendFile samples_out((fs::path(job.logging.dir) / "samples.jsonl").string());
   const std::map<std::string, std::string> tokenizer_files =
       model::hf_tokenizer_files(m.tok().data());
   auto checkpoint = [&] {
@@ -428,7 +431,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                              {"eval/pass@1", e.pass1},
                              {"eval/pass@k", e.passk},
                              {"eval/k", job.eval.pass_k}};
-    metrics_out << j.dump() << "\n" << std::flush;
+    metrics_out.write_line(j.dump());
     std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
                  static_cast<long long>(step), e.pass1, static_cast<long long>(job.eval.pass_k),
                  e.passk, e.mean_reward);
@@ -575,7 +578,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     j["weight_sync/shared_tensors"] = published.shared;
     j["time/publish_s"] = t_publish;
     j["time/step_s"] = step_s;
-    metrics_out << j.dump() << "\n" << std::flush;
+    metrics_out.write_line(j.dump());
     if (hooks.on_step) hooks.on_step(j);
     write_report((fs::path(job.logging.dir) / "metrics.jsonl").string(),
                  (fs::path(job.logging.dir) / "report.html").string(),
@@ -598,14 +601,12 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
         format_eta(per_step * static_cast<double>(job.trainer.steps - state.step)).c_str());
     if (job.logging.samples_every > 0 && state.step % job.logging.samples_every == 0 &&
         !r.reward_samples.empty()) {
-      samples_out << nlohmann::json{{"step", state.step},
-                                    {"prompt", r.reward_samples[0].prompt},
-                                    {"completion", r.reward_samples[0].completion},
-                                    {"answer", r.reward_samples[0].answer},
-                                    {"reward", rewards[0]}}
-                         .dump()
-                  << "\n"
-                  << std::flush;
+      samples_out.write_line(nlohmann::json{
+          {"step", state.step},
+          {"prompt", r.reward_samples[0].prompt},
+          {"completion", r.reward_samples[0].completion},
+          {"answer", r.reward_samples[0].answer},
+          {"reward", rewards[0]}}.dump());
     }
     result.steps_done = state.step;
     if (job.eval.every > 0 && !data.eval.empty() && state.step % job.eval.every == 0)
