@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.h"
 #include "kernels/ops.h"
@@ -21,6 +23,8 @@
 
 namespace tandem::apps {
 namespace {
+
+namespace fs = std::filesystem;
 
 struct GenerateArgs {
   std::string model, prompt, prompts;
@@ -42,6 +46,7 @@ struct ScoreArgs {
 
 struct ConvertArgs {
   std::string model, out, dtype = "f32";
+  bool overwrite = false;
 } convert;
 
 CLI::App* gen_cmd = nullptr;
@@ -212,6 +217,12 @@ int run_score() {
       prompt = model::encode_prompt(m.tok(), j["prompt"].get<std::string>(), score.chat);
       completion = m.tok().encode(j["completion"].get<std::string>(), /*parse_special=*/false);
     }
+    const int64_t context = m.config().max_position_embeddings;
+    const size_t tokens = prompt.size() + completion.size();
+    TANDEM_CHECK(static_cast<int64_t>(tokens) <= context,
+                 "{}: {} tokens (prompt {} + completion {}) do not fit the model's context of {} "
+                 "tokens (max_position_embeddings): shorten the line or leave it out",
+                 where, tokens, prompt.size(), completion.size(), context);
     TANDEM_CHECK(!prompt.empty(), "{}: the prompt has no tokens", where);
     TANDEM_CHECK(!completion.empty(), "{}: the completion has no tokens", where);
     for (const auto* ids : {&prompt, &completion}) {
@@ -248,14 +259,73 @@ int run_score() {
   return 0;
 }
 
+// Written by convert into every output, listing the files it wrote: --overwrite replaces a
+// directory only when it holds this file and nothing but the files it lists.
+constexpr const char* kConvertMarker = ".tandem-convert.json";
+
+// Refuses an --out that convert must not replace: a file, a directory holding anything without
+// --overwrite, and with it anything but a previous convert output.
+void check_convert_target(const fs::path& out) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(out, ec))) return;
+  TANDEM_CHECK(fs::is_directory(out, ec),
+               "--out '{}' exists and is not a directory: tandem convert never replaces a file; "
+               "choose another --out",
+               out.string());
+  std::vector<std::string> entries;
+  for (const fs::directory_entry& e : fs::directory_iterator(out, ec))
+    entries.push_back(e.path().filename().string());
+  std::sort(entries.begin(), entries.end());
+  if (entries.empty()) return;
+  TANDEM_CHECK(convert.overwrite,
+               "--out '{}' is a directory that is not empty (it holds '{}'{}): tandem convert "
+               "writes into a new or empty directory; choose another --out, or pass --overwrite "
+               "to replace the output of a previous tandem convert",
+               out.string(), entries[0], entries.size() > 1 ? " and more" : "");
+  std::set<std::string> ours{kConvertMarker};
+  try {
+    std::ifstream in(out / kConvertMarker);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    for (const auto& f : j.at("files")) ours.insert(f.get<std::string>());
+  } catch (const std::exception&) {
+    TANDEM_FAIL(
+        "--out '{}' is not the output of a tandem convert (it has no readable {}): --overwrite "
+        "replaces only those; choose another --out, or empty the directory yourself",
+        out.string(), kConvertMarker);
+  }
+  for (const std::string& e : entries) {
+    TANDEM_CHECK(ours.count(e) != 0,
+                 "--out '{}' holds '{}', which tandem convert did not write: --overwrite replaces "
+                 "only what it wrote; move that file away or choose another --out",
+                 out.string(), e);
+  }
+}
+
 int run_convert() {
+  fs::path out(convert.out);
+  if (out.filename().empty()) out = out.parent_path();  // "dir/" -> "dir"
+  check_convert_target(out);
   model::LoadedModel m = model::load_model(convert.model, DType::f32);
   model::SaveOptions opt;
   opt.dtype = parse_dtype(convert.dtype);
   if (m.tokenizer) opt.extra_files = model::hf_tokenizer_files(m.tokenizer->data());
-  model::save_hf(*m.weights, convert.out, opt);
-  std::fprintf(stderr, "tandem: wrote %s (HF directory, %s)\n", convert.out.c_str(),
-               convert.dtype.c_str());
+  model::save_hf(*m.weights, out.string(), opt);
+  nlohmann::json marker = {{"written_by", "tandem convert"},
+                           {"model", convert.model},
+                           {"dtype", convert.dtype},
+                           {"files", nlohmann::json::array()}};
+  std::vector<std::string> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(out))
+    files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  for (const std::string& f : files) marker["files"].push_back(f);
+  {
+    std::ofstream f(out / kConvertMarker, std::ios::binary | std::ios::trunc);
+    f << marker.dump(2) << "\n";
+    f.close();
+    TANDEM_CHECK(!f.fail(), "{}: write failed (disk full?)", (out / kConvertMarker).string());
+  }
+  std::fprintf(stderr, "tandem: wrote %s (HF directory, %s)\n", out.c_str(), convert.dtype.c_str());
   return 0;
 }
 
@@ -299,7 +369,13 @@ void add_model_commands(CLI::App& app) {
   convert_cmd = app.add_subcommand("convert", "save a model as a Hugging Face directory");
   convert_cmd->add_option("--model", convert.model, "a .gguf file or a Hugging Face directory")
       ->required();
-  convert_cmd->add_option("--out", convert.out, "the directory to write")->required();
+  convert_cmd
+      ->add_option("--out", convert.out,
+                   "the directory to write: new or empty (it must not be a file)")
+      ->required();
+  convert_cmd->add_flag("--overwrite", convert.overwrite,
+                        "replace --out when it is the output of a previous tandem convert (it "
+                        "holds .tandem-convert.json and only the files listed there)");
   convert_cmd->add_option("--dtype", convert.dtype, "f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}));
 }

@@ -1,4 +1,5 @@
-// The tandem command: train, serve, generate, launch and bench subcommands.
+// The tandem command: the train, launch, generate, score, convert and bench subcommands, and
+// --version.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -28,8 +29,12 @@ void print_version() {
 int main(int argc, char** argv) {
   CLI::App app{"tandem: GRPO post-training of LLMs, rollout and training in tandem"};
   app.require_subcommand(0, 1);
-  bool version = false;
+  // Options of the app (--verbose) are accepted after a subcommand too.
+  app.fallthrough();
+  bool version = false, verbose = false;
   app.add_flag("--version", version, "print the version, commit, compiled-in backends and GPUs");
+  app.add_flag("-v,--verbose", verbose,
+               "errors also name the failed check and its place in tandem's source");
 
   tandem::bench::Options bench_opt;
   std::string bench_what, bench_device = "cpu";
@@ -58,9 +63,13 @@ int main(int argc, char** argv) {
   tandem::apps::add_launch_command(app);
 
   CLI11_PARSE(app, argc, argv);
+  if (!version && app.get_subcommands().empty()) {
+    std::fputs(app.help().c_str(), stderr);
+    return 1;
+  }
   try {
     tandem::init_logging();
-    if (version || app.get_subcommands().empty()) {
+    if (version) {
       print_version();
       return 0;
     }
@@ -86,8 +95,9 @@ int main(int argc, char** argv) {
         return tandem::bench::run_generate_bench(bench_opt, bench_model);
       return tandem::bench::run_kernel_benches(bench_opt);
     }
-  } catch (const tandem::Error& e) {
-    std::fprintf(stderr, "tandem: error: %s\n", e.what());
+  } catch (...) {
+    // Every failure, whatever its type, ends as one line and exit status 1, never an abort.
+    std::fprintf(stderr, "tandem: error: %s\n", tandem::current_error_line(verbose).c_str());
     return 1;
   }
   return 0;

@@ -5,7 +5,8 @@
 #include <cuda_runtime.h>
 
 namespace tandem::detail {
-// Throws tandem::Error: "<lib> error <code>: <text> [check failed: <expr>] (file:line)".
+// Throws tandem::Error "<lib> error <code>: <text>" whose where() is
+// "[check failed: <expr>] (file:line)".
 [[noreturn]] void throw_status_error(const char* lib, int code, const char* text, const char* expr,
                                      const char* file, int line);
 }  // namespace tandem::detail

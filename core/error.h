@@ -5,14 +5,29 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace tandem {
 
-// Every failure a user can cause or see is a tandem::Error; the message says where and why.
+// Every failure a user can cause or see is a tandem::Error. what() is the sentence for the user
+// (what failed, where in their input, what to do); where() is the place in tandem's source and
+// the failed check ("[check failed: x > 0] (trainer/job.cpp:12)"), "" when there is none, for
+// `tandem --verbose` and the logs.
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
+  explicit Error(const std::string& what, std::string where = "")
+      : std::runtime_error(what), where_(std::move(where)) {}
+  const std::string& where() const { return where_; }
+
+ private:
+  std::string where_;
 };
+
+// Inside a catch block: the exception being handled as one line for the user, without a trailing
+// newline. A tandem::Error gives its sentence (with verbose, followed by where()); a file-system
+// error its paths and reason; std::bad_alloc says that memory ran out; any other std::exception
+// its text.
+std::string current_error_line(bool verbose);
 
 namespace detail {
 [[noreturn]] void throw_error(const char* file, int line, const char* expr, const std::string& msg);

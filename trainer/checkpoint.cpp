@@ -2,7 +2,10 @@
 // temporaries and copying only once everything checked out.
 #include "trainer/checkpoint.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -236,6 +239,47 @@ std::string save_checkpoint(const std::string& root_path, int64_t step,
   return target.string();
 }
 
+std::vector<std::string> recover_interrupted_saves(const std::string& root_path) {
+  std::vector<std::string> done;
+  std::error_code ec;
+  const fs::path root(root_path);
+  if (!fs::is_directory(root, ec)) return done;
+  std::vector<fs::path> found;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) found.push_back(e.path());
+  std::sort(found.begin(), found.end());
+  for (const fs::path& p : found) {
+    // .tmp-step-<N>-<pid> or .old-step-<N>-<pid>
+    const std::string name = p.filename().string();
+    const bool tmp = name.starts_with(".tmp-step-"), old = name.starts_with(".old-step-");
+    const size_t dash = name.rfind('-');
+    if (!(tmp || old) || dash <= 9 || !fs::is_directory(p, ec)) continue;
+    const std::string pid = name.substr(dash + 1);
+    const int64_t step = step_of(name.substr(5, dash - 5));
+    if (step < 0 || pid.empty() ||
+        !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    const bool running = pid.size() < 10 && ::kill(std::stoi(pid), 0) == 0;
+    const std::string writer =
+        fmt::format("process {}, {}", pid,
+                    running ? "which does not hold the directory's lock" : "no longer running");
+    const fs::path target = root / ("step-" + std::to_string(step));
+    if (old && !fs::exists(target, ec)) {
+      fs::rename(p, target, ec);
+      TANDEM_CHECK(!ec, "{}: cannot rename it back to {} (a save of {} was interrupted): {}",
+                   p.string(), target.string(), writer, ec.message());
+      done.push_back(fmt::format("restored {} from {} (a save by {} was interrupted)",
+                                 target.string(), p.string(), writer));
+      continue;
+    }
+    fs::remove_all(p, ec);
+    TANDEM_CHECK(!ec, "{}: cannot remove this leftover of an interrupted save: {}", p.string(),
+                 ec.message());
+    done.push_back(fmt::format("removed {}, {} checkpoint left by {}", p.string(),
+                               tmp ? "an incomplete" : "a replaced", writer));
+  }
+  return done;
+}
+
 std::optional<std::string> latest_checkpoint(const std::string& root) {
   const auto all = list_checkpoints(root);
   if (all.empty()) return std::nullopt;
@@ -278,6 +322,17 @@ void load_checkpoint(const std::string& dir_path, model::Weights& policy, AdamW&
   s.rng_states = get_object(j, "rng_states", where);
   s.config = get_field<std::string>(j, "config", where);
   s.extra = get_object(j, "extra", where);
+  TANDEM_CHECK(s.step >= 0 && s.weight_version >= 0 && s.data_epoch >= 0 && s.data_position >= 0,
+               "{}: 'step' {}, 'weight_version' {}, 'data_epoch' {} and 'data_position' {} must "
+               "all be 0 or more: the file is damaged; resume from another checkpoint",
+               where, s.step, s.weight_version, s.data_epoch, s.data_position);
+  fs::path named = dir.lexically_normal();
+  if (named.filename().empty()) named = named.parent_path();
+  const int64_t dir_step = step_of(named.filename().string());
+  TANDEM_CHECK(dir_step < 0 || dir_step == s.step,
+               "{}: 'step' is {}, but the checkpoint's directory is {}: the file is damaged or "
+               "was copied from another checkpoint; resume from another checkpoint",
+               where, s.step, named.filename().string());
 
   // Policy: the config first, so that another model is named by its field.
   const model::ModelConfig got = model::config_from_hf_file((policy_dir / "config.json").string());

@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -51,6 +52,13 @@ std::string checkpoint_dir(const std::string& root, int64_t step);
 std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
                             const AdamW& optimizer, const TrainerState& state,
                             const CheckpointOptions& options = {});
+
+// Cleans up after saves that were killed mid-way: removes every <root>/.tmp-step-<N>-<pid>
+// directory, and every .old-step-<N>-<pid> whose step-<N> is in place (one whose step-<N> is
+// missing holds the only copy, from a save killed between its two renames: it is renamed back).
+// Only for a caller that holds root's lock, so that no save is running. Returns one line per
+// directory removed or restored, naming it and its writer's pid.
+std::vector<std::string> recover_interrupted_saves(const std::string& root);
 
 // The complete checkpoint with the highest step under root (a step-<N> directory with its
 // trainer_state.json), or nullopt when there is none (or root does not exist).

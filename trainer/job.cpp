@@ -11,8 +11,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include <sys/resource.h>
 
@@ -23,9 +23,11 @@
 #include "rewards/factory.h"
 #include "rewards/reward_set.h"
 #include "rollout/engine.h"
+#include "trainer/append_file.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/grpo.h"
+#include "trainer/job_start.h"
 #include "trainer/report.h"
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
@@ -362,8 +364,8 @@ class Job {
   TrainStepConfig step_config_;
   std::unique_ptr<PolicyTrainer> trainer_;
   TrainerState state_;
-  std::ofstream metrics_out_, samples_out_;
-  std::unique_ptr<TensorBoardWriter> tensorboard_;  // with logging.tensorboard
+  std::optional<AppendFile> metrics_out_, samples_out_;  // opened once resumed
+  std::unique_ptr<TensorBoardWriter> tensorboard_;       // with logging.tensorboard
   std::map<std::string, std::string> tokenizer_files_;
   JobResult result_;
   int64_t first_step_ = 0;
@@ -428,8 +430,8 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
 
   state_.config = to_toml(job);
   resume();
-  metrics_out_.open(fs::path(job.logging.dir) / "metrics.jsonl", std::ios::app);
-  samples_out_.open(fs::path(job.logging.dir) / "samples.jsonl", std::ios::app);
+  metrics_out_.emplace((fs::path(job.logging.dir) / "metrics.jsonl").string());
+  samples_out_.emplace((fs::path(job.logging.dir) / "samples.jsonl").string());
   if (job.logging.tensorboard)
     tensorboard_ = std::make_unique<TensorBoardWriter>(job.logging.dir, state_.step);
   tokenizer_files_ = model::hf_tokenizer_files(m_.tok().data());
@@ -442,6 +444,7 @@ void Job::resume() {
   if (from == "none") from.clear();
   if (from.empty()) return;
   load_checkpoint(from, policy_, adamw_, state_);
+  state_.config = to_toml(job_);  // the config this run trains with, not the checkpoint's
   if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
   trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
   publish();
@@ -589,7 +592,7 @@ void Job::evaluate() {
 
 // One line of metrics.jsonl, and its numbers as TensorBoard scalars.
 void Job::write_metrics(const nlohmann::ordered_json& line) {
-  metrics_out_ << line.dump() << "\n" << std::flush;
+  metrics_out_->write_line(line.dump());
   if (tensorboard_)
     tensorboard_->write(
         line,
@@ -710,14 +713,13 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   if (job_.logging.samples_every > 0 && state_.step % job_.logging.samples_every == 0 &&
       !c.groups.empty() && !c.groups[0].samples.empty()) {
     const Group& g = c.groups[0];
-    samples_out_ << nlohmann::json{{"step", state_.step},
-                                   {"prompt", g.prompt.rendered.text},
-                                   {"completion", g.samples[0].text},
-                                   {"answer", g.prompt.example.answer},
-                                   {"reward", g.samples[0].reward}}
-                        .dump()
-                 << "\n"
-                 << std::flush;
+    samples_out_->write_line(nlohmann::json{
+        {"step", state_.step},
+        {"prompt", g.prompt.rendered.text},
+        {"completion", g.samples[0].text},
+        {"answer", g.prompt.example.answer},
+        {"reward",
+         g.samples[0].reward}}.dump());
   }
 }
 
@@ -767,7 +769,8 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     spdlog::warn(
         "placement.cpu_matmul = \"bf16\" without AMX-BF16 on this CPU: the operands are "
         "rounded, then summed by the f32 kernel (slower than f32)");
-  fs::create_directories(job.logging.dir);
+  // Checks and locks the run and checkpoint directories (held for the job's life).
+  const JobStart started = start_job(job);
   Job running(job, stop, hooks);
   return running.run();
 }

@@ -417,6 +417,10 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
       .range(1, 1e6);
   add(bind<J>("checkpoint.resume", TANDEM_MEMBER(checkpoint.resume),
               "\"auto\" (the latest in dir, if any), \"none\", or a checkpoint path."));
+  add(bind<J>("checkpoint.allow_config_change", TANDEM_MEMBER(checkpoint.allow_config_change),
+              "Resume from a checkpoint written under another config (the differing keys are "
+              "listed; without this the job is refused). Give it as an override for the one run "
+              "that changes the config."));
   // logging
   add(bind<J>("logging.dir", TANDEM_MEMBER(logging.dir),
               "Run directory: metrics.jsonl, report.html, samples."));

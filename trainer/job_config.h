@@ -101,6 +101,9 @@ struct CheckpointSection {
   int64_t every = 50;  // steps; 0: only at the end and on Ctrl-C
   int64_t keep_last = 2;
   std::string resume = "auto";  // "auto" (latest in dir if any), "none", or a checkpoint path
+  // Resume although the checkpoint was written under another config (trainer/job_start.h says
+  // which keys count).
+  bool allow_config_change = false;
 };
 
 struct LoggingSection {

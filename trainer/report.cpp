@@ -199,6 +199,9 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     TANDEM_CHECK(out.good(), "report: cannot write {}", tmp);
     out << html;
+    out.close();
+    TANDEM_CHECK(!out.fail(),
+                 "report: {}: write failed (disk full?): free space or move logging.dir", tmp);
   }
   std::filesystem::rename(tmp, html_path);
 }

@@ -1,5 +1,6 @@
-// The tandem command: --version, `bench kernels --json` and `bench step --json` (on the bundled
-// model, scripts/fetch-model) as a user runs them.
+// The tandem command: --version, the help without a subcommand, how errors read (--verbose),
+// `bench kernels --json` and `bench step --json` (on the bundled model, scripts/fetch-model) as a
+// user runs them.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -94,4 +95,30 @@ TEST_CASE("tandem rejects an unknown benchmark with a non-zero exit", "[e2e]") {
   const Run r = run("bench nothing");
   CHECK(r.status != 0);
   CHECK(r.out.find("nothing") != std::string::npos);
+}
+
+TEST_CASE("tandem without a subcommand prints the help and exits non-zero", "[e2e]") {
+  const Run r = run("");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  for (const char* sub : {"train", "generate", "score", "convert", "bench", "--version"})
+    CHECK(r.out.find(sub) != std::string::npos);
+}
+
+TEST_CASE("tandem errors show the sentence and --verbose adds the failed check and place",
+          "[e2e]") {
+  Run r = run("bench kernels --device tpu");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out == "tandem: error: --device 'tpu': use cpu or cuda[:N]\n");
+  // --verbose belongs to tandem and is taken after the subcommand too.
+  for (const std::string args :
+       {"--verbose bench kernels --device tpu", "bench kernels --device tpu --verbose"}) {
+    r = run(args);
+    INFO(r.out);
+    CHECK(r.status == 1);
+    CHECK(r.out.find("tandem: error: --device 'tpu': use cpu or cuda[:N] [check failed: "
+                     "bench_device == \"cpu\"] (") != std::string::npos);
+    CHECK(r.out.find("apps/tandem.cpp:") != std::string::npos);
+  }
 }

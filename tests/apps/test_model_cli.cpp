@@ -1,5 +1,6 @@
 // tandem generate, score and convert as a user runs them, on the bundled SmolLM2-135M-Instruct
-// and the tiny golden models.
+// and the tiny golden models: their outputs, and their refusals (convert's --out that it did not
+// write, score's lines past the model's context).
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -153,4 +154,88 @@ TEST_CASE("tandem generate --prompts -n prints a group of samples per prompt", "
                             " -n 4 --chat --temperature 0.8 --seed 5 --max-tokens 12",
                         false);
   CHECK(again.out == r.out);
+}
+
+TEST_CASE("tandem convert never removes what it did not write", "[e2e]") {
+  const std::string src = (kRepo / "tests" / "golden" / "tiny-qwen2").string();
+  const tandem::test::TempDir tmp("cli-convert-out");
+  auto convert = [&](const std::string& out, const std::string& flags = "") {
+    return run("convert --model " + src + " --out " + out + " " + flags);
+  };
+  auto read = [](const std::string& p) {
+    std::ifstream in(p);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+
+  // A regular file is never replaced, with --overwrite neither.
+  const std::string file = tmp.write("notes.txt", "keep me");
+  for (const std::string flags : {"", "--overwrite"}) {
+    const Run r = convert(file, flags);
+    INFO(r.out);
+    CHECK(r.status == 1);
+    CHECK(r.out.find("not a directory") != std::string::npos);
+    CHECK(read(file) == "keep me");
+  }
+
+  // A directory of the user's: refused with and without --overwrite, left as it was.
+  const std::string mine = tmp.file("mine");
+  fs::create_directory(mine);
+  tmp.write("mine/data.csv", "1,2,3");
+  Run r = convert(mine);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("not empty") != std::string::npos);
+  CHECK(r.out.find("data.csv") != std::string::npos);
+  r = convert(mine, "--overwrite");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("not the output of a tandem convert") != std::string::npos);
+  CHECK(read(tmp.file("mine/data.csv")) == "1,2,3");
+  CHECK(std::distance(fs::directory_iterator(mine), fs::directory_iterator()) == 1);
+
+  // An empty directory is written into; a second convert needs --overwrite, which replaces it.
+  const std::string out = tmp.file("out");
+  fs::create_directory(out);
+  r = convert(out);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(fs::exists(fs::path(out) / "model.safetensors"));
+  CHECK(fs::exists(fs::path(out) / ".tandem-convert.json"));
+  r = convert(out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("--overwrite") != std::string::npos);
+  r = convert(out, "--overwrite --dtype bf16");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(tandem::model::load_hf(out)->named().size() > 0);
+
+  // A file added to a previous output is not the converter's to delete.
+  tmp.write("out/README.md", "my notes");
+  r = convert(out, "--overwrite");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("README.md") != std::string::npos);
+  CHECK(read(tmp.file("out/README.md")) == "my notes");
+  CHECK(fs::exists(fs::path(out) / "model.safetensors"));
+}
+
+TEST_CASE("tandem score refuses a line longer than the model's context naming file and line",
+          "[e2e]") {
+  const std::string model = (kRepo / "tests" / "golden" / "tiny-qwen2").string();
+  const tandem::test::TempDir tmp("cli-score-context");
+  // tiny-qwen2's max_position_embeddings is 512: 2 + 510 tokens fit, 2 + 511 do not.
+  auto line = [](size_t completion_tokens) {
+    nlohmann::json j = {{"prompt_ids", {5, 6}},
+                        {"completion_ids", std::vector<int>(completion_tokens, 7)}};
+    return j.dump() + "\n";
+  };
+  const std::string in = tmp.write("in.jsonl", line(510) + line(511));
+  const Run r = run("score --model " + model + " --input " + in);
+  INFO(r.out.substr(r.out.size() > 2000 ? r.out.size() - 2000 : 0));
+  CHECK(r.status == 1);
+  CHECK(r.out.find(in + ":2: 513 tokens") != std::string::npos);
+  CHECK(r.out.find("max_position_embeddings") != std::string::npos);
+  CHECK(r.out.find("\"line\":1") != std::string::npos);  // the line that fits was scored
 }

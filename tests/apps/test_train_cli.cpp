@@ -1,6 +1,8 @@
 // tandem train as a user runs it: a short job on the bundled model, its metrics, checkpoint and
 // resume; dynamic sampling's refill and its bitwise resume; config errors with their place; the
-// weight publish of an f32 and a bf16 rollout engine on a tiny random model.
+// weight publish of an f32 and a bf16 rollout engine on a tiny random model; the start-up checks
+// (unusable directories, data beyond memory), a failed metrics write, the run directory's lock
+// and a resume under a changed config.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -62,10 +64,9 @@ int64_t write_tiny_model(const std::string& dir) {
   return bf16_bytes;
 }
 
-// Three steps of a job on that model (no eval, no checkpoint but the last); its step lines.
-std::vector<nlohmann::json> run_tiny_job(const tandem::test::TempDir& tmp, const std::string& model,
-                                         const std::string& overrides) {
-  const std::string job = tmp.write("job.toml", R"(
+// A job file of three steps on that model (no eval, no checkpoint but the last): tmp's job.toml.
+std::string tiny_job_file(const tandem::test::TempDir& tmp, const std::string& model) {
+  return tmp.write("job.toml", R"(
 [model]
 path = ")" + model + R"("
 [data]
@@ -90,10 +91,21 @@ every = 0
 [logging]
 samples_every = 0
 )");
-  const auto r =
-      tandem::test::run_tandem("train " + job + " logging.dir=" + tmp.file("run") +
-                                   " checkpoint.dir=" + tmp.file("run/ckpt") + " " + overrides,
-                               true, 300);
+}
+
+// `tandem train` of that job in tmp's run/ and run/ckpt/, with overrides.
+tandem::test::CommandResult train_tiny(const tandem::test::TempDir& tmp, const std::string& model,
+                                       const std::string& overrides) {
+  const std::string job = tiny_job_file(tmp, model);
+  return tandem::test::run_tandem("train " + job + " logging.dir=" + tmp.file("run") +
+                                      " checkpoint.dir=" + tmp.file("run/ckpt") + " " + overrides,
+                                  true, 300);
+}
+
+// Three steps of train_tiny; their step lines.
+std::vector<nlohmann::json> run_tiny_job(const tandem::test::TempDir& tmp, const std::string& model,
+                                         const std::string& overrides) {
+  const auto r = train_tiny(tmp, model, overrides);
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("step 3/3") != std::string::npos);
@@ -414,4 +426,125 @@ TEST_CASE("tandem train renders prompts as model.chat_template says", "[e2e]") {
     CHECK(prompt.find("<|im_start|>") == std::string::npos);
     CHECK(prompt.rfind("What is", 0) == 0);
   }
+}
+
+TEST_CASE("tandem train refuses unusable run directories before loading the model", "[e2e]") {
+  const tandem::test::TempDir tmp("train-dirs");
+  // model.path exists but is no model: the directories are checked before it is loaded.
+  const std::string job =
+      tmp.write("job.toml", "[[rewards]]\nname = \"ok\"\nfunction = \"math_match\"\n");
+  const std::string file = tmp.write("a-file", "x");
+  auto r = tandem::test::run_tandem("train " + job + " model.path=" + job + " logging.dir=" + file);
+  INFO(r.out);
+  CHECK(r.status == 1);  // not an abort
+  CHECK(r.out.find("logging.dir '" + file + "' is not a directory") != std::string::npos);
+  CHECK(r.out.find("override 'logging.dir=") != std::string::npos);
+
+  r = tandem::test::run_tandem("train " + job + " model.path=" + job + " logging.dir=" +
+                               tmp.file("run") + " checkpoint.dir=" + file + "/ckpt");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("checkpoint.dir '" + file + "/ckpt' cannot be created") != std::string::npos);
+}
+
+TEST_CASE("tandem train refuses a synthetic data set beyond memory with one line", "[e2e]") {
+  const tandem::test::TempDir tmp("train-huge-data");
+  write_tiny_model(tmp.file("model"));
+  // Inside the key's documented range, far beyond this machine's memory.
+  const auto r = train_tiny(tmp, tmp.file("model"), "data.synthetic_size=1000000000");
+  INFO(r.out);
+  CHECK(r.status == 1);  // not an abort on std::bad_alloc
+  CHECK(r.out.find("data.synthetic_size 1000000000 needs about") != std::string::npos);
+}
+
+TEST_CASE("tandem train fails when its metrics cannot be written", "[e2e]") {
+  const tandem::test::TempDir tmp("train-disk-full");
+  write_tiny_model(tmp.file("model"));
+  fs::create_directories(tmp.file("run"));
+  fs::create_symlink("/dev/full", tmp.file("run/metrics.jsonl"));  // every write: ENOSPC
+  const auto r = train_tiny(tmp, tmp.file("model"), "trainer.steps=1");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("metrics.jsonl: write failed: No space left on device") != std::string::npos);
+}
+
+TEST_CASE("tandem train locks its run and checkpoint directories for the job's life", "[e2e]") {
+  const tandem::test::TempDir tmp("train-lock");
+  write_tiny_model(tmp.file("model"));
+  // A save killed mid-way by a process that is gone: removed when the next job starts.
+  const fs::path stale = tmp.file("run/ckpt/.tmp-step-7-999999999");
+  fs::create_directories(stale / "policy");
+  tmp.write("run/ckpt/.tmp-step-7-999999999/policy/model.safetensors", "half a model");
+
+  // The first job runs until stopped.
+  tandem::test::Subprocess first({"/bin/sh", "-c",
+                                  "exec " + std::string(TANDEM_BIN_DIR) + "/tandem train " +
+                                      tiny_job_file(tmp, tmp.file("model")) +
+                                      " trainer.steps=100000 logging.dir=" + tmp.file("run") +
+                                      " checkpoint.dir=" + tmp.file("run/ckpt") + " 2>&1"});
+  const std::string line = first.wait_for_line("step 1/", 120000);
+  INFO(first.output());
+  REQUIRE(!line.empty());
+  CHECK(first.output().find("removed " + stale.string()) != std::string::npos);
+  CHECK(first.output().find("process 999999999, no longer running") != std::string::npos);
+  CHECK(!fs::exists(stale));
+
+  const std::string holder = "pid " + std::to_string(first.pid()) + " on host ";
+  auto r = train_tiny(tmp, tmp.file("model"), "");  // the same run and checkpoint directories
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("logging.dir '") != std::string::npos);
+  CHECK(r.out.find("is in use by another tandem job (" + holder) != std::string::npos);
+
+  r = train_tiny(tmp, tmp.file("model"),
+                 "logging.dir=" + tmp.file("other") + " checkpoint.dir=" + tmp.file("run/ckpt"));
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("checkpoint.dir '") != std::string::npos);
+  CHECK(r.out.find(holder) != std::string::npos);
+  CHECK(!fs::exists(tmp.file("other/metrics.jsonl")));
+
+  CHECK(first.stop() == 130);  // Ctrl-C: the step ends, a checkpoint is written
+  // Once the holder is gone the directory is free again.
+  r = train_tiny(tmp, tmp.file("model"), "checkpoint.resume=none trainer.steps=1");
+  INFO(r.out);
+  CHECK(r.status == 0);
+}
+
+TEST_CASE("tandem train resumes with a changed config only when allowed and records it", "[e2e]") {
+  const tandem::test::TempDir tmp("train-resume-config");
+  write_tiny_model(tmp.file("model"));
+  auto r = train_tiny(tmp, tmp.file("model"), "trainer.steps=1");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  REQUIRE(fs::exists(tmp.file("run/ckpt/step-1/trainer_state.json")));
+
+  // A run extended, with other logging: the same training, resumed without a word.
+  r = train_tiny(tmp, tmp.file("model"), "trainer.steps=2 logging.samples_every=1");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("resumed from") != std::string::npos);
+  CHECK(r.out.find("changed config") == std::string::npos);
+
+  r = train_tiny(tmp, tmp.file("model"), "trainer.steps=3 trainer.lr=0.5 rollout.temperature=0.5");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("was written under another config") != std::string::npos);
+  CHECK(r.out.find("trainer.lr: 0.001 -> 0.5") != std::string::npos);
+  CHECK(r.out.find("rollout.temperature: 1.0 -> 0.5") != std::string::npos);
+  CHECK(r.out.find("trainer.steps") == std::string::npos);
+  CHECK(r.out.find("checkpoint.allow_config_change=true") != std::string::npos);
+  CHECK(!fs::exists(tmp.file("run/ckpt/step-3")));
+
+  r = train_tiny(tmp, tmp.file("model"),
+                 "trainer.steps=3 trainer.lr=0.5 checkpoint.allow_config_change=true");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("trainer.lr: 0.001 -> 0.5") != std::string::npos);
+  // The new checkpoint records the config the run used.
+  const auto state =
+      nlohmann::json::parse(read_bytes(tmp.file("run/ckpt/step-3/trainer_state.json")));
+  const std::string config = state["config"].get<std::string>();
+  CHECK(config.find("lr = 0.5") != std::string::npos);
+  CHECK(config.find("lr = 0.001") == std::string::npos);
 }

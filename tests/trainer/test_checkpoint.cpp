@@ -1,6 +1,6 @@
 // Tests of trainer/checkpoint: bit-exact resume of weights, moments, counters and trainer state,
-// keeping the last K, atomic saves, and errors for missing, truncated, malformed and foreign
-// checkpoints that leave the destination untouched.
+// keeping the last K, atomic saves, errors for missing, truncated, malformed and foreign
+// checkpoints that leave the destination untouched, and the clean-up after interrupted saves.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -254,6 +254,76 @@ TEST_CASE("Bad checkpoints give errors naming the file and field and change noth
   // The good one still loads.
   load_checkpoint(good.string(), target.policy, target.opt, state);
   CHECK(same_weights(target.policy, job.policy));
+}
+
+TEST_CASE("A negative or inconsistent step in trainer_state.json is refused naming the file",
+          "[unit]") {
+  const ModelConfig c = tiny_config();
+  test::TempDir dir("ckpt_step");
+  Job job(c);
+  const fs::path good = save_checkpoint(dir.path.string(), 2, job.policy, job.opt, sample_state(2));
+  auto with_step = [&](const std::string& name, int64_t step) {
+    const fs::path p = dir.path / name;
+    fs::copy(good, p, fs::copy_options::recursive);
+    std::ifstream in(p / "trainer_state.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    j["step"] = step;
+    std::ofstream(p / "trainer_state.json") << j.dump();
+    return p;
+  };
+  Job target(c, 9);
+  TrainerState state;
+  auto fails = [&](const fs::path& p, const std::vector<std::string>& words) {
+    try {
+      load_checkpoint(p.string(), target.policy, target.opt, state);
+      FAIL("no error for " << p);
+    } catch (const Error& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find((p / "trainer_state.json").string()) != std::string::npos);
+      for (const std::string& w : words) CHECK(std::string(e.what()).find(w) != std::string::npos);
+    }
+    CHECK(state == TrainerState{});
+  };
+  fails(with_step("negative", -3), {"'step' -3", "0 or more"});
+  fails(with_step("step-5", 4), {"'step' is 4", "step-5"});
+  load_checkpoint(with_step("step-7", 7).string(), target.policy, target.opt, state);
+  CHECK(state.step == 7);
+}
+
+TEST_CASE("Leftovers of interrupted saves are removed or restored", "[unit]") {
+  const ModelConfig c = tiny_config();
+  test::TempDir dir("ckpt_leftovers");
+  Job job(c);
+  const std::string root = dir.path.string();
+  save_checkpoint(root, 1, job.policy, job.opt, sample_state(1));
+  save_checkpoint(root, 2, job.policy, job.opt, sample_state(2));
+  // A save of step 3 killed while writing; one of step 2 killed after moving the old step-2 aside
+  // and renaming the new one in; one of step 1 killed between its two renames (step-1 is only in
+  // the .old directory).
+  fs::create_directories(dir.path / ".tmp-step-3-999999991" / "policy");
+  std::ofstream(dir.path / ".tmp-step-3-999999991" / "policy" / "model.safetensors") << "half";
+  fs::copy(dir.path / "step-2", dir.path / ".old-step-2-999999992", fs::copy_options::recursive);
+  fs::rename(dir.path / "step-1", dir.path / ".old-step-1-999999993");
+  std::ofstream(dir.path / "notes.txt") << "mine";
+  fs::create_directory(dir.path / ".tmp-other");
+
+  const std::vector<std::string> done = recover_interrupted_saves(root);
+  REQUIRE(done.size() == 3);
+  CHECK(done[0].find("restored " + (dir.path / "step-1").string()) == 0);
+  CHECK(done[1].find("removed " + (dir.path / ".old-step-2-999999992").string()) == 0);
+  CHECK(done[2].find("removed " + (dir.path / ".tmp-step-3-999999991").string()) == 0);
+  for (const std::string& d : done) CHECK(d.find("no longer running") != std::string::npos);
+  CHECK(!fs::exists(dir.path / ".tmp-step-3-999999991"));
+  CHECK(!fs::exists(dir.path / ".old-step-2-999999992"));
+  CHECK(!fs::exists(dir.path / ".old-step-1-999999993"));
+  CHECK(latest_checkpoint(root) == (dir.path / "step-2").string());
+  Job target(c, 5);
+  TrainerState state;
+  load_checkpoint((dir.path / "step-1").string(), target.policy, target.opt, state);
+  CHECK(state == sample_state(1));
+  CHECK(fs::exists(dir.path / "notes.txt"));
+  CHECK(fs::exists(dir.path / ".tmp-other"));
+  CHECK(recover_interrupted_saves(root).empty());
 }
 
 }  // namespace
