@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "core/error.h"
-#include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 
 namespace tandem::model {
@@ -154,7 +153,7 @@ struct AttentionInputs {
 
 // A layer's projection weights packed for AMX (DecoderOptions::pack_weights).
 struct PackedLayer {
-  ops::cpu::PackedWeight q, k, v, o, gate_up, down;
+  ops::PackedWeight q, k, v, o, gate_up, down;
 };
 
 class Net {
@@ -163,14 +162,14 @@ class Net {
 
   // Packs every projection and the head once, when matmuls run on AMX (the bf16 precision).
   void pack_weights() {
-    if (!w_.device().is_cpu() || !ops::cpu::matmul_packs_weights()) return;
+    if (!w_.device().is_cpu() || !ops::matmul_packs_weights()) return;
     packed_.clear();
     for (const LayerWeights& w : w_.layers) {
-      packed_.push_back({ops::cpu::PackedWeight(w.q), ops::cpu::PackedWeight(w.k),
-                         ops::cpu::PackedWeight(w.v), ops::cpu::PackedWeight(w.o),
-                         ops::cpu::PackedWeight(w.gate_up), ops::cpu::PackedWeight(w.down)});
+      packed_.push_back({ops::PackedWeight(w.q), ops::PackedWeight(w.k), ops::PackedWeight(w.v),
+                         ops::PackedWeight(w.o), ops::PackedWeight(w.gate_up),
+                         ops::PackedWeight(w.down)});
     }
-    packed_head_ = ops::cpu::PackedWeight(w_.lm_head);
+    packed_head_ = ops::PackedWeight(w_.lm_head);
   }
 
   // h_out = layer l (h_in). One code path for training, prefill and decode.
@@ -276,10 +275,10 @@ class Net {
  private:
   // y [+]= x · w^T, from w's packed copy when there is one and matmuls still run on AMX (the
   // same bits either way).
-  void linear(const Tensor& x, const Tensor& w, const ops::cpu::PackedWeight* packed,
-              const Tensor& y, bool accumulate) const {
-    if (packed != nullptr && ops::cpu::matmul_packs_weights())
-      ops::cpu::matmul(x, *packed, y, accumulate);
+  void linear(const Tensor& x, const Tensor& w, const ops::PackedWeight* packed, const Tensor& y,
+              bool accumulate) const {
+    if (packed != nullptr && ops::matmul_packs_weights())
+      ops::matmul(x, *packed, y, accumulate);
     else
       ops::matmul(x, w, y, accumulate, s_);
   }
@@ -288,7 +287,7 @@ class Net {
   const ModelConfig& c_;
   Stream s_;
   std::vector<PackedLayer> packed_;  // empty: not packed
-  ops::cpu::PackedWeight packed_head_;
+  ops::PackedWeight packed_head_;
 };
 
 void upload(Tensor dst, std::span<const int32_t> src) {

@@ -74,7 +74,7 @@ struct DecoderOptions {
   bool recompute = false;
   // A batch larger than max_tokens: re-plan the arena for it (true; addresses change) or throw.
   bool grow = true;
-  // When matmuls run on AMX (the bf16 CPU precision, ops::cpu::matmul_packs_weights()), pack
+  // When matmuls run on AMX (the bf16 CPU precision, ops::matmul_packs_weights()), pack
   // the projection and head weights once here (bf16 tiles, half the f32 weights' bytes) rather
   // than in every matmul: for callers whose weights do not change while the decoder lives (the
   // rollout engine, which makes a new decoder at every set_weights). Same bits either way.

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -159,12 +159,12 @@ TEST_CASE("engine logprobs equal the training forward's logprobs bitwise for a r
           "[unit]") {
   // Also with the bf16 matmul precision (AMX where the CPU has it): decode's few rows and the
   // packed forward's many still get the same bits.
-  for (const auto precision : {ops::cpu::MatmulPrecision::f32, ops::cpu::MatmulPrecision::bf16})
+  for (const auto precision : {ops::MatmulPrecision::f32, ops::MatmulPrecision::bf16})
     for (bool qwen3 : {false, true}) {
-      const ops::cpu::ScopedMatmulPrecision scope(precision);
+      const ops::ScopedMatmulPrecision scope(precision);
       const DType dtype = qwen3 ? DType::bf16 : DType::f32;
       INFO((qwen3 ? "qwen3 bf16" : "llama f32")
-           << " bf16 matmuls: " << (precision == ops::cpu::MatmulPrecision::bf16));
+           << " bf16 matmuls: " << (precision == ops::MatmulPrecision::bf16));
       const model::ModelConfig c = tiny_config(qwen3);
       model::Weights w(c, dtype);
       fill_random(w, qwen3 ? 900 : 800);
