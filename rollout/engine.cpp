@@ -420,7 +420,7 @@ struct Engine::Impl {
       for (size_t r = 0; r < items.size(); ++r) {
         Sample* s = items[r].s;
         s->num_computed += items[r].count;
-        bm.mark_computed(s->seq_id, s->tokens, s->num_computed);
+        if (opt.prefix_cache) bm.mark_computed(s->seq_id, s->tokens, s->num_computed);
         if (s->remaining() != 0) continue;
         const Tensor row = logits.narrow(static_cast<int64_t>(r), 1);
         const int n = s->group_prefill ? s->group->request.params.n : 1;

@@ -84,6 +84,9 @@ struct EngineOptions {
   int64_t max_seqs = 256;           // sequences per step; also the cap on n and on running samples
   int64_t max_context = 4096;       // prompt + max_tokens, at most the model's positions
   int64_t max_waiting = 65536;      // requests queued; more are refused with an error
+  // Full blocks of computed tokens are kept findable for later prompts that start with the same
+  // tokens; false: every prompt is computed in full (benchmarks of prefill).
+  bool prefix_cache = true;
 };
 
 struct EngineStats {

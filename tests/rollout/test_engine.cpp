@@ -279,6 +279,25 @@ TEST_CASE("engine prefix cache serves a shared prompt prefix with unchanged outp
   CHECK(cached.blocks().num_free_blocks() == small_options().num_blocks);
 }
 
+TEST_CASE("engine without a prefix cache computes every prompt in full with unchanged outputs",
+          "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  model::Weights w(c, DType::f32);
+  fill_random(w, 804);
+  const Request r = make_request("r", random_prompt(13, c.vocab_size, 24), 2, 7, 6);
+  EngineOptions o = small_options();
+  o.prefix_cache = false;
+  Engine uncached(w, o);
+  const RequestOutput first = uncached.generate({r})[0];
+  const RequestOutput again = uncached.generate({r})[0];
+  CHECK(again.num_cached_prompt_tokens == 0);
+  CHECK(uncached.stats().prefill_tokens == 2 * 13);
+  CHECK(uncached.blocks().num_cached_blocks() == 0);
+  check_same_samples(again, first);
+  Engine cached(w, small_options());
+  check_same_samples(first, cached.generate({r})[0]);
+}
+
 TEST_CASE("engine stop strings across token boundaries and stop ids cut the completion", "[unit]") {
   const model::Tokenizer tok = tiny_tokenizer();
   const model::ModelConfig c = tiny_config(false, tok.vocab_size());
