@@ -96,11 +96,19 @@ LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
   return a;
 }
 
-// B sequences, T tokens (T rows of logits in training; in inference the head reads B rows).
-Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute) {
+// B sequences, T tokens (T rows of logits in training; in inference the head reads B rows), into
+// b: every tensor of a previous plan dropped, its vectors' memory kept (a decode step allocates
+// nothing once the batch shape has been seen).
+void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute,
+          Buffers& b) {
   const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
   const int64_t F = c.intermediate_size, V = c.vocab_size, L = c.num_layers;
-  Buffers b;
+  std::vector<Tensor> resid = std::move(b.resid);
+  std::vector<LayerActs> acts = std::move(b.acts);
+  b = Buffers{};
+  b.resid = std::move(resid);
+  b.acts = std::move(acts);
+  b.acts.clear();
   b.T = T;
   b.tokens = p.take({T}, DType::i32);
   b.positions = p.take({T}, DType::i32);
@@ -137,7 +145,6 @@ Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, 
       g.dk_raw = p.take({T, Hkv * D});
     }
   }
-  return b;
 }
 
 // What a layer's attention reads besides its own q, k, v.
@@ -294,9 +301,10 @@ void upload(Tensor dst, std::span<const int32_t> src) {
   dst.copy_from(Tensor::wrap(const_cast<int32_t*>(src.data()), dst.shape(), DType::i32));
 }
 
-void fill_ones(Tensor t) {
-  std::vector<float> ones(static_cast<size_t>(t.numel()), 1.0f);
-  t.copy_from(Tensor::wrap(ones.data(), t.shape(), DType::f32));
+// host: scratch kept by the caller (grows to the largest t).
+void fill_ones(Tensor t, std::vector<float>& host) {
+  host.assign(static_cast<size_t>(t.numel()), 1.0f);
+  t.copy_from(Tensor::wrap(host.data(), t.shape(), DType::f32));
 }
 
 std::vector<int32_t> to_host(const Tensor& t, const char* what) {
@@ -455,15 +463,19 @@ struct Decoder::Impl {
   Net net;
   DecoderOptions options;
   std::unique_ptr<Arena> arena;
-  Buffers bufs;
+  Buffers bufs;     // the current call's (a training forward's until its backward)
+  Buffers counted;  // the plan of a call when only its bytes are counted
+  // Host scratch of the inference calls, grown to the largest batch seen.
+  std::vector<int32_t> decode_cu;  // (B + 1)
+  std::vector<float> ones_host;    // (T) (biases only)
   bool have_forward = false;
   float temperature = 1.0f;
 
-  // Empties the arena and hands out the buffers of a call, growing the arena when allowed.
-  Buffers begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
+  // Empties the arena and hands out the buffers of a call (bufs), growing the arena when allowed.
+  Buffers& begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
     have_forward = false;
     Planner count(nullptr);
-    plan(count, c, T, B, mode, options.recompute);
+    plan(count, c, T, B, mode, options.recompute, counted);
     if (count.bytes() > arena->capacity()) {
       TANDEM_CHECK(options.grow,
                    "decoder: a call of {} tokens needs {} bytes of activations, the arena planned "
@@ -478,14 +490,16 @@ struct Decoder::Impl {
     arena->reserve();  // after release_activations()
     arena->reset();
     Planner p(arena.get());
-    return plan(p, c, T, B, mode, options.recompute);
+    plan(p, c, T, B, mode, options.recompute, bufs);
+    return bufs;
   }
 };
 
 size_t Decoder::plan_bytes(const ModelConfig& config, int64_t T, bool recompute) {
   Planner train(nullptr), infer(nullptr);
-  plan(train, config, T, T, Mode::training, recompute);
-  plan(infer, config, T, T, Mode::inference, recompute);
+  Buffers b;
+  plan(train, config, T, T, Mode::training, recompute, b);
+  plan(infer, config, T, T, Mode::inference, recompute, b);
   return std::max(train.bytes(), infer.bytes());
 }
 
@@ -535,13 +549,13 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   if (entropy_out.defined()) check_output(entropy_out, {T}, device(), "forward's entropy_out");
 
   Impl& m = *impl_;
-  Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
+  Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
   upload(b.tokens, batch.tokens);
   upload(b.positions, batch.positions);
   upload(b.cu_seqlens, batch.cu_seqlens);
   upload(b.targets, batch.targets);
   b.prefix = upload_prefix(b.prefix, batch);
-  if (b.ones.defined()) fill_ones(b.ones);
+  if (b.ones.defined()) fill_ones(b.ones, m.ones_host);
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   const Stream& s = m.net.stream();
   ops::embedding(b.tokens, weights_.embed, b.resid[0], s);
@@ -580,7 +594,6 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
     if (entropy_out.defined())
       ops::embedding_backward(ids, ent.view({R, 1}), entropy_out.view({T, 1}), false, s);
   }
-  m.bufs = std::move(b);
   m.temperature = temperature;
   m.have_forward = true;
 }
@@ -593,12 +606,12 @@ void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out)
   check_prefix(batch, "decoder forward_logits");
   check_output(logits_out, {T, c.vocab_size}, device(), "forward_logits' logits_out");
   Impl& m = *impl_;
-  Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
+  Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
   upload(b.tokens, batch.tokens);
   upload(b.positions, batch.positions);
   upload(b.cu_seqlens, batch.cu_seqlens);
   b.prefix = upload_prefix(b.prefix, batch);
-  if (b.ones.defined()) fill_ones(b.ones);
+  if (b.ones.defined()) fill_ones(b.ones, m.ones_host);
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   ops::embedding(b.tokens, weights_.embed, b.resid[0], m.net.stream());
   for (int64_t l = 0; l < c.num_layers; ++l)
@@ -699,11 +712,11 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
   }
 
   Impl& m = *impl_;
-  Buffers buf = m.begin(c, device(), T, B, Mode::inference);
+  Buffers& buf = m.begin(c, device(), T, B, Mode::inference);
   upload(buf.tokens, tokens);
   upload(buf.positions, positions);
   upload(buf.cu_seqlens, cu_seqlens);
-  if (buf.ones.defined()) fill_ones(buf.ones);
+  if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
   AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones, {}};
   if (!fresh) {
     // Continuing chunks: every query row becomes a one-query "sequence" over the cached tokens
@@ -767,7 +780,9 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
                      const KvCacheView& kv, const Tensor& logits_out) {
   const ModelConfig& c = config();
   const int64_t B = static_cast<int64_t>(tokens.size());
-  std::vector<int32_t> cu(static_cast<size_t>(B) + 1);
+  Impl& m = *impl_;
+  std::vector<int32_t>& cu = m.decode_cu;
+  cu.resize(static_cast<size_t>(B) + 1);
   for (int64_t b = 0; b <= B; ++b) cu[static_cast<size_t>(b)] = static_cast<int32_t>(b);
   check_packed(tokens, positions, cu, c.vocab_size, "decoder decode");
   check_output(logits_out, {B, c.vocab_size}, device(), "decode's logits_out");
@@ -775,11 +790,10 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
                    static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
                "decoder decode: the kv cache view has {} k and {} v tensors, the model {} layers",
                kv.k_cache.size(), kv.v_cache.size(), c.num_layers);
-  Impl& m = *impl_;
-  Buffers buf = m.begin(c, device(), B, B, Mode::inference);
+  Buffers& buf = m.begin(c, device(), B, B, Mode::inference);
   upload(buf.tokens, tokens);
   upload(buf.positions, positions);
-  if (buf.ones.defined()) fill_ones(buf.ones);
+  if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
   const AttentionInputs in{buf.positions,  {},       &kv, kv.kv_indptr, kv.kv_indices,
                            kv.kv_last_len, buf.ones, {}};
   const Stream& s = m.net.stream();
