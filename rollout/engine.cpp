@@ -138,7 +138,7 @@ struct Engine::Impl {
   }
 
   std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const {
-    // The weights stay as they are until the next set_weights, which makes a new decoder.
+    // The weights stay as they are until the next set_weights, which refreshes the decoder.
     return std::make_unique<model::Decoder>(
         w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens, .pack_weights = true});
   }
@@ -731,8 +731,9 @@ void Engine::set_weights(const model::Weights& weights, uint64_t version) {
   while (!m.running.empty()) m.preempt(m.running.back());
   m.bm.clear_prefix_cache();
   m.weights = &weights;
-  // A released engine stays released: its next step() makes the decoder.
-  m.decoder = m.bm.memory_reserved() ? m.make_decoder(weights) : nullptr;
+  // The decoder keeps its activation arena and packs the new values into the memory of its
+  // packed copies. A released engine has no decoder: its next step() makes one.
+  if (m.decoder) m.decoder->set_weights(weights);
   m.version = version;
 }
 

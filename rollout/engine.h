@@ -132,7 +132,9 @@ class Engine {
 
   // Swaps the weights between steps: running samples are preempted (recomputed under the new
   // weights, keeping the tokens they have), the prefix cache is flushed and the weight version
-  // becomes `version`. The config must match the current weights' shapes.
+  // becomes `version`. The config must match the current weights' shapes. The decoder is kept
+  // and refreshed in place (its packed weight copies repacked into the same memory): nothing is
+  // allocated when nothing is running.
   void set_weights(const model::Weights& weights, uint64_t version);
   uint64_t weight_version() const;
 

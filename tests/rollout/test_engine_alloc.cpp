@@ -1,6 +1,6 @@
 // Allocation checks of rollout/engine (STYLE.md: no allocation on the decode hot path): steady
-// decode steps allocate nothing, counted by this test binary's global operator new, which counts
-// only inside an AllocationCount scope.
+// decode steps and a weight swap allocate nothing, counted by this test binary's global operator
+// new, which counts only inside an AllocationCount scope.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -180,6 +180,42 @@ TEST_CASE("engine decode steps allocate nothing once the batch shape has been se
     REQUIRE(outs.size() == 2);
     for (const RequestOutput& o : outs)
       for (const SampleOutput& s : o.samples) CHECK(s.tokens.size() == 40);
+  }
+}
+
+TEST_CASE("engine weight swap refreshes the decoder in place with a new engine's logprobs",
+          "[unit]") {
+  for (const Case& k : kCases) {
+    const ops::ScopedMatmulPrecision scope(k.precision);
+    INFO(test::tiny_kind_name(k.kind)
+         << " bf16 matmuls: " << (k.precision == ops::MatmulPrecision::bf16));
+    const model::ModelConfig c = test::tiny_model_config(k.kind);
+    model::Weights w1(c, k.dtype), w2(c, k.dtype);
+    test::fill_random_weights(w1, 41);
+    test::fill_random_weights(w2, 42);
+    Engine engine(w1, small_options());
+    engine.generate(requests(c.vocab_size));
+    int64_t allocations = 0;
+    {
+      AllocationCount count;
+      engine.set_weights(w2, 1);  // the decoder and its packed copies stay where they are
+      allocations = count.count();
+    }
+    CHECK(allocations == 0);
+    const std::vector<RequestOutput> got = engine.generate(requests(c.vocab_size));
+    Engine fresh(w2, small_options());
+    const std::vector<RequestOutput> want = fresh.generate(requests(c.vocab_size));
+    REQUIRE(got.size() == want.size());
+    for (size_t r = 0; r < got.size(); ++r) {
+      REQUIRE(got[r].samples.size() == want[r].samples.size());
+      for (size_t i = 0; i < got[r].samples.size(); ++i) {
+        const SampleOutput &a = got[r].samples[i], &b = want[r].samples[i];
+        CHECK(a.weight_version == 1);
+        CHECK(a.tokens == b.tokens);
+        REQUIRE(a.logprobs.size() == b.logprobs.size());
+        CHECK(std::memcmp(a.logprobs.data(), b.logprobs.data(), 4 * a.logprobs.size()) == 0);
+      }
+    }
   }
 }
 
