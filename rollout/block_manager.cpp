@@ -110,15 +110,23 @@ std::span<const int32_t> BlockManager::cached_tokens(int32_t block) const {
       .subspan(static_cast<size_t>(block * block_size_), static_cast<size_t>(block_size_));
 }
 
+// The table holds at most num_blocks entries in at least twice as many slots, so a probe always
+// meets an empty slot; the checks turn a broken invariant into an error rather than a hang.
 int32_t BlockManager::find_cached(uint64_t hash) const {
   const size_t mask = cache_slots_.size() - 1;
-  for (size_t i = hash & mask;; i = (i + 1) & mask) {
+  size_t i = hash & mask;
+  for (size_t probes = 0; probes < cache_slots_.size(); ++probes, i = (i + 1) & mask) {
     const int32_t b = cache_slots_[i];
     if (b < 0 || blocks_[static_cast<size_t>(b)].hash == hash) return b;
   }
+  TANDEM_CHECK(false, "block manager: the prefix cache table is full (a bug in the manager)");
+  return -1;
 }
 
 void BlockManager::insert_cached(int32_t block) {
+  TANDEM_CHECK(num_cached_ < num_blocks(),
+               "block manager: {} prefix cache entries for {} blocks (a bug in the manager)",
+               num_cached_ + 1, num_blocks());
   const size_t mask = cache_slots_.size() - 1;
   size_t i = blocks_[static_cast<size_t>(block)].hash & mask;
   while (cache_slots_[i] >= 0) i = (i + 1) & mask;
