@@ -16,7 +16,6 @@
 #include "core/error.h"
 #include "kernels/ops.h"
 #include "model/decoder.h"
-#include "model/generator.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "rollout/engine.h"

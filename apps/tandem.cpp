@@ -13,7 +13,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 
 namespace {
 
@@ -85,8 +85,8 @@ int main(int argc, char** argv) {
       }
       const bool bf16 =
           bench_opt.cpu_matmul == "bf16" && (bench_what == "generate" || bench_what == "rollout");
-      const tandem::ops::cpu::ScopedMatmulPrecision precision(
-          bf16 ? tandem::ops::cpu::MatmulPrecision::bf16 : tandem::ops::cpu::MatmulPrecision::f32);
+      const tandem::ops::ScopedMatmulPrecision precision(bf16 ? tandem::ops::MatmulPrecision::bf16
+                                                              : tandem::ops::MatmulPrecision::f32);
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);

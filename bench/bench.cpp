@@ -18,7 +18,6 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/tensor.h"
-#include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 
 namespace tandem::bench {
@@ -211,11 +210,11 @@ std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt)
   const int64_t n = opt.quick ? 512 : 1024;
   double gflops = 0;
   {
-    const ops::cpu::ScopedMatmulPrecision precision(ops::cpu::MatmulPrecision::bf16);
+    const ops::ScopedMatmulPrecision precision(ops::MatmulPrecision::bf16);
     gflops = measure_matmul_gflops(opt, DType::f32, n);
   }
   return {gflops, fmt::format("tandem matmul bf16 compute{} {}^3",
-                              ops::cpu::matmul_has_amx() ? " (AMX)" : "", n)};
+                              ops::matmul_has_amx() ? " (AMX)" : "", n)};
 }
 
 Ceilings measure_ceilings(const Options& opt) {

@@ -87,7 +87,7 @@ Ceilings measure_ceilings(const Options& opt);
 // GFLOP/s, and where it came from; a bench takes it again next to each measured step when the
 // machine's speed drifts.
 std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt);
-// The same for the bf16 precision of the CPU matmul (ops::cpu::MatmulPrecision::bf16): our
+// The same for the bf16 precision of the CPU matmul (ops::MatmulPrecision::bf16): our
 // matmul on a square problem (AMX where the CPU has it).
 std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt);
 // `tandem bench kernels`: every registered family on opt.device; returns the exit code.

@@ -1,5 +1,6 @@
-// `tandem bench generate`: batch-1 generation with a real model (SmolLM2-135M-Instruct by
-// default): decode and prefill tokens/s and load time, beside llama.cpp (llama-cpp-python on the
+// `tandem bench generate`: batch-1 greedy generation through the rollout engine with a real
+// model (SmolLM2-135M-Instruct by default): decode and prefill tokens/s and load time, beside
+// llama.cpp (llama-cpp-python on the
 // same GGUF, bench/peers/llamacpp_generate.py, run in the same invocation) and the memory-bandwidth
 // bound of decoding (measured bandwidth / bytes of the weights read per token).
 #include <fmt/format.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -17,8 +19,8 @@
 #include "bench/peers.h"
 #include "core/error.h"
 #include "core/parallel.h"
-#include "model/generator.h"
 #include "model/loader.h"
+#include "rollout/engine.h"
 
 namespace tandem::bench {
 namespace {
@@ -35,6 +37,56 @@ nlohmann::json run_peer(const std::string& model, const std::vector<int32_t>& pr
 }
 
 void print(const Options& opt, const nlohmann::ordered_json& j) { print_line(opt, j); }
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One greedy request of new_tokens tokens (no stop ids, so always that many): the engine's first
+// step prefills the prompt and samples the first token; every later step decodes one token.
+struct Run {
+  std::vector<int32_t> tokens;
+  double prefill_seconds = 0;
+  double decode_seconds = 0;  // the steps after the first token
+  double decode_tokens_per_second() const {
+    return decode_seconds > 0 ? static_cast<double>(tokens.size() - 1) / decode_seconds : 0.0;
+  }
+};
+
+Run generate(rollout::Engine& engine, const std::vector<int32_t>& prompt, int64_t new_tokens) {
+  rollout::Request request{"bench", prompt, {}};
+  request.params.temperature = 0.0f;
+  request.params.max_tokens = static_cast<int>(new_tokens);
+  engine.submit(std::move(request));
+  Run run;
+  auto t0 = std::chrono::steady_clock::now();
+  engine.step();
+  run.prefill_seconds = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  while (engine.has_work()) engine.step();
+  run.decode_seconds = seconds_since(t0);
+  std::vector<rollout::RequestOutput> out = engine.poll();
+  TANDEM_CHECK(out.size() == 1 && out[0].status == rollout::RequestStatus::done &&
+                   out[0].samples.size() == 1 &&
+                   static_cast<int64_t>(out[0].samples[0].tokens.size()) == new_tokens,
+               "bench generate: the engine did not return {} tokens for the prompt ({})",
+               new_tokens, out.empty() ? std::string("no output") : out[0].error);
+  run.tokens = std::move(out[0].samples[0].tokens);
+  return run;
+}
+
+// One sequence: the prompt computed in one step, its blocks never served from the prefix cache
+// (each repeat computes the whole prompt again).
+rollout::EngineOptions batch1_options(int64_t prompt_len, int64_t new_tokens) {
+  rollout::EngineOptions eo;
+  eo.block_size = 16;
+  eo.max_context = prompt_len + new_tokens;
+  eo.num_blocks = (eo.max_context + eo.block_size - 1) / eo.block_size;
+  eo.max_batch_tokens = prompt_len;
+  eo.max_seqs = 1;
+  eo.prefix_cache = false;
+  return eo;
+}
 
 }  // namespace
 
@@ -77,14 +129,12 @@ int run_generate_bench(const Options& opt, const std::string& model_path) {
 
   for (DType dtype : {DType::f32, DType::bf16}) {
     model::LoadedModel m = model::load_model(path, dtype);
-    model::Generator gen(*m.weights, prompt_len + new_tokens);
-    model::GenerateOptions go;
-    go.max_tokens = new_tokens;  // greedy, no stop: always new_tokens tokens
-    gen.generate(prompt, go);    // warm-up
-    model::GenerateResult best = gen.generate(prompt, go);
+    rollout::Engine engine(*m.weights, batch1_options(prompt_len, new_tokens));
+    generate(engine, prompt, new_tokens);  // warm-up
+    Run best = generate(engine, prompt, new_tokens);
     for (int r = 1; r < repeats; ++r) {
-      model::GenerateResult res = gen.generate(prompt, go);
-      if (res.decode_seconds < best.decode_seconds) best = std::move(res);
+      Run run = generate(engine, prompt, new_tokens);
+      if (run.decode_seconds < best.decode_seconds) best = std::move(run);
     }
     const std::string cs =
         fmt::format("{} {}{} batch 1, prompt {}, {} new", model_name, dtype_name(dtype),

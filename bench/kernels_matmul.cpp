@@ -8,7 +8,6 @@
 #include "bench/bench.h"
 #include "core/parallel.h"
 #include "core/tensor.h"
-#include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 
 namespace tandem::bench {
@@ -84,7 +83,7 @@ TANDEM_KERNEL_BENCH(matmul) {
   const auto bf16_compute = [&](const std::string& op, const std::string& name, double flops,
                                 const std::function<void()>& ours) {
     if (!cpu || !runner.wants(op, name)) return;
-    const ops::cpu::ScopedMatmulPrecision precision(ops::cpu::MatmulPrecision::bf16);
+    const ops::ScopedMatmulPrecision precision(ops::MatmulPrecision::bf16);
     runner.measure(op, name, flops, 0, ours);
   };
   for (const int64_t M : {int64_t{32}, int64_t{512}, int64_t{2048}}) {

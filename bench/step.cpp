@@ -17,7 +17,7 @@
 #include "bench/peers.h"
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "trainer/data.h"
@@ -164,7 +164,7 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
   // with bf16 = True (torch.autocast on the CPU): each in its own precision.
   int errors = 0;
   for (const bool bf16 : {false, true}) {
-    if (bf16 && !ops::cpu::matmul_has_amx()) continue;
+    if (bf16 && !ops::matmul_has_amx()) continue;
     const std::string precision = bf16 ? "bf16 compute" : "f32";
     if (!opt.filter.empty() && precision.find(opt.filter) == std::string::npos) continue;
     std::vector<std::string> overrides = base_overrides;

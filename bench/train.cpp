@@ -3,7 +3,7 @@
 // (transformers' LlamaForCausalLM on the CPU, same shapes, bench/peers/torch_train.py) and the
 // FLOP ceiling (6 x parameters per token at the GEMM rate, measured again right before each
 // step: this machine kind's speed drifts by a fifth within minutes). On a CPU with AMX-BF16 a
-// second line does the same with the matmuls in bf16 (ops::cpu::MatmulPrecision), beside
+// second line does the same with the matmuls in bf16 (ops::MatmulPrecision), beside
 // PyTorch under bf16 autocast.
 #include <fmt/format.h>
 
@@ -15,7 +15,7 @@
 #include "bench/bench.h"
 #include "bench/peers.h"
 #include "core/parallel.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/loader.h"
 #include "trainer/optimizer.h"
@@ -66,10 +66,10 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     const std::string case_name =
         fmt::format("{} {} {} x {} tokens", fs::path(path).stem().string(),
                     bf16 ? "bf16 compute" : "f32", B, L - 1);
-    if (bf16 && !ops::cpu::matmul_has_amx()) continue;
+    if (bf16 && !ops::matmul_has_amx()) continue;
     if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
-    const ops::cpu::ScopedMatmulPrecision precision(bf16 ? ops::cpu::MatmulPrecision::bf16
-                                                         : ops::cpu::MatmulPrecision::f32);
+    const ops::ScopedMatmulPrecision precision(bf16 ? ops::MatmulPrecision::bf16
+                                                    : ops::MatmulPrecision::f32);
     std::vector<double> times, limits, fractions;
     std::string gemm_source;
     for (int i = 0; i <= steps; ++i) {

@@ -13,9 +13,8 @@
 //   `stream`). A mismatch of shape, dtype or device throws tandem::Error naming the op and the
 //   shapes; nothing broadcasts. Token ids out of range throw, they are never read out of bounds.
 // - CPU ops compute in f32 (bf16/f16 inputs are widened exactly); the CPU matmuls can be set to
-//   round their operands to bf16 instead (ops::cpu::set_matmul_precision, kernels/cpu/matmul.h;
-//   AMX where the CPU has it). CUDA matmuls compute in bf16 with f32 accumulation; everything
-//   else accumulates in f32.
+//   round their operands to bf16 instead (set_matmul_precision below; AMX where the CPU has it).
+//   CUDA matmuls compute in bf16 with f32 accumulation; everything else accumulates in f32.
 // - Batch invariance: the result for one row (token, sequence) never depends on the other rows
 //   of the call or on how many there are: reductions run in a fixed order along K and along the
 //   sequence. So the rollout engine (decode, small batches) and the trainer (packed, large
@@ -26,6 +25,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "core/device.h"
 #include "core/tensor.h"
@@ -45,6 +45,64 @@ void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx,
 // dw (N, K) = dy (M, N)^T · x (M, K), [+ dw]. dy: f32; x: f32 or bf16; dw: f32.
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
                             bool accumulate = false, const Stream& stream = {});
+
+// The arithmetic of every CPU matmul product, process-wide (set it before any work: rollout and
+// training must use the same one for their logprobs to agree). CUDA matmuls ignore it (always
+// bf16 operands, f32 sums). The CPU backend (kernels/cpu/matmul.cpp) implements it.
+// - f32 (the default): operands as they are, the dot-product kernel of kernels/cpu/matmul.h.
+// - bf16: both operands rounded to bf16 (round to nearest even, denormal inputs to zero), their
+//   products summed in f32: the mixed precision of the CUDA matmuls. On a CPU with AMX-BF16 the
+//   sums run in AMX tiles (32 K values per tile step, in the hardware's own order, which is not
+//   a sequence of f32 adds); elsewhere (and with the portable kernel of the CPU tests) in the f32
+//   kernel on the rounded operands. So bits differ between the two, while each is
+//   deterministic, batch-invariant and independent of the thread count.
+enum class MatmulPrecision { f32, bf16 };
+void set_matmul_precision(MatmulPrecision precision);
+MatmulPrecision matmul_precision();
+// Sets the precision for a scope and puts the previous one back.
+class ScopedMatmulPrecision {
+ public:
+  explicit ScopedMatmulPrecision(MatmulPrecision p) : before_(matmul_precision()) {
+    set_matmul_precision(p);
+  }
+  ~ScopedMatmulPrecision() { set_matmul_precision(before_); }
+  ScopedMatmulPrecision(const ScopedMatmulPrecision&) = delete;
+  ScopedMatmulPrecision& operator=(const ScopedMatmulPrecision&) = delete;
+
+ private:
+  MatmulPrecision before_;
+};
+// Whether bf16 products run on AMX here (the CPU has it and the kernel granted the tile state).
+bool matmul_has_amx();
+// Whether CPU matmuls run on AMX now (the bf16 precision, AMX here, and no test forcing the
+// portable kernel): then a weight can be packed once (PackedWeight) instead of on every call.
+bool matmul_packs_weights();
+
+// w (N, K) rounded and laid out in AMX tiles once: what every bf16 CPU matmul against w builds
+// anew. matmul(x, packed, y) gives bitwise matmul(x, w, y) while w keeps the values it had
+// when packed; the owner packs again (pack()) when they change. Needs matmul_packs_weights().
+class PackedWeight;
+// y (M, N) [+]= x (M, K) · w^T from a packed w. x: f32 or bf16; y: f32; all on the CPU.
+void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate = false);
+class PackedWeight {
+ public:
+  PackedWeight() = default;
+  explicit PackedWeight(const Tensor& w) { pack(w); }
+  // Packs w (N, K) f32 or bf16 on the CPU, into the memory already held when it is large enough
+  // (a refresh of new values of the same shape reallocates nothing).
+  void pack(const Tensor& w);
+  bool empty() const { return storage_.empty(); }
+  int64_t rows() const { return n_; }
+  int64_t cols() const { return k_; }
+  size_t nbytes() const { return storage_.size() * sizeof(uint16_t); }
+  const void* data() const { return storage_.data() + data_; }
+
+ private:
+  friend void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate);
+  int64_t n_ = 0, k_ = 0, kp_ = 0;
+  std::vector<uint16_t> storage_;
+  int64_t data_ = 0;  // the 64-byte aligned start in storage_ (an offset: moves keep it valid)
+};
 
 // ---------------------------------------------------------------------------------------------
 // Element-type casts and small vector ops.

@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "core/error.h"
-#include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 
 namespace tandem::model {
@@ -97,11 +96,19 @@ LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
   return a;
 }
 
-// B sequences, T tokens (T rows of logits in training; in inference the head reads B rows).
-Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute) {
+// B sequences, T tokens (T rows of logits in training; in inference the head reads B rows), into
+// b: every tensor of a previous plan dropped, its vectors' memory kept (a decode step allocates
+// nothing once the batch shape has been seen).
+void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute,
+          Buffers& b) {
   const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
   const int64_t F = c.intermediate_size, V = c.vocab_size, L = c.num_layers;
-  Buffers b;
+  std::vector<Tensor> resid = std::move(b.resid);
+  std::vector<LayerActs> acts = std::move(b.acts);
+  b = Buffers{};
+  b.resid = std::move(resid);
+  b.acts = std::move(acts);
+  b.acts.clear();
   b.T = T;
   b.tokens = p.take({T}, DType::i32);
   b.positions = p.take({T}, DType::i32);
@@ -138,7 +145,6 @@ Buffers plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, 
       g.dk_raw = p.take({T, Hkv * D});
     }
   }
-  return b;
 }
 
 // What a layer's attention reads besides its own q, k, v.
@@ -154,52 +160,69 @@ struct AttentionInputs {
 
 // A layer's projection weights packed for AMX (DecoderOptions::pack_weights).
 struct PackedLayer {
-  ops::cpu::PackedWeight q, k, v, o, gate_up, down;
+  ops::PackedWeight q, k, v, o, gate_up, down;
 };
 
 class Net {
  public:
-  explicit Net(const Weights& w) : w_(w), c_(w.config()), s_{w.device(), nullptr} {}
+  explicit Net(const Weights& w) : w_(&w), c_(&w.config()), s_{w.device(), nullptr} {}
 
-  // Packs every projection and the head once, when matmuls run on AMX (the bf16 precision).
+  // Points at new weights of the same shapes (the caller checked them).
+  void set_weights(const Weights& w) {
+    w_ = &w;
+    c_ = &w.config();
+  }
+
+  // Packs every projection and the head, when matmuls run on AMX (the bf16 precision): the first
+  // time into new memory, then (new values of the same shapes) into the same memory again.
+  // Otherwise drops any packed copy, which would be stale.
   void pack_weights() {
-    if (!w_.device().is_cpu() || !ops::cpu::matmul_packs_weights()) return;
-    packed_.clear();
-    for (const LayerWeights& w : w_.layers) {
-      packed_.push_back({ops::cpu::PackedWeight(w.q), ops::cpu::PackedWeight(w.k),
-                         ops::cpu::PackedWeight(w.v), ops::cpu::PackedWeight(w.o),
-                         ops::cpu::PackedWeight(w.gate_up), ops::cpu::PackedWeight(w.down)});
+    if (!w_->device().is_cpu() || !ops::matmul_packs_weights()) {
+      packed_.clear();
+      packed_head_ = ops::PackedWeight();
+      return;
     }
-    packed_head_ = ops::cpu::PackedWeight(w_.lm_head);
+    packed_.resize(w_->layers.size());
+    for (size_t l = 0; l < packed_.size(); ++l) {
+      const LayerWeights& w = w_->layers[l];
+      PackedLayer& p = packed_[l];
+      p.q.pack(w.q);
+      p.k.pack(w.k);
+      p.v.pack(w.v);
+      p.o.pack(w.o);
+      p.gate_up.pack(w.gate_up);
+      p.down.pack(w.down);
+    }
+    packed_head_.pack(w_->lm_head);
   }
 
   // h_out = layer l (h_in). One code path for training, prefill and decode.
   void layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tensor& h_out,
                      const AttentionInputs& in) const {
-    const LayerWeights& w = w_.layers[static_cast<size_t>(l)];
-    const int64_t T = h_in.size(0), H = c_.num_heads, Hkv = c_.num_kv_heads, D = c_.head_dim;
-    const float eps = c_.rms_norm_eps;
+    const LayerWeights& w = w_->layers[static_cast<size_t>(l)];
+    const int64_t T = h_in.size(0), H = c_->num_heads, Hkv = c_->num_kv_heads, D = c_->head_dim;
+    const float eps = c_->rms_norm_eps;
     ops::rmsnorm(h_in, w.input_norm, a.x1, a.rstd1, eps, s_);
     // Projections: q and k straight into the attention inputs unless a q/k norm comes first.
-    const Tensor q_lin = c_.qk_norm ? a.q_raw : a.q.view({T, H * D});
-    const Tensor k_lin = c_.qk_norm ? a.k_raw : a.k.view({T, Hkv * D});
+    const Tensor q_lin = c_->qk_norm ? a.q_raw : a.q.view({T, H * D});
+    const Tensor k_lin = c_->qk_norm ? a.k_raw : a.k.view({T, Hkv * D});
     const Tensor v_lin = a.v.view({T, Hkv * D});
     const PackedLayer* p = packed_.empty() ? nullptr : &packed_[static_cast<size_t>(l)];
     linear(a.x1, w.q, p ? &p->q : nullptr, q_lin, false);
     linear(a.x1, w.k, p ? &p->k : nullptr, k_lin, false);
     linear(a.x1, w.v, p ? &p->v : nullptr, v_lin, false);
-    if (c_.attention_bias) {
+    if (c_->attention_bias) {
       // y += ones (T, 1) · bias (N, 1)^T: a bias add with the ops at hand, on any device.
       ops::matmul(in.ones, w.q_bias.view({H * D, 1}), q_lin, true, s_);
       ops::matmul(in.ones, w.k_bias.view({Hkv * D, 1}), k_lin, true, s_);
       ops::matmul(in.ones, w.v_bias.view({Hkv * D, 1}), v_lin, true, s_);
     }
-    if (c_.qk_norm) {
+    if (c_->qk_norm) {
       ops::rmsnorm(a.q_raw.view({T * H, D}), w.q_norm, a.q.view({T * H, D}), a.rstd_q, eps, s_);
       ops::rmsnorm(a.k_raw.view({T * Hkv, D}), w.k_norm, a.k.view({T * Hkv, D}), a.rstd_k, eps, s_);
     }
-    ops::rope(a.q, in.positions, a.q, c_.rope, s_);
-    ops::rope(a.k, in.positions, a.k, c_.rope, s_);
+    ops::rope(a.q, in.positions, a.q, c_->rope, s_);
+    ops::rope(a.k, in.positions, a.k, c_->rope, s_);
     if (in.kv != nullptr) {
       ops::kv_cache_write(a.k, a.v, in.kv->slot_mapping, in.kv->k_cache[static_cast<size_t>(l)],
                           in.kv->v_cache[static_cast<size_t>(l)], s_);
@@ -222,8 +245,8 @@ class Net {
   // On entry g.dh = dL/dh_out; on exit g.dh = dL/dh_in. Parameter gradients accumulate into gw.
   void layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in, const AttentionInputs& in,
                       LayerGrads& g, const LayerWeights& gw) const {
-    const LayerWeights& w = w_.layers[static_cast<size_t>(l)];
-    const int64_t T = h_in.size(0), H = c_.num_heads, Hkv = c_.num_kv_heads, D = c_.head_dim;
+    const LayerWeights& w = w_->layers[static_cast<size_t>(l)];
+    const int64_t T = h_in.size(0), H = c_->num_heads, Hkv = c_->num_kv_heads, D = c_->head_dim;
     // MLP branch.
     ops::matmul_backward_input(g.dh, w.down, g.d_act, false, s_);
     ops::matmul_backward_weight(g.dh, a.act, gw.down, true, s_);
@@ -236,11 +259,11 @@ class Net {
     ops::matmul_backward_weight(g.dh, a.att.view({T, H * D}), gw.o, true, s_);
     ops::attention_backward(g.d_att.view({T, H, D}), a.q, a.k, a.v, a.att, a.lse, in.cu_seqlens,
                             in.prefix, g.dq, g.dk, g.dv, scale(), s_);
-    ops::rope_backward(g.dq, in.positions, g.dq, c_.rope, s_);
-    ops::rope_backward(g.dk, in.positions, g.dk, c_.rope, s_);
+    ops::rope_backward(g.dq, in.positions, g.dq, c_->rope, s_);
+    ops::rope_backward(g.dk, in.positions, g.dk, c_->rope, s_);
     Tensor dq_lin = g.dq.view({T, H * D}), dk_lin = g.dk.view({T, Hkv * D});
     const Tensor dv_lin = g.dv.view({T, Hkv * D});
-    if (c_.qk_norm) {
+    if (c_->qk_norm) {
       ops::rmsnorm_backward(g.dq.view({T * H, D}), a.q_raw.view({T * H, D}), w.q_norm, a.rstd_q,
                             g.dq_raw.view({T * H, D}), gw.q_norm, false, true, s_);
       ops::rmsnorm_backward(g.dk.view({T * Hkv, D}), a.k_raw.view({T * Hkv, D}), w.k_norm, a.rstd_k,
@@ -248,7 +271,7 @@ class Net {
       dq_lin = g.dq_raw;
       dk_lin = g.dk_raw;
     }
-    if (c_.attention_bias) {
+    if (c_->attention_bias) {
       // dbias (N, 1) += dy^T · ones: the column sums of dy.
       ops::matmul_backward_weight(dq_lin, in.ones, gw.q_bias.view({H * D, 1}), true, s_);
       ops::matmul_backward_weight(dk_lin, in.ones, gw.k_bias.view({Hkv * D, 1}), true, s_);
@@ -266,38 +289,39 @@ class Net {
   // xf = final rmsnorm(h), logits = xf · lm_head^T. Row-wise, so B gathered rows give the same
   // bits as the same rows of a packed batch.
   void head(const Tensor& h, const Tensor& xf, const Tensor& rstdf, const Tensor& logits) const {
-    ops::rmsnorm(h, w_.final_norm, xf, rstdf, c_.rms_norm_eps, s_);
-    linear(xf, w_.lm_head, packed_head_.empty() ? nullptr : &packed_head_, logits, false);
+    ops::rmsnorm(h, w_->final_norm, xf, rstdf, c_->rms_norm_eps, s_);
+    linear(xf, w_->lm_head, packed_head_.empty() ? nullptr : &packed_head_, logits, false);
   }
 
-  float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_.head_dim)); }
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_->head_dim)); }
   const Stream& stream() const { return s_; }
 
  private:
   // y [+]= x · w^T, from w's packed copy when there is one and matmuls still run on AMX (the
   // same bits either way).
-  void linear(const Tensor& x, const Tensor& w, const ops::cpu::PackedWeight* packed,
-              const Tensor& y, bool accumulate) const {
-    if (packed != nullptr && ops::cpu::matmul_packs_weights())
-      ops::cpu::matmul(x, *packed, y, accumulate);
+  void linear(const Tensor& x, const Tensor& w, const ops::PackedWeight* packed, const Tensor& y,
+              bool accumulate) const {
+    if (packed != nullptr && ops::matmul_packs_weights())
+      ops::matmul(x, *packed, y, accumulate);
     else
       ops::matmul(x, w, y, accumulate, s_);
   }
 
-  const Weights& w_;
-  const ModelConfig& c_;
+  const Weights* w_;
+  const ModelConfig* c_;
   Stream s_;
   std::vector<PackedLayer> packed_;  // empty: not packed
-  ops::cpu::PackedWeight packed_head_;
+  ops::PackedWeight packed_head_;
 };
 
 void upload(Tensor dst, std::span<const int32_t> src) {
   dst.copy_from(Tensor::wrap(const_cast<int32_t*>(src.data()), dst.shape(), DType::i32));
 }
 
-void fill_ones(Tensor t) {
-  std::vector<float> ones(static_cast<size_t>(t.numel()), 1.0f);
-  t.copy_from(Tensor::wrap(ones.data(), t.shape(), DType::f32));
+// host: scratch kept by the caller (grows to the largest t).
+void fill_ones(Tensor t, std::vector<float>& host) {
+  host.assign(static_cast<size_t>(t.numel()), 1.0f);
+  t.copy_from(Tensor::wrap(host.data(), t.shape(), DType::f32));
 }
 
 std::vector<int32_t> to_host(const Tensor& t, const char* what) {
@@ -456,15 +480,19 @@ struct Decoder::Impl {
   Net net;
   DecoderOptions options;
   std::unique_ptr<Arena> arena;
-  Buffers bufs;
+  Buffers bufs;     // the current call's (a training forward's until its backward)
+  Buffers counted;  // the plan of a call when only its bytes are counted
+  // Host scratch of the inference calls, grown to the largest batch seen.
+  std::vector<int32_t> decode_cu;  // (B + 1)
+  std::vector<float> ones_host;    // (T) (biases only)
   bool have_forward = false;
   float temperature = 1.0f;
 
-  // Empties the arena and hands out the buffers of a call, growing the arena when allowed.
-  Buffers begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
+  // Empties the arena and hands out the buffers of a call (bufs), growing the arena when allowed.
+  Buffers& begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
     have_forward = false;
     Planner count(nullptr);
-    plan(count, c, T, B, mode, options.recompute);
+    plan(count, c, T, B, mode, options.recompute, counted);
     if (count.bytes() > arena->capacity()) {
       TANDEM_CHECK(options.grow,
                    "decoder: a call of {} tokens needs {} bytes of activations, the arena planned "
@@ -479,19 +507,21 @@ struct Decoder::Impl {
     arena->reserve();  // after release_activations()
     arena->reset();
     Planner p(arena.get());
-    return plan(p, c, T, B, mode, options.recompute);
+    plan(p, c, T, B, mode, options.recompute, bufs);
+    return bufs;
   }
 };
 
 size_t Decoder::plan_bytes(const ModelConfig& config, int64_t T, bool recompute) {
   Planner train(nullptr), infer(nullptr);
-  plan(train, config, T, T, Mode::training, recompute);
-  plan(infer, config, T, T, Mode::inference, recompute);
+  Buffers b;
+  plan(train, config, T, T, Mode::training, recompute, b);
+  plan(infer, config, T, T, Mode::inference, recompute, b);
   return std::max(train.bytes(), infer.bytes());
 }
 
 Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
-    : weights_(weights), impl_(std::make_unique<Impl>(weights, options)) {
+    : weights_(&weights), impl_(std::make_unique<Impl>(weights, options)) {
   TANDEM_CHECK(options.max_tokens > 0,
                "decoder: DecoderOptions::max_tokens must be positive, got {}", options.max_tokens);
   impl_->arena =
@@ -501,6 +531,24 @@ Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
 }
 
 Decoder::~Decoder() = default;
+
+void Decoder::set_weights(const Weights& weights) {
+  const ModelConfig &a = weights.config(), &b = config();
+  TANDEM_CHECK(a.arch == b.arch && a.vocab_size == b.vocab_size && a.hidden_size == b.hidden_size &&
+                   a.intermediate_size == b.intermediate_size && a.num_layers == b.num_layers &&
+                   a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads &&
+                   a.head_dim == b.head_dim && a.tie_word_embeddings == b.tie_word_embeddings &&
+                   a.attention_bias == b.attention_bias && a.qk_norm == b.qk_norm &&
+                   weights.device() == device(),
+               "decoder set_weights: the new weights ({} layers, width {}, on {}) must have the "
+               "config and device of the current ones ({} layers, width {}, on {})",
+               a.num_layers, a.hidden_size, weights.device().str(), b.num_layers, b.hidden_size,
+               device().str());
+  impl_->have_forward = false;
+  weights_ = &weights;
+  impl_->net.set_weights(weights);
+  if (impl_->options.pack_weights) impl_->net.pack_weights();
+}
 
 size_t Decoder::activation_bytes() const { return impl_->arena->capacity(); }
 
@@ -536,16 +584,16 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   if (entropy_out.defined()) check_output(entropy_out, {T}, device(), "forward's entropy_out");
 
   Impl& m = *impl_;
-  Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
+  Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
   upload(b.tokens, batch.tokens);
   upload(b.positions, batch.positions);
   upload(b.cu_seqlens, batch.cu_seqlens);
   upload(b.targets, batch.targets);
   b.prefix = upload_prefix(b.prefix, batch);
-  if (b.ones.defined()) fill_ones(b.ones);
+  if (b.ones.defined()) fill_ones(b.ones, m.ones_host);
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   const Stream& s = m.net.stream();
-  ops::embedding(b.tokens, weights_.embed, b.resid[0], s);
+  ops::embedding(b.tokens, weights_->embed, b.resid[0], s);
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
     m.net.layer_forward(l, a, b.resid[static_cast<size_t>(l)], b.resid[static_cast<size_t>(l + 1)],
@@ -581,7 +629,6 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
     if (entropy_out.defined())
       ops::embedding_backward(ids, ent.view({R, 1}), entropy_out.view({T, 1}), false, s);
   }
-  m.bufs = std::move(b);
   m.temperature = temperature;
   m.have_forward = true;
 }
@@ -594,14 +641,14 @@ void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out)
   check_prefix(batch, "decoder forward_logits");
   check_output(logits_out, {T, c.vocab_size}, device(), "forward_logits' logits_out");
   Impl& m = *impl_;
-  Buffers b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
+  Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
   upload(b.tokens, batch.tokens);
   upload(b.positions, batch.positions);
   upload(b.cu_seqlens, batch.cu_seqlens);
   b.prefix = upload_prefix(b.prefix, batch);
-  if (b.ones.defined()) fill_ones(b.ones);
+  if (b.ones.defined()) fill_ones(b.ones, m.ones_host);
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
-  ops::embedding(b.tokens, weights_.embed, b.resid[0], m.net.stream());
+  ops::embedding(b.tokens, weights_->embed, b.resid[0], m.net.stream());
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, b.acts[0], b.resid[static_cast<size_t>(l % 2)],
                         b.resid[static_cast<size_t>((l + 1) % 2)], in);
@@ -619,13 +666,13 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
   check_output(dlogprob, {T}, device(), "backward's dlogprob");
   if (dentropy.defined()) check_output(dentropy, {T}, device(), "backward's dentropy");
   TANDEM_CHECK(grads.dtype() == DType::f32 && grads.device() == device() &&
-                   grads.layers.size() == weights_.layers.size() &&
-                   grads.embed.shape() == weights_.embed.shape() &&
+                   grads.layers.size() == weights_->layers.size() &&
+                   grads.embed.shape() == weights_->embed.shape() &&
                    grads.config().tie_word_embeddings == c.tie_word_embeddings &&
                    grads.config().attention_bias == c.attention_bias &&
                    grads.config().qk_norm == c.qk_norm &&
-                   grads.layers[0].qkv.shape() == weights_.layers[0].qkv.shape() &&
-                   grads.layers[0].gate_up.shape() == weights_.layers[0].gate_up.shape(),
+                   grads.layers[0].qkv.shape() == weights_->layers[0].qkv.shape() &&
+                   grads.layers[0].gate_up.shape() == weights_->layers[0].gate_up.shape(),
                "decoder backward: grads must be f32 Weights on {} of the same model; got {} "
                "weights on {} ({} layers)",
                device().str(), grads.dtype(), grads.device().str(), grads.layers.size());
@@ -638,9 +685,9 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
   if (b.head_rows == T) {
     ops::logprob_gather_backward(dlogprob, dentropy, b.logits, b.targets, b.lse, b.dlogits,
                                  m.temperature, false, s);
-    ops::matmul_backward_input(b.dlogits, weights_.lm_head, g.dx, false, s);
+    ops::matmul_backward_input(b.dlogits, weights_->lm_head, g.dx, false, s);
     ops::matmul_backward_weight(b.dlogits, b.xf, grads.lm_head, true, s);
-    ops::rmsnorm_backward(g.dx, h, weights_.final_norm, b.rstdf, g.dh, grads.final_norm, false,
+    ops::rmsnorm_backward(g.dx, h, weights_->final_norm, b.rstdf, g.dh, grads.final_norm, false,
                           true, s);
   } else {
     // The selected rows' dlogprob and dentropy (gathered into dhead_in's first rows, free until
@@ -657,9 +704,9 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
     ops::logprob_gather_backward(dlp, dentropy.defined() ? dent : Tensor(), b.logits.narrow(0, R),
                                  b.targets.narrow(0, R), b.lse.narrow(0, R), dlogits, m.temperature,
                                  false, s);
-    ops::matmul_backward_input(dlogits, weights_.lm_head, dx, false, s);
+    ops::matmul_backward_input(dlogits, weights_->lm_head, dx, false, s);
     ops::matmul_backward_weight(dlogits, xf, grads.lm_head, true, s);
-    ops::rmsnorm_backward(dx, b.head_in.narrow(0, R), weights_.final_norm, b.rstdf.narrow(0, R),
+    ops::rmsnorm_backward(dx, b.head_in.narrow(0, R), weights_->final_norm, b.rstdf.narrow(0, R),
                           dhs, grads.final_norm, false, true, s);
     ops::embedding_backward(ids, dhs, g.dh, false, s);
   }
@@ -700,11 +747,11 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
   }
 
   Impl& m = *impl_;
-  Buffers buf = m.begin(c, device(), T, B, Mode::inference);
+  Buffers& buf = m.begin(c, device(), T, B, Mode::inference);
   upload(buf.tokens, tokens);
   upload(buf.positions, positions);
   upload(buf.cu_seqlens, cu_seqlens);
-  if (buf.ones.defined()) fill_ones(buf.ones);
+  if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
   AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones, {}};
   if (!fresh) {
     // Continuing chunks: every query row becomes a one-query "sequence" over the cached tokens
@@ -749,7 +796,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
     in.last_len = to_device(row_last);
   }
   const Stream& s = m.net.stream();
-  ops::embedding(buf.tokens, weights_.embed, buf.resid[0], s);
+  ops::embedding(buf.tokens, weights_->embed, buf.resid[0], s);
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],
                         buf.resid[static_cast<size_t>((l + 1) % 2)], in);
@@ -768,7 +815,9 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
                      const KvCacheView& kv, const Tensor& logits_out) {
   const ModelConfig& c = config();
   const int64_t B = static_cast<int64_t>(tokens.size());
-  std::vector<int32_t> cu(static_cast<size_t>(B) + 1);
+  Impl& m = *impl_;
+  std::vector<int32_t>& cu = m.decode_cu;
+  cu.resize(static_cast<size_t>(B) + 1);
   for (int64_t b = 0; b <= B; ++b) cu[static_cast<size_t>(b)] = static_cast<int32_t>(b);
   check_packed(tokens, positions, cu, c.vocab_size, "decoder decode");
   check_output(logits_out, {B, c.vocab_size}, device(), "decode's logits_out");
@@ -776,15 +825,14 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
                    static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
                "decoder decode: the kv cache view has {} k and {} v tensors, the model {} layers",
                kv.k_cache.size(), kv.v_cache.size(), c.num_layers);
-  Impl& m = *impl_;
-  Buffers buf = m.begin(c, device(), B, B, Mode::inference);
+  Buffers& buf = m.begin(c, device(), B, B, Mode::inference);
   upload(buf.tokens, tokens);
   upload(buf.positions, positions);
-  if (buf.ones.defined()) fill_ones(buf.ones);
+  if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
   const AttentionInputs in{buf.positions,  {},       &kv, kv.kv_indptr, kv.kv_indices,
                            kv.kv_last_len, buf.ones, {}};
   const Stream& s = m.net.stream();
-  ops::embedding(buf.tokens, weights_.embed, buf.resid[0], s);
+  ops::embedding(buf.tokens, weights_->embed, buf.resid[0], s);
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],
                         buf.resid[static_cast<size_t>((l + 1) % 2)], in);

@@ -74,10 +74,10 @@ struct DecoderOptions {
   bool recompute = false;
   // A batch larger than max_tokens: re-plan the arena for it (true; addresses change) or throw.
   bool grow = true;
-  // When matmuls run on AMX (the bf16 CPU precision, ops::cpu::matmul_packs_weights()), pack
+  // When matmuls run on AMX (the bf16 CPU precision, ops::matmul_packs_weights()), pack
   // the projection and head weights once here (bf16 tiles, half the f32 weights' bytes) rather
-  // than in every matmul: for callers whose weights do not change while the decoder lives (the
-  // rollout engine, which makes a new decoder at every set_weights). Same bits either way.
+  // than in every matmul: for callers whose weights change only through set_weights (the
+  // rollout engine), which packs them again in place. Same bits either way.
   bool pack_weights = false;
 };
 
@@ -100,8 +100,13 @@ class Decoder {
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 
-  const ModelConfig& config() const { return weights_.config(); }
-  Device device() const { return weights_.device(); }
+  const ModelConfig& config() const { return weights_->config(); }
+  Device device() const { return weights_->device(); }
+  // Points the decoder at new weights of the same config and device (a weight sync; they
+  // must outlive the decoder): the activation arena stays, and packed copies
+  // (DecoderOptions::pack_weights) are packed again into the memory they hold. Drops a pending
+  // forward's state.
+  void set_weights(const Weights& weights);
   // Bytes of the activation arena (as planned for max_tokens).
   size_t activation_bytes() const;
   // Gives the activation arena back to the device (a colocated job's other phase wants the
@@ -137,7 +142,7 @@ class Decoder {
 
  private:
   struct Impl;
-  const Weights& weights_;
+  const Weights* weights_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -47,7 +47,11 @@ void BlockManager::reset_blocks(int64_t num_blocks) {
   for (int64_t b = 0; b < num_blocks; ++b) free_list_.emplace_back(0, static_cast<int32_t>(b));
   num_free_ = num_blocks;
   tick_ = 0;
-  cached_.clear();
+  size_t slots = 2;
+  while (slots < 2 * static_cast<size_t>(num_blocks)) slots *= 2;
+  cache_slots_.assign(slots, -1);
+  num_cached_ = 0;
+  block_tokens_.assign(static_cast<size_t>(num_blocks * block_size_), 0);
 }
 
 void BlockManager::release_memory() {
@@ -101,6 +105,55 @@ uint64_t BlockManager::block_hash(uint64_t parent, std::span<const int32_t> toke
   return h;
 }
 
+std::span<const int32_t> BlockManager::cached_tokens(int32_t block) const {
+  return std::span<const int32_t>(block_tokens_)
+      .subspan(static_cast<size_t>(block * block_size_), static_cast<size_t>(block_size_));
+}
+
+// The table holds at most num_blocks entries in at least twice as many slots, so a probe always
+// meets an empty slot; the checks turn a broken invariant into an error rather than a hang.
+int32_t BlockManager::find_cached(uint64_t hash) const {
+  const size_t mask = cache_slots_.size() - 1;
+  size_t i = hash & mask;
+  for (size_t probes = 0; probes < cache_slots_.size(); ++probes, i = (i + 1) & mask) {
+    const int32_t b = cache_slots_[i];
+    if (b < 0 || blocks_[static_cast<size_t>(b)].hash == hash) return b;
+  }
+  TANDEM_CHECK(false, "block manager: the prefix cache table is full (a bug in the manager)");
+  return -1;
+}
+
+void BlockManager::insert_cached(int32_t block) {
+  TANDEM_CHECK(num_cached_ < num_blocks(),
+               "block manager: {} prefix cache entries for {} blocks (a bug in the manager)",
+               num_cached_ + 1, num_blocks());
+  const size_t mask = cache_slots_.size() - 1;
+  size_t i = blocks_[static_cast<size_t>(block)].hash & mask;
+  while (cache_slots_[i] >= 0) i = (i + 1) & mask;
+  cache_slots_[i] = block;
+  ++num_cached_;
+}
+
+void BlockManager::erase_cached(int32_t block) {
+  const size_t mask = cache_slots_.size() - 1;
+  size_t i = blocks_[static_cast<size_t>(block)].hash & mask;
+  while (cache_slots_[i] != block) {
+    if (cache_slots_[i] < 0) return;  // not in the table
+    i = (i + 1) & mask;
+  }
+  // Backward-shift deletion: later entries of the run that may move into the hole do, so every
+  // entry stays reachable from its home slot without tombstones.
+  for (size_t j = (i + 1) & mask; cache_slots_[j] >= 0; j = (j + 1) & mask) {
+    const size_t home = blocks_[static_cast<size_t>(cache_slots_[j])].hash & mask;
+    const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    if (stays) continue;
+    cache_slots_[i] = cache_slots_[j];
+    i = j;
+  }
+  cache_slots_[i] = -1;
+  --num_cached_;
+}
+
 int32_t BlockManager::take_free_block() {
   while (!free_list_.empty()) {
     const auto [tick, b] = free_list_.front();
@@ -132,28 +185,27 @@ void BlockManager::release(int32_t b) {
 
 void BlockManager::uncache(int32_t b) {
   Block& block = blocks_[static_cast<size_t>(b)];
-  auto it = cached_.find(block.hash);
-  if (it != cached_.end() && it->second == b) cached_.erase(it);
+  if (block.hashed) erase_cached(b);
   block.hashed = false;
-  block.tokens.clear();
 }
 
-int64_t BlockManager::allocate(SeqId id, std::span<const int32_t> tokens) {
+int64_t BlockManager::allocate(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens) {
   TANDEM_CHECK(!seqs_.count(id), "block manager: sequence {} already exists", id);
   Seq s;
   s.last_hash = kHashSeed;
   const int64_t P = block_size_, n = static_cast<int64_t>(tokens.size());
+  s.table.reserve(static_cast<size_t>(blocks_for(std::max(n, max_tokens))));
   for (int64_t j = 0; (j + 1) * P <= n - 1; ++j) {
     const auto chunk = tokens.subspan(static_cast<size_t>(j * P), static_cast<size_t>(P));
     const uint64_t h = block_hash(s.last_hash, chunk);
-    auto it = cached_.find(h);
-    if (it == cached_.end()) break;
-    Block& block = blocks_[static_cast<size_t>(it->second)];
-    if (block.parent_hash != s.last_hash ||
-        !std::equal(chunk.begin(), chunk.end(), block.tokens.begin(), block.tokens.end()))
+    const int32_t hit = find_cached(h);
+    if (hit < 0) break;
+    Block& block = blocks_[static_cast<size_t>(hit)];
+    const std::span<const int32_t> held = cached_tokens(hit);
+    if (block.parent_hash != s.last_hash || !std::equal(chunk.begin(), chunk.end(), held.begin()))
       break;
     if (block.refs++ == 0) --num_free_;  // its free-list entry is now stale
-    s.table.push_back(it->second);
+    s.table.push_back(hit);
     s.last_hash = h;
     ++s.num_hashed;
   }
@@ -199,7 +251,13 @@ bool BlockManager::append_slots(SeqId id, int64_t num_tokens) {
 
 void BlockManager::fork(SeqId parent, SeqId child) {
   TANDEM_CHECK(!seqs_.count(child), "block manager: sequence {} already exists", child);
-  Seq s = seq(parent);
+  const Seq& p = seq(parent);
+  Seq s;
+  s.table.reserve(p.table.capacity());
+  s.table.assign(p.table.begin(), p.table.end());
+  s.num_slots = p.num_slots;
+  s.num_hashed = p.num_hashed;
+  s.last_hash = p.last_hash;
   for (int32_t b : s.table) ++blocks_[static_cast<size_t>(b)].refs;
   seqs_.emplace(child, std::move(s));
 }
@@ -223,12 +281,13 @@ void BlockManager::mark_computed(SeqId id, std::span<const int32_t> tokens, int6
     const uint64_t h = block_hash(s.last_hash, chunk);
     const int32_t b = s.table[static_cast<size_t>(s.num_hashed)];
     Block& block = blocks_[static_cast<size_t>(b)];
-    if (!block.hashed && !cached_.count(h)) {
+    if (!block.hashed && find_cached(h) < 0) {
       block.hashed = true;
       block.hash = h;
       block.parent_hash = s.last_hash;
-      block.tokens.assign(chunk.begin(), chunk.end());
-      cached_.emplace(h, b);
+      std::copy(chunk.begin(), chunk.end(),
+                block_tokens_.begin() + static_cast<std::ptrdiff_t>(b * block_size_));
+      insert_cached(b);
     }
     s.last_hash = h;
     ++s.num_hashed;
@@ -236,11 +295,11 @@ void BlockManager::mark_computed(SeqId id, std::span<const int32_t> tokens, int6
 }
 
 void BlockManager::clear_prefix_cache() {
-  for (auto& [h, b] : cached_) {
-    blocks_[static_cast<size_t>(b)].hashed = false;
-    blocks_[static_cast<size_t>(b)].tokens.clear();
+  for (int32_t& b : cache_slots_) {
+    if (b >= 0) blocks_[static_cast<size_t>(b)].hashed = false;
+    b = -1;
   }
-  cached_.clear();
+  num_cached_ = 0;
 }
 
 const std::vector<int32_t>& BlockManager::block_table(SeqId id) const { return seq(id).table; }

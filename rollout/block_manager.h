@@ -49,15 +49,18 @@ class BlockManager {
   // Starts sequence `id` whose tokens will be `tokens`: takes the longest run of full blocks of
   // `tokens` found in the prefix cache (never all of them: at least one token is left to
   // compute, so the caller gets its logits) and returns how many tokens they hold (a multiple
-  // of P). Holds no other block yet; append_slots() reserves the rest.
-  int64_t allocate(SeqId id, std::span<const int32_t> tokens);
+  // of P). Holds no other block yet; append_slots() reserves the rest. max_tokens: the most
+  // tokens the sequence will hold, when known (its block table is sized for them once, so that
+  // growing it up to there allocates nothing).
+  int64_t allocate(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens = 0);
   // Grows sequence `id` to hold `num_tokens` slots (never shrinks). A shared partial last block
   // that the new slots would write into is first copied into a block of its own
   // (copy-on-write). Returns false and changes nothing when too few blocks are free.
   bool append_slots(SeqId id, int64_t num_tokens);
   // Blocks append_slots(id, num_tokens) would take (0 for an unknown id's empty table too).
   int64_t blocks_needed(SeqId id, int64_t num_tokens) const;
-  // Child `child` shares every block of `parent` (reference counts go up); no copy.
+  // Child `child` shares every block of `parent` (reference counts go up); no copy. Its block
+  // table has the parent's capacity.
   void fork(SeqId parent, SeqId child);
   // Releases every block of `id`; blocks that reach count 0 become free (full blocks in the
   // prefix cache stay findable until they are reused). Unknown ids are ignored.
@@ -74,7 +77,7 @@ class BlockManager {
   // The cache slot (block * P + offset) of token `pos` of sequence `id`.
   int32_t slot(SeqId id, int64_t pos) const;
   int32_t ref_count(int32_t block) const { return blocks_[static_cast<size_t>(block)].refs; }
-  int64_t num_cached_blocks() const { return static_cast<int64_t>(cached_.size()); }
+  int64_t num_cached_blocks() const { return num_cached_; }
 
  private:
   struct Block {
@@ -83,7 +86,6 @@ class BlockManager {
     bool hashed = false;       // in cached_ under `hash`
     uint64_t hash = 0;         // chained hash of the tokens of this and every earlier block
     uint64_t parent_hash = 0;  // checked with the tokens on a hit (no trust in 64 bits alone)
-    std::vector<int32_t> tokens;
   };
   struct Seq {
     std::vector<int32_t> table;
@@ -98,6 +100,11 @@ class BlockManager {
   void release(int32_t block);
   void uncache(int32_t block);
   uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens) const;
+  std::span<const int32_t> cached_tokens(int32_t block) const;
+  // The prefix cache's table: find (-1 when absent), insert (block.hash set), erase.
+  int32_t find_cached(uint64_t hash) const;
+  void insert_cached(int32_t block);
+  void erase_cached(int32_t block);
 
   void reset_blocks(int64_t num_blocks);
   // Cuts the reserved arena into the zeroed per-layer caches; every block free.
@@ -113,7 +120,12 @@ class BlockManager {
       free_list_;  // (tick, block), oldest first; stale entries skipped
   uint64_t tick_ = 0;
   int64_t num_free_ = 0;
-  std::unordered_map<uint64_t, int32_t> cached_;  // chained hash -> block
+  // The prefix cache, chained hash -> block, as open addressing over block ids (linear probing;
+  // at most num_blocks entries in at least twice as many slots): it allocates nothing once the
+  // manager is made, so decode steps that fill blocks allocate nothing.
+  std::vector<int32_t> cache_slots_;  // -1: empty, else a block whose `hash` is the key
+  int64_t num_cached_ = 0;
+  std::vector<int32_t> block_tokens_;  // (num_blocks, P): the tokens of each hashed block
   std::unordered_map<SeqId, Seq> seqs_;
 };
 

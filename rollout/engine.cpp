@@ -48,6 +48,29 @@ Tensor device_tensor(const std::vector<T>& v, DType dtype, Device device) {
   return device.is_cpu() ? t : t.to(device);
 }
 
+// A host array as a tensor on `device` without allocating in the steady state: the host memory
+// itself on the CPU; elsewhere a copy in `staging`, sized to the array's capacity (reserved once
+// for the largest batch the options allow) and grown only when the array outgrew it.
+template <class T>
+Tensor staged(const std::vector<T>& host, DType dtype, Device device, Tensor& staging) {
+  const int64_t n = static_cast<int64_t>(host.size());
+  const Tensor src = Tensor::wrap(const_cast<T*>(host.data()), {n}, dtype);
+  if (device.is_cpu()) return src;
+  if (!staging.defined() || staging.numel() < n)
+    staging =
+        Tensor::empty({static_cast<int64_t>(std::max<size_t>(host.capacity(), 1))}, dtype, device);
+  Tensor t = staging.narrow(0, n);
+  if (n > 0) t.copy_from(src);
+  return t;
+}
+
+// The first `rows` rows of a (rows, cols) scratch tensor that grows only when a step has more
+// rows than any before.
+Tensor grown_rows(Tensor& buf, int64_t rows, int64_t cols, DType dtype, Device device) {
+  if (!buf.defined() || buf.size(0) < rows) buf = Tensor::empty({rows, cols}, dtype, device);
+  return buf.narrow(0, rows);
+}
+
 bool same_shapes(const model::ModelConfig& a, const model::ModelConfig& b) {
   return a.arch == b.arch && a.vocab_size == b.vocab_size && a.hidden_size == b.hidden_size &&
          a.intermediate_size == b.intermediate_size && a.num_layers == b.num_layers &&
@@ -106,6 +129,7 @@ struct Engine::Impl {
                  "engine: max_context must be in [1, {}] (the model's positions), got {}",
                  positions, o.max_context);
     decoder = make_decoder(w);
+    reserve_scratch();
   }
 
   void reserve_memory() {
@@ -114,7 +138,7 @@ struct Engine::Impl {
   }
 
   std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const {
-    // The weights stay as they are until the next set_weights, which makes a new decoder.
+    // The weights stay as they are until the next set_weights, which refreshes the decoder.
     return std::make_unique<model::Decoder>(
         w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens, .pack_weights = true});
   }
@@ -194,9 +218,16 @@ struct Engine::Impl {
     for (int i = 0; i < r.params.n; ++i) g->out.samples[static_cast<size_t>(i)].index = i;
     g->unfinished = r.params.n;
     g->request = std::move(r);
+    // Every token vector holds its longest length from the start: appending allocates nothing.
+    const int max_tokens = g->request.params.max_tokens;
+    for (SampleOutput& out : g->out.samples) {
+      out.tokens.reserve(static_cast<size_t>(max_tokens));
+      if (g->request.params.logprobs) out.logprobs.reserve(static_cast<size_t>(max_tokens));
+    }
     auto s = std::make_unique<Sample>();
     s->group = g.get();
     s->seq_id = next_seq++;
+    s->tokens.reserve(g->request.prompt.size() + static_cast<size_t>(max_tokens));
     s->tokens = g->request.prompt;
     s->group_prefill = true;
     waiting.push_back(s.get());
@@ -275,27 +306,180 @@ struct Engine::Impl {
     int64_t begin, count;
   };
 
-  model::KvCacheView view(const std::vector<Item>& items) const {
-    model::KvCacheView kv{bm.k_cache(), bm.v_cache(), {}, {}, {}, {}};
-    std::vector<int32_t> indptr{0}, indices, last_len, slots;
-    const int64_t P = bm.block_size();
-    for (const Item& it : items) {
-      const int64_t len = it.begin + it.count, nb = bm.blocks_for(len);
-      const auto& table = bm.block_table(it.s->seq_id);
-      indices.insert(indices.end(), table.begin(), table.begin() + nb);
-      indptr.push_back(static_cast<int32_t>(indices.size()));
-      last_len.push_back(static_cast<int32_t>(len - (nb - 1) * P));
-      for (int64_t p = it.begin; p < len; ++p) slots.push_back(bm.slot(it.s->seq_id, p));
+  // One decoder call of a step (the decodes, or the prefill chunks): its items and the inputs
+  // built from them. Kept across steps: the vectors are reserved once for the largest call the
+  // options allow (reserve()), so a step refills them without allocating.
+  struct Call {
+    std::vector<Item> items;
+    std::vector<int32_t> tokens, positions, cu_seqlens;  // (T), (T), (B + 1)
+    // The paged cache view of the call (kernels/ops.h's layout): kv_indptr (B + 1), kv_indices,
+    // kv_last_len (B), slot_mapping (T); their device copies when not on the CPU.
+    std::vector<int32_t> indptr, indices, last_len, slots;
+    Tensor indptr_d, indices_d, last_len_d, slots_d;
+    model::KvCacheView kv;
+    Tensor logits;  // (rows, V): the first B rows are this step's
+
+    void reserve(const EngineOptions& o, int64_t blocks_per_seq) {
+      const auto T = static_cast<size_t>(o.max_batch_tokens), B = static_cast<size_t>(o.max_seqs);
+      items.reserve(B);
+      tokens.reserve(T);
+      positions.reserve(T);
+      cu_seqlens.reserve(B + 1);
+      indptr.reserve(B + 1);
+      indices.reserve(B * static_cast<size_t>(blocks_per_seq));
+      last_len.reserve(B);
+      slots.reserve(T);
     }
-    const Device d = weights->device();
-    kv.kv_indptr = device_tensor(indptr, DType::i32, d);
-    kv.kv_indices = device_tensor(indices, DType::i32, d);
-    kv.kv_last_len = device_tensor(last_len, DType::i32, d);
-    kv.slot_mapping = device_tensor(slots, DType::i32, d);
-    return kv;
+    void clear() {
+      items.clear();
+      tokens.clear();
+      positions.clear();
+      cu_seqlens.clear();
+      indptr.clear();
+      indices.clear();
+      last_len.clear();
+      slots.clear();
+    }
+  };
+
+  // One row to sample: a sequence whose tokens are all computed (a group's prompt gives one row
+  // per sample), its logits, and the sample that receives the token (a fork, for a group's
+  // samples after the first).
+  struct Row {
+    Sample* s;
+    int index;      // the sample's index in its request
+    Tensor logits;  // (1, V), a row of a call's logits
+    Sample* target = nullptr;
+  };
+
+  // The per-row settings of ops::sample on the host, with their device copies.
+  struct SamplingRows {
+    std::vector<float> temperature, top_p, min_p;
+    std::vector<int32_t> top_k;
+    std::vector<int64_t> seed, offset;
+    Tensor staging[6];
+
+    void reserve(size_t n) {
+      temperature.reserve(n);
+      top_p.reserve(n);
+      min_p.reserve(n);
+      top_k.reserve(n);
+      seed.reserve(n);
+      offset.reserve(n);
+    }
+    void clear() {
+      temperature.clear();
+      top_p.clear();
+      min_p.clear();
+      top_k.clear();
+      seed.clear();
+      offset.clear();
+    }
+    void push(const SamplingParams& p, uint64_t key, int64_t step) {
+      temperature.push_back(p.temperature);
+      top_k.push_back(p.top_k);
+      top_p.push_back(p.top_p);
+      min_p.push_back(p.min_p);
+      seed.push_back(static_cast<int64_t>(key));
+      offset.push_back(step);
+    }
+    ops::SamplingTensors on(Device d) {
+      return {staged(temperature, DType::f32, d, staging[0]),
+              staged(top_k, DType::i32, d, staging[1]),
+              staged(top_p, DType::f32, d, staging[2]),
+              staged(min_p, DType::f32, d, staging[3]),
+              staged(seed, DType::i64, d, staging[4]),
+              staged(offset, DType::i64, d, staging[5])};
+    }
+  };
+
+  // What step() reuses from one step to the next (STYLE.md: no allocation on the decode path).
+  Call decodes, prefills;
+  std::vector<Row> rows;
+  SamplingRows sampling;
+  Tensor logits, token, logprob;    // (R, V), (R, 1), (R, 1): grown to the most rows seen
+  std::vector<int32_t> host_token;  // (R) (not on the CPU)
+  std::vector<float> host_logprob;  // (R) (not on the CPU)
+
+  void reserve_scratch() {
+    const int64_t blocks_per_seq = bm.blocks_for(opt.max_context);
+    decodes.reserve(opt, blocks_per_seq);
+    prefills.reserve(opt, blocks_per_seq);
+    rows.reserve(static_cast<size_t>(opt.max_seqs));
+    sampling.reserve(static_cast<size_t>(opt.max_seqs));
   }
 
-  void schedule(std::vector<Item>& decodes, std::vector<Item>& prefills) {
+  // Fills call.kv from call.items: each item's blocks after this step's tokens.
+  void build_view(Call& call) {
+    const int64_t P = bm.block_size();
+    call.indptr.push_back(0);
+    for (const Item& it : call.items) {
+      const int64_t len = it.begin + it.count, nb = bm.blocks_for(len);
+      const auto& table = bm.block_table(it.s->seq_id);
+      call.indices.insert(call.indices.end(), table.begin(), table.begin() + nb);
+      call.indptr.push_back(static_cast<int32_t>(call.indices.size()));
+      call.last_len.push_back(static_cast<int32_t>(len - (nb - 1) * P));
+      for (int64_t p = it.begin; p < len; ++p) call.slots.push_back(bm.slot(it.s->seq_id, p));
+    }
+    const Device d = weights->device();
+    call.kv.k_cache = bm.k_cache();  // reuses the vectors' memory
+    call.kv.v_cache = bm.v_cache();
+    call.kv.kv_indptr = staged(call.indptr, DType::i32, d, call.indptr_d);
+    call.kv.kv_indices = staged(call.indices, DType::i32, d, call.indices_d);
+    call.kv.kv_last_len = staged(call.last_len, DType::i32, d, call.last_len_d);
+    call.kv.slot_mapping = staged(call.slots, DType::i32, d, call.slots_d);
+  }
+
+  // The decoder's inputs of a call: one token per decode item, every chunk token of a prefill.
+  void build_inputs(Call& call) {
+    call.cu_seqlens.push_back(0);
+    for (const Item& it : call.items) {
+      for (int64_t p = it.begin; p < it.begin + it.count; ++p) {
+        call.tokens.push_back(it.s->tokens[static_cast<size_t>(p)]);
+        call.positions.push_back(static_cast<int32_t>(p));
+      }
+      call.cu_seqlens.push_back(static_cast<int32_t>(call.tokens.size()));
+    }
+    build_view(call);
+  }
+
+  // After a call: its tokens are computed; every sequence now complete gives its rows.
+  void collect_rows(const Call& call, const Tensor& call_logits) {
+    for (size_t r = 0; r < call.items.size(); ++r) {
+      Sample* s = call.items[r].s;
+      s->num_computed += call.items[r].count;
+      if (opt.prefix_cache) bm.mark_computed(s->seq_id, s->tokens, s->num_computed);
+      if (s->remaining() != 0) continue;
+      const Tensor row = call_logits.narrow(static_cast<int64_t>(r), 1);
+      const int n = s->group_prefill ? s->group->request.params.n : 1;
+      for (int i = 0; i < n; ++i) rows.push_back({s, s->group_prefill ? i : s->index, row});
+    }
+  }
+
+  // The sample that receives row's token: for a group's prompt, sample 0 itself and a new fork
+  // for every other sample.
+  Sample* fork_target(const Row& row) {
+    Sample* s = row.s;
+    if (!s->group_prefill || row.index == 0) return s;
+    Group* g = s->group;
+    auto child = std::make_unique<Sample>();
+    child->group = g;
+    child->index = row.index;
+    child->seq_id = next_seq++;
+    child->tokens.reserve(s->tokens.capacity());
+    child->tokens.assign(s->tokens.begin(), s->tokens.end());
+    child->num_computed = s->num_computed;
+    child->admitted_once = true;
+    bm.fork(s->seq_id, child->seq_id);
+    insert_sorted(running, child.get());
+    Sample* target = child.get();
+    g->samples.push_back(std::move(child));
+    ++stats.forks;
+    return target;
+  }
+
+  // Fills decodes.items and prefills.items for this round.
+  void schedule() {
     int64_t budget = opt.max_batch_tokens, seqs_left = opt.max_seqs;
     const int64_t preemptions_before = stats.preemptions;
     ++round;
@@ -316,7 +500,7 @@ struct Engine::Impl {
       }
       if (preempted_self) break;
       s->round = round;
-      decodes.push_back({s, len - 1, 1});
+      decodes.items.push_back({s, len - 1, 1});
       --budget, --seqs_left;
     }
     // 2. Running prefills (chunks of prompts or of recomputations), oldest first; when blocks
@@ -336,7 +520,7 @@ struct Engine::Impl {
       }
       if (!ok) continue;
       s->round = round;
-      prefills.push_back({s, s->num_computed, chunk});
+      prefills.items.push_back({s, s->num_computed, chunk});
       budget -= chunk, --seqs_left;
     }
     // Sequences were just preempted for want of blocks: admit nobody new this step.
@@ -347,7 +531,9 @@ struct Engine::Impl {
       Sample* s = waiting.front();
       const int64_t w = s->group_prefill ? s->group->request.params.n : 1;
       if (width + w > opt.max_seqs && !running.empty()) break;
-      const int64_t cached = bm.allocate(s->seq_id, s->tokens);
+      const int64_t cached = bm.allocate(s->seq_id, s->tokens,
+                                         static_cast<int64_t>(s->group->request.prompt.size()) +
+                                             s->group->request.params.max_tokens);
       const int64_t chunk = std::min(static_cast<int64_t>(s->tokens.size()) - cached, budget);
       if (!bm.append_slots(s->seq_id, cached + chunk)) {
         bm.free(s->seq_id);
@@ -362,7 +548,7 @@ struct Engine::Impl {
       s->round = round;
       waiting.pop_front();
       insert_sorted(running, s);
-      prefills.push_back({s, cached, chunk});
+      prefills.items.push_back({s, cached, chunk});
       budget -= chunk, --seqs_left;
       width += w;
     }
@@ -371,10 +557,13 @@ struct Engine::Impl {
   void step() {
     if (running.empty() && waiting.empty()) return;
     reserve_memory();
-    std::vector<Item> decodes, prefills;
-    schedule(decodes, prefills);
+    decodes.clear();
+    prefills.clear();
+    rows.clear();
+    sampling.clear();
+    schedule();
     // The oldest sequence always fits alone (submit() checks), so a round always runs something.
-    TANDEM_CHECK(!decodes.empty() || !prefills.empty(),
+    TANDEM_CHECK(!decodes.items.empty() || !prefills.items.empty(),
                  "engine: the scheduler found nothing to run with {} sequences running and {} "
                  "waiting and {} of {} blocks free (a bug in the engine)",
                  running.size(), waiting.size(), bm.num_free_blocks(), bm.num_blocks());
@@ -384,112 +573,58 @@ struct Engine::Impl {
 
     // The decoder: one call for the decodes, one for the prefill chunks.
     Tensor decode_logits, prefill_logits;
-    if (!decodes.empty()) {
-      std::vector<int32_t> tokens, positions;
-      for (const Item& it : decodes) {
-        tokens.push_back(it.s->tokens[static_cast<size_t>(it.begin)]);
-        positions.push_back(static_cast<int32_t>(it.begin));
-      }
-      decode_logits = Tensor::empty({static_cast<int64_t>(decodes.size()), V}, DType::f32, d);
-      decoder->decode(tokens, positions, view(decodes), decode_logits);
-      stats.decode_tokens += static_cast<int64_t>(decodes.size());
+    if (!decodes.items.empty()) {
+      build_inputs(decodes);
+      decode_logits =
+          grown_rows(decodes.logits, static_cast<int64_t>(decodes.items.size()), V, DType::f32, d);
+      decoder->decode(decodes.tokens, decodes.positions, decodes.kv, decode_logits);
+      stats.decode_tokens += static_cast<int64_t>(decodes.items.size());
     }
-    if (!prefills.empty()) {
-      std::vector<int32_t> tokens, positions, cu{0};
-      for (const Item& it : prefills) {
-        for (int64_t p = it.begin; p < it.begin + it.count; ++p) {
-          tokens.push_back(it.s->tokens[static_cast<size_t>(p)]);
-          positions.push_back(static_cast<int32_t>(p));
-        }
-        cu.push_back(static_cast<int32_t>(tokens.size()));
-      }
-      prefill_logits = Tensor::empty({static_cast<int64_t>(prefills.size()), V}, DType::f32, d);
-      decoder->prefill(tokens, positions, cu, view(prefills), prefill_logits);
-      stats.prefill_tokens += static_cast<int64_t>(tokens.size());
+    if (!prefills.items.empty()) {
+      build_inputs(prefills);
+      prefill_logits = grown_rows(prefills.logits, static_cast<int64_t>(prefills.items.size()), V,
+                                  DType::f32, d);
+      decoder->prefill(prefills.tokens, prefills.positions, prefills.cu_seqlens, prefills.kv,
+                       prefill_logits);
+      stats.prefill_tokens += static_cast<int64_t>(prefills.tokens.size());
     }
 
-    // Rows to sample: every sequence whose tokens are now all computed; a group's prompt gives
-    // one row per sample, each with its own seed.
-    struct Row {
-      Sample* s;
-      int index;
-    };
-    std::vector<Row> rows;
-    std::vector<Tensor> row_logits;
-    auto collect = [&](const std::vector<Item>& items, const Tensor& logits) {
-      for (size_t r = 0; r < items.size(); ++r) {
-        Sample* s = items[r].s;
-        s->num_computed += items[r].count;
-        bm.mark_computed(s->seq_id, s->tokens, s->num_computed);
-        if (s->remaining() != 0) continue;
-        const Tensor row = logits.narrow(static_cast<int64_t>(r), 1);
-        const int n = s->group_prefill ? s->group->request.params.n : 1;
-        for (int i = 0; i < n; ++i) {
-          rows.push_back({s, s->group_prefill ? i : s->index});
-          row_logits.push_back(row);
-        }
-      }
-    };
-    collect(decodes, decode_logits);
-    collect(prefills, prefill_logits);
+    // Rows to sample, each with its own seed and offset (the token's index in the completion).
+    collect_rows(decodes, decode_logits);
+    collect_rows(prefills, prefill_logits);
     if (rows.empty()) return;
-
     const int64_t R = static_cast<int64_t>(rows.size());
-    Tensor logits = Tensor::empty({R, V}, DType::f32, d);
-    std::vector<float> temperature, top_p, min_p;
-    std::vector<int32_t> top_k;
-    std::vector<int64_t> seed, offset;
+    const Tensor all_logits = grown_rows(logits, R, V, DType::f32, d);
+    for (int64_t r = 0; r < R; ++r) {
+      const Row& row = rows[static_cast<size_t>(r)];
+      const Request& q = row.s->group->request;
+      all_logits.narrow(r, 1).copy_from(row.logits);
+      sampling.push(
+          q.params, sample_seed(q.params.seed, row.index),
+          row.s->group_prefill ? 0 : static_cast<int64_t>(row.s->tokens.size() - q.prompt.size()));
+    }
+    const Tensor tok = grown_rows(token, R, 1, DType::i32, d).view({R});
+    const Tensor lp = grown_rows(logprob, R, 1, DType::f32, d).view({R});
+    ops::sample(all_logits, sampling.on(d), tok, lp);
+    const int32_t* sampled = tok.data_as<int32_t>();
+    const float* sampled_lp = lp.data_as<float>();
+    if (!d.is_cpu()) {
+      host_token.resize(static_cast<size_t>(R));
+      host_logprob.resize(static_cast<size_t>(R));
+      Tensor::wrap(host_token.data(), {R}, DType::i32).copy_from(tok);
+      Tensor::wrap(host_logprob.data(), {R}, DType::f32).copy_from(lp);
+      sampled = host_token.data();
+      sampled_lp = host_logprob.data();
+    }
+
+    // Fork groups whose prompt is done, then append every token.
+    for (Row& row : rows) row.target = fork_target(row);
+    for (const Row& row : rows) row.s->group_prefill = false;
     for (int64_t r = 0; r < R; ++r) {
       const Row& row = rows[static_cast<size_t>(r)];
       const SamplingParams& p = row.s->group->request.params;
-      logits.narrow(r, 1).copy_from(row_logits[static_cast<size_t>(r)]);
-      temperature.push_back(p.temperature);
-      top_k.push_back(p.top_k);
-      top_p.push_back(p.top_p);
-      min_p.push_back(p.min_p);
-      seed.push_back(static_cast<int64_t>(sample_seed(p.seed, row.index)));
-      offset.push_back(
-          row.s->group_prefill
-              ? 0
-              : static_cast<int64_t>(row.s->tokens.size() - row.s->group->request.prompt.size()));
-    }
-    const ops::SamplingTensors settings{
-        device_tensor(temperature, DType::f32, d), device_tensor(top_k, DType::i32, d),
-        device_tensor(top_p, DType::f32, d),       device_tensor(min_p, DType::f32, d),
-        device_tensor(seed, DType::i64, d),        device_tensor(offset, DType::i64, d)};
-    Tensor token = Tensor::empty({R}, DType::i32, d), logprob = Tensor::empty({R}, DType::f32, d);
-    ops::sample(logits, settings, token, logprob);
-    const Tensor host_token = d.is_cpu() ? token : token.to(Device::cpu());
-    const Tensor host_logprob = d.is_cpu() ? logprob : logprob.to(Device::cpu());
-
-    // Fork groups whose prompt is done, then append every token.
-    std::vector<Sample*> targets;
-    for (const Row& row : rows) {
-      Sample* s = row.s;
-      if (s->group_prefill && row.index > 0) {
-        Group* g = s->group;
-        auto child = std::make_unique<Sample>();
-        child->group = g;
-        child->index = row.index;
-        child->seq_id = next_seq++;
-        child->tokens = s->tokens;
-        child->num_computed = s->num_computed;
-        child->admitted_once = true;
-        bm.fork(s->seq_id, child->seq_id);
-        insert_sorted(running, child.get());
-        targets.push_back(child.get());
-        g->samples.push_back(std::move(child));
-        ++stats.forks;
-      } else {
-        targets.push_back(s);
-      }
-    }
-    for (const Row& row : rows) row.s->group_prefill = false;
-    for (int64_t r = 0; r < R; ++r) {
-      const SamplingParams& p = rows[static_cast<size_t>(r)].s->group->request.params;
-      append_token(targets[static_cast<size_t>(r)], host_token.data_as<int32_t>()[r],
-                   host_logprob.data_as<float>()[r],
-                   top_logprobs(logits.narrow(r, 1), p.top_logprobs, p.temperature));
+      append_token(row.target, sampled[r], sampled_lp[r],
+                   top_logprobs(all_logits.narrow(r, 1), p.top_logprobs, p.temperature));
     }
   }
 
@@ -596,8 +731,9 @@ void Engine::set_weights(const model::Weights& weights, uint64_t version) {
   while (!m.running.empty()) m.preempt(m.running.back());
   m.bm.clear_prefix_cache();
   m.weights = &weights;
-  // A released engine stays released: its next step() makes the decoder.
-  m.decoder = m.bm.memory_reserved() ? m.make_decoder(weights) : nullptr;
+  // The decoder keeps its activation arena and packs the new values into the memory of its
+  // packed copies. A released engine has no decoder: its next step() makes one.
+  if (m.decoder) m.decoder->set_weights(weights);
   m.version = version;
 }
 

@@ -84,6 +84,9 @@ struct EngineOptions {
   int64_t max_seqs = 256;           // sequences per step; also the cap on n and on running samples
   int64_t max_context = 4096;       // prompt + max_tokens, at most the model's positions
   int64_t max_waiting = 65536;      // requests queued; more are refused with an error
+  // Full blocks of computed tokens are kept findable for later prompts that start with the same
+  // tokens; false: every prompt is computed in full (benchmarks of prefill).
+  bool prefix_cache = true;
 };
 
 struct EngineStats {
@@ -129,7 +132,9 @@ class Engine {
 
   // Swaps the weights between steps: running samples are preempted (recomputed under the new
   // weights, keeping the tokens they have), the prefix cache is flushed and the weight version
-  // becomes `version`. The config must match the current weights' shapes.
+  // becomes `version`. The config must match the current weights' shapes. The decoder is kept
+  // and refreshed in place (its packed weight copies repacked into the same memory): nothing is
+  // allocated when nothing is running.
   void set_weights(const model::Weights& weights, uint64_t version);
   uint64_t weight_version() const;
 

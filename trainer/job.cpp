@@ -18,7 +18,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 #include "model/loader.h"
 #include "rewards/factory.h"
 #include "rewards/reward_set.h"
@@ -762,10 +762,9 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   TANDEM_CHECK(fs::exists(job.model.path), "model.path '{}' does not exist ({})", job.model.path,
                job.where("model.path"));
   // Process-wide, so that rollout and training compute alike; restored when the job returns.
-  const ops::cpu::ScopedMatmulPrecision precision(job.placement.cpu_matmul == "bf16"
-                                                      ? ops::cpu::MatmulPrecision::bf16
-                                                      : ops::cpu::MatmulPrecision::f32);
-  if (job.placement.cpu_matmul == "bf16" && !ops::cpu::matmul_has_amx())
+  const ops::ScopedMatmulPrecision precision(
+      job.placement.cpu_matmul == "bf16" ? ops::MatmulPrecision::bf16 : ops::MatmulPrecision::f32);
+  if (job.placement.cpu_matmul == "bf16" && !ops::matmul_has_amx())
     spdlog::warn(
         "placement.cpu_matmul = \"bf16\" without AMX-BF16 on this CPU: the operands are "
         "rounded, then summed by the f32 kernel (slower than f32)");

@@ -375,9 +375,6 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
 
 void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
 bool matmul_has_avx512() { return cpu_has_avx512(); }
-void set_matmul_precision(MatmulPrecision precision) { g_precision = precision; }
-MatmulPrecision matmul_precision() { return g_precision; }
-bool matmul_has_amx() { return detail::amx_usable(); }
 
 void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) {
   if (g_precision == MatmulPrecision::bf16) {
@@ -434,19 +431,28 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
   forward({dyt, false, ld}, {xt, false, ld}, dw.data_as<float>(), N, K, M, accumulate);
 }
 
-PackedWeight::PackedWeight(const Tensor& w) : n_(w.size(0)), k_(w.size(1)) {
+}  // namespace tandem::ops::cpu
+
+namespace tandem::ops {
+
+void set_matmul_precision(MatmulPrecision precision) { cpu::g_precision = precision; }
+MatmulPrecision matmul_precision() { return cpu::g_precision; }
+bool matmul_has_amx() { return cpu::detail::amx_usable(); }
+bool matmul_packs_weights() { return cpu::g_precision == MatmulPrecision::bf16 && cpu::use_amx(); }
+
+void PackedWeight::pack(const Tensor& w) {
   TANDEM_CHECK(matmul_packs_weights(),
                "PackedWeight needs the bf16 matmul precision on a CPU with AMX-BF16");
   TANDEM_CHECK(
       w.device().is_cpu() && w.ndim() == 2 && (w.dtype() == DType::f32 || w.dtype() == DType::bf16),
       "PackedWeight: w must be a 2-d f32 or bf16 CPU tensor, got {} {}", w.shape(),
       dtype_name(w.dtype()));
-  kp_ = round_up(std::max<int64_t>(k_, 1), detail::kAmxK);
-  data_ = grow(storage_, round_up(n_, 32) * kp_) - storage_.data();
-  pack_second({rows_of(w), false}, k_, n_, k_, kp_, storage_.data() + data_);
+  n_ = w.size(0);
+  k_ = w.size(1);
+  kp_ = cpu::round_up(std::max<int64_t>(k_, 1), cpu::detail::kAmxK);
+  data_ = cpu::grow(storage_, cpu::round_up(n_, 32) * kp_) - storage_.data();
+  cpu::pack_second({cpu::rows_of(w), false}, k_, n_, k_, kp_, storage_.data() + data_);
 }
-
-bool matmul_packs_weights() { return g_precision == MatmulPrecision::bf16 && use_amx(); }
 
 void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate) {
   TANDEM_CHECK(!w.empty() && matmul_packs_weights(),
@@ -457,8 +463,8 @@ void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumu
                "matmul: x {} {} against a packed w ({}, {}) into y {} {}", x.shape(),
                dtype_name(x.dtype()), w.rows(), w.cols(), y.shape(), dtype_name(y.dtype()));
   const int64_t M = x.size(0), N = w.rows(), K = w.cols();
-  amx_product({rows_of(x), K}, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K, w.kp_,
-              accumulate);
+  cpu::amx_product({cpu::rows_of(x), K}, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K,
+                   w.kp_, accumulate);
 }
 
-}  // namespace tandem::ops::cpu
+}  // namespace tandem::ops

@@ -7,6 +7,7 @@
 
 #include "core/half.h"
 #include "core/tensor.h"
+#include "kernels/ops.h"
 
 namespace tandem::ops::cpu {
 
@@ -21,58 +22,8 @@ enum class MatmulKernel { automatic, portable };
 void set_matmul_kernel(MatmulKernel kernel);
 // Whether this CPU runs the AVX-512 kernel when the choice is `automatic`.
 bool matmul_has_avx512();
-
-// The arithmetic of every CPU matmul product, process-wide (set it before any work: rollout and
-// training must use the same one for their logprobs to agree).
-// - f32 (the default): operands as they are, the dot-product kernel of detail::kChunk.
-// - bf16: both operands rounded to bf16 (round to nearest even, denormal inputs to zero), their
-//   products summed in f32: the mixed precision of the CUDA matmuls. On a CPU with AMX-BF16 the
-//   sums run in AMX tiles (32 K values per tile step, in the hardware's own order, which is not
-//   a sequence of f32 adds); elsewhere, and with MatmulKernel::portable, in the f32 kernel on
-//   the rounded operands. So bits differ between the two, while each is deterministic,
-//   batch-invariant and independent of the thread count.
-enum class MatmulPrecision { f32, bf16 };
-void set_matmul_precision(MatmulPrecision precision);
-MatmulPrecision matmul_precision();
-// Sets the precision for a scope and puts the previous one back.
-class ScopedMatmulPrecision {
- public:
-  explicit ScopedMatmulPrecision(MatmulPrecision p) : before_(matmul_precision()) {
-    set_matmul_precision(p);
-  }
-  ~ScopedMatmulPrecision() { set_matmul_precision(before_); }
-  ScopedMatmulPrecision(const ScopedMatmulPrecision&) = delete;
-  ScopedMatmulPrecision& operator=(const ScopedMatmulPrecision&) = delete;
-
- private:
-  MatmulPrecision before_;
-};
-// Whether bf16 products run on AMX here (the CPU has it and the kernel granted the tile state).
-bool matmul_has_amx();
-// Whether matmuls run on AMX now (the bf16 precision, the automatic kernel, AMX here): then a
-// weight can be packed once (PackedWeight) instead of on every call.
-bool matmul_packs_weights();
-
-// w (N, K) rounded and laid out in AMX tiles once: what every bf16 matmul against w builds
-// anew. matmul(x, packed, y) gives bitwise matmul(x, w, y) while w keeps the values it had
-// when packed; the owner packs again when they change. Needs matmul_packs_weights().
-class PackedWeight {
- public:
-  PackedWeight() = default;
-  explicit PackedWeight(const Tensor& w);
-  bool empty() const { return storage_.empty(); }
-  int64_t rows() const { return n_; }
-  int64_t cols() const { return k_; }
-  size_t nbytes() const { return storage_.size() * sizeof(uint16_t); }
-
- private:
-  friend void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate);
-  int64_t n_ = 0, k_ = 0, kp_ = 0;
-  std::vector<uint16_t> storage_;
-  int64_t data_ = 0;  // the 64-byte aligned start in storage_ (an offset: moves keep it valid)
-};
-// y (M, N) [+]= x (M, K) · w^T from a packed w. x: f32 or bf16; y: f32; all on the CPU.
-void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate);
+// The process-wide precision (set_matmul_precision) and PackedWeight are declared in
+// kernels/ops.h and implemented in matmul.cpp.
 
 namespace detail {
 

@@ -23,13 +23,13 @@ namespace {
 
 // The bf16 precision (and optionally the portable kernel) for one scope.
 struct Bf16Scope {
-  explicit Bf16Scope(bool portable = false) : precision(cpu::MatmulPrecision::bf16) {
+  explicit Bf16Scope(bool portable = false) : precision(ops::MatmulPrecision::bf16) {
     if (portable) cpu::set_matmul_kernel(cpu::MatmulKernel::portable);
   }
   ~Bf16Scope() { cpu::set_matmul_kernel(cpu::MatmulKernel::automatic); }
   Bf16Scope(const Bf16Scope&) = delete;
   Bf16Scope& operator=(const Bf16Scope&) = delete;
-  cpu::ScopedMatmulPrecision precision;
+  ops::ScopedMatmulPrecision precision;
 };
 
 double rounded(double v) {
@@ -145,7 +145,7 @@ TEST_CASE("bf16 matmuls match f64 products of the rounded operands", "[unit]") {
 TEST_CASE("bf16 matmul rows are bitwise the same alone and inside batches of any size", "[unit]") {
   for (const bool portable : {false, true}) {
     Bf16Scope scope(portable);
-    INFO("portable=" << portable << " amx=" << cpu::matmul_has_amx());
+    INFO("portable=" << portable << " amx=" << ops::matmul_has_amx());
     const int64_t N = 70, K = 200;
     const Tensor x = random_tensor({50, K}, DType::f32, 31);
     const Tensor w = random_tensor({N, K}, DType::bf16, 32);
@@ -249,9 +249,9 @@ TEST_CASE("AMX packing rounds as the scalar bf16 rounding and lays out tiles", "
 
 TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[unit]") {
   Bf16Scope scope;
-  if (!cpu::matmul_packs_weights()) {
+  if (!ops::matmul_packs_weights()) {
     WARN("no AMX-BF16 here: weights are not packed");
-    CHECK_THROWS_WITH(cpu::PackedWeight(random_tensor({4, 4}, DType::f32, 1)),
+    CHECK_THROWS_WITH(ops::PackedWeight(random_tensor({4, 4}, DType::f32, 1)),
                       Catch::Contains("AMX"));
     return;
   }
@@ -260,14 +260,14 @@ TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[
       INFO("M=" << d.M << " N=" << d.N << " K=" << d.K << " " << dtype_name(wt));
       const Tensor x = random_tensor({d.M, d.K}, DType::f32, 51);
       const Tensor w = random_tensor({d.N, d.K}, wt, 52);
-      const cpu::PackedWeight packed(w);
+      const ops::PackedWeight packed(w);
       CHECK(packed.rows() == d.N);
       CHECK(packed.cols() == d.K);
       for (const bool acc : {false, true}) {
         Tensor want = random_tensor({d.M, d.N}, DType::f32, 53);
         Tensor got = want.to(Device::cpu());
         ops::matmul(x, w, want, acc);
-        cpu::matmul(x, packed, got, acc);
+        ops::matmul(x, packed, got, acc);
         CHECK(bitwise_equal(want, got));
       }
     }
@@ -275,14 +275,23 @@ TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[
   // Moved, the packed copy stays valid; with the f32 precision it is refused.
   const Tensor x = random_tensor({3, 40}, DType::f32, 61);
   const Tensor w = random_tensor({20, 40}, DType::f32, 62);
-  cpu::PackedWeight a(w);
-  const cpu::PackedWeight b = std::move(a);
+  ops::PackedWeight a(w);
+  const ops::PackedWeight b = std::move(a);
   Tensor want = Tensor::empty({3, 20}, DType::f32), got = Tensor::empty({3, 20}, DType::f32);
   ops::matmul(x, w, want);
-  cpu::matmul(x, b, got, false);
+  ops::matmul(x, b, got, false);
   CHECK(bitwise_equal(want, got));
-  CHECK_THROWS_WITH(cpu::matmul(random_tensor({3, 41}, DType::f32, 63), b, got, false),
+  CHECK_THROWS_WITH(ops::matmul(random_tensor({3, 41}, DType::f32, 63), b, got, false),
                     Catch::Contains("packed w (20, 40)"));
-  cpu::set_matmul_precision(cpu::MatmulPrecision::f32);
-  CHECK_THROWS_WITH(cpu::matmul(x, b, got, false), Catch::Contains("bf16 precision"));
+  // Packed again with new values of the same shape: the same memory, the new values' product.
+  ops::PackedWeight c(w);
+  const void* before = c.data();
+  const Tensor w2 = random_tensor({20, 40}, DType::f32, 64);
+  c.pack(w2);
+  CHECK(c.data() == before);
+  ops::matmul(x, w2, want);
+  ops::matmul(x, c, got, false);
+  CHECK(bitwise_equal(want, got));
+  ops::set_matmul_precision(ops::MatmulPrecision::f32);
+  CHECK_THROWS_WITH(ops::matmul(x, b, got, false), Catch::Contains("bf16 precision"));
 }

@@ -1,7 +1,8 @@
 // Golden parity with Hugging Face transformers (files written by tests/golden/regenerate):
 // tiny random Llama, Llama-3 (rope scaling), Qwen2 and Qwen3 models — logits, logprobs,
 // entropies of a packed batch and the gradient of the mean logprob w.r.t. every parameter — and
-// SmolLM2-135M-Instruct from its Q4_1 GGUF: prompt tokens, logits, logprobs and 32 greedy tokens.
+// SmolLM2-135M-Instruct from its Q4_1 GGUF: prompt tokens, logits, logprobs and 32 greedy tokens
+// (through the rollout engine).
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -11,10 +12,10 @@
 #include <fstream>
 
 #include "model/decoder.h"
-#include "model/generator.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "model/safetensors.h"
+#include "rollout/engine.h"
 
 using namespace tandem;
 using namespace tandem::model;
@@ -121,7 +122,12 @@ TEST_CASE("HF golden SmolLM2 GGUF tokens logits and greedy decoding", "[interop]
   SafetensorsFile g((kGolden / "smollm2-gguf" / "golden.safetensors").string());
   const int64_t V = m.config().vocab_size;
   Decoder dec(*m.weights);
-  Generator gen(*m.weights, 128);
+  rollout::EngineOptions eo;  // one sequence of up to 128 tokens
+  eo.max_context = 128;
+  eo.num_blocks = eo.max_context / eo.block_size;
+  eo.max_batch_tokens = eo.max_context;
+  eo.max_seqs = 1;
+  rollout::Engine engine(*m.weights, eo);
   for (size_t i = 0; i < prompts["prompts"].size(); ++i) {
     INFO("prompt " << i);
     const auto& p = prompts["prompts"][i];
@@ -153,12 +159,16 @@ TEST_CASE("HF golden SmolLM2 GGUF tokens logits and greedy decoding", "[interop]
     Err e_lp;
     for (int64_t r = 0; r < n - 1; ++r) add(e_lp, lp.data_as<float>()[r], want_lp[r]);
 
-    GenerateOptions opt;
-    opt.max_tokens = 32;
-    const GenerateResult r = gen.generate(want_ids, opt);
+    // 32 greedy tokens through the rollout engine (no stop ids: always 32).
+    rollout::Request request{key, want_ids, {}};
+    request.params.temperature = 0.0f;
+    request.params.max_tokens = 32;
+    const std::vector<rollout::RequestOutput> out = engine.generate({request});
+    REQUIRE(out.size() == 1);
+    REQUIRE(out[0].samples.size() == 1);
     WARN(key << ": rel err logits " << e_logits.rel() << ", prompt logprobs " << e_lp.rel());
     CHECK(e_logits.rel() <= 1e-3);
     CHECK(e_lp.rel() <= 1e-3);
-    CHECK(r.tokens == ints(g.view(key + ".greedy")));
+    CHECK(out[0].samples[0].tokens == ints(g.view(key + ".greedy")));
   }
 }

@@ -1,7 +1,9 @@
 // Tests of rollout/block_manager: allocation and free accounting, fork with copy-on-write of a
-// shared partial block, and the prefix cache of full blocks.
+// shared partial block, and the prefix cache of full blocks (also under random churn).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <random>
 #include <vector>
 
 #include "core/error.h"
@@ -139,6 +141,50 @@ TEST_CASE("block manager prefix cache reuses computed full blocks of a shared pr
   CHECK(bm.allocate(9, a) == 0);
   bm.free(9);
   CHECK(bm.num_free_blocks() == 10);
+}
+
+TEST_CASE("block manager prefix cache hits hold the tokens they claim under random churn",
+          "[unit]") {
+  // Blocks of 2 tokens over a 3-token vocabulary: prompts share prefixes often and the few blocks
+  // are cached, evicted and reused all the time, so the cache's table keeps inserting and erasing
+  // entries in crowded probe runs. Each computed slot's K holds its token; every hit must too.
+  const int64_t P = 2, N = 48, slot_floats = 1 * 8;  // Hkv * D
+  BlockManager bm(tiny_config(), P, N);
+  std::mt19937 rng(7);
+  std::vector<BlockManager::SeqId> live;
+  int64_t hits = 0, max_cached = 0;
+  for (BlockManager::SeqId id = 1; id <= 3000; ++id) {
+    if (!live.empty() && (rng() % 3 == 0 || bm.num_free_blocks() < 8)) {
+      const size_t i = rng() % live.size();
+      bm.free(live[i]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    std::vector<int32_t> tokens(2 + rng() % 9);
+    for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 3);
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t cached = bm.allocate(id, tokens);
+    float* k = bm.k_cache()[0].data_as<float>();
+    for (int64_t p = 0; p < cached; ++p)
+      REQUIRE(k[bm.slot(id, p) * slot_floats] ==
+              static_cast<float>(tokens[static_cast<size_t>(p)]));
+    hits += cached;
+    if (!bm.append_slots(id, n)) {
+      bm.free(id);
+      continue;
+    }
+    for (int64_t p = cached; p < n; ++p)
+      k[bm.slot(id, p) * slot_floats] = static_cast<float>(tokens[static_cast<size_t>(p)]);
+    bm.mark_computed(id, tokens, n);
+    live.push_back(id);
+    max_cached = std::max(max_cached, bm.num_cached_blocks());
+  }
+  CHECK(hits > 1000);
+  CHECK(max_cached > N / 2);
+  CHECK(max_cached <= N);
+  for (BlockManager::SeqId id : live) bm.free(id);
+  CHECK(bm.num_free_blocks() == N);
+  bm.clear_prefix_cache();
+  CHECK(bm.num_cached_blocks() == 0);
 }
 
 TEST_CASE("block manager releases its KV arena and takes it back zeroed with every block free",

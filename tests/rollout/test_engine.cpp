@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -159,12 +159,12 @@ TEST_CASE("engine logprobs equal the training forward's logprobs bitwise for a r
           "[unit]") {
   // Also with the bf16 matmul precision (AMX where the CPU has it): decode's few rows and the
   // packed forward's many still get the same bits.
-  for (const auto precision : {ops::cpu::MatmulPrecision::f32, ops::cpu::MatmulPrecision::bf16})
+  for (const auto precision : {ops::MatmulPrecision::f32, ops::MatmulPrecision::bf16})
     for (bool qwen3 : {false, true}) {
-      const ops::cpu::ScopedMatmulPrecision scope(precision);
+      const ops::ScopedMatmulPrecision scope(precision);
       const DType dtype = qwen3 ? DType::bf16 : DType::f32;
       INFO((qwen3 ? "qwen3 bf16" : "llama f32")
-           << " bf16 matmuls: " << (precision == ops::cpu::MatmulPrecision::bf16));
+           << " bf16 matmuls: " << (precision == ops::MatmulPrecision::bf16));
       const model::ModelConfig c = tiny_config(qwen3);
       model::Weights w(c, dtype);
       fill_random(w, qwen3 ? 900 : 800);
@@ -277,6 +277,25 @@ TEST_CASE("engine prefix cache serves a shared prompt prefix with unchanged outp
   CHECK(again.num_cached_prompt_tokens == 12);  // all full blocks but the last token's
   check_same_samples(again, o2);
   CHECK(cached.blocks().num_free_blocks() == small_options().num_blocks);
+}
+
+TEST_CASE("engine without a prefix cache computes every prompt in full with unchanged outputs",
+          "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  model::Weights w(c, DType::f32);
+  fill_random(w, 804);
+  const Request r = make_request("r", random_prompt(13, c.vocab_size, 24), 2, 7, 6);
+  EngineOptions o = small_options();
+  o.prefix_cache = false;
+  Engine uncached(w, o);
+  const RequestOutput first = uncached.generate({r})[0];
+  const RequestOutput again = uncached.generate({r})[0];
+  CHECK(again.num_cached_prompt_tokens == 0);
+  CHECK(uncached.stats().prefill_tokens == 2 * 13);
+  CHECK(uncached.blocks().num_cached_blocks() == 0);
+  check_same_samples(again, first);
+  Engine cached(w, small_options());
+  check_same_samples(first, cached.generate({r})[0]);
 }
 
 TEST_CASE("engine stop strings across token boundaries and stop ids cut the completion", "[unit]") {

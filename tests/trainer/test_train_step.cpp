@@ -6,7 +6,7 @@
 #include <cmath>
 #include <deque>
 
-#include "kernels/cpu/matmul.h"
+#include "kernels/ops.h"
 #include "rollout/engine.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
@@ -79,9 +79,9 @@ float small_ids(const std::vector<int32_t>& t) {
 TEST_CASE("train step at step 0 has ratio 1 and KL 0 with the rollout's logprobs", "[unit]") {
   // In both CPU matmul precisions: bf16 rounds the operands (AMX where the CPU has it), and
   // the engine's decode and the trainer's packed forward still compute alike.
-  for (const auto precision : {ops::cpu::MatmulPrecision::f32, ops::cpu::MatmulPrecision::bf16}) {
-    INFO("bf16 matmuls: " << (precision == ops::cpu::MatmulPrecision::bf16));
-    const ops::cpu::ScopedMatmulPrecision scope(precision);
+  for (const auto precision : {ops::MatmulPrecision::f32, ops::MatmulPrecision::bf16}) {
+    INFO("bf16 matmuls: " << (precision == ops::MatmulPrecision::bf16));
+    const ops::ScopedMatmulPrecision scope(precision);
     const model::ModelConfig cfg = test::tiny_model_config(test::TinyKind::qwen3);
     model::Weights policy(cfg, DType::f32), ref(cfg, DType::f32);
     test::fill_random_weights(policy, 3);
