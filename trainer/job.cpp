@@ -63,9 +63,12 @@ Dataset make_data(const JobConfig& job) {
   }
   DataOptions o;
   o.path = d.path;
+  o.eval_path = d.eval_path;
   o.prompt_field = d.prompt_field;
   if (!d.messages_field.empty()) o.messages_field = d.messages_field;
   o.answer_field = d.answer_field;
+  o.require_answer = d.require_answer;
+  o.id_field = d.id_field;
   o.extra_fields = d.extra_fields;
   o.eval_fraction = job.eval.split_fraction;
   o.seed = static_cast<uint64_t>(d.seed);
@@ -380,7 +383,7 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
       policy_(*m_.weights),
       data_(make_data(job)),
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
-      stream_(data_.train, static_cast<uint64_t>(job.data.seed), true),
+      stream_(data_.train, static_cast<uint64_t>(job.data.seed), job.data.shuffle),
       rewards_(make_rewards(job)),
       adamw_(policy_, job.trainer.optimizer),
       schedule_(schedule_config(job)),

@@ -185,12 +185,18 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "synthetic: prompts generated (train and eval)."))
       .range(2, 1e9);
   add(bind<J>("data.path", TANDEM_MEMBER(data.path), "jsonl: the dataset file."));
+  add(bind<J>("data.eval_path", TANDEM_MEMBER(data.eval_path),
+              "jsonl: a separate held-out file; when set, eval.split_fraction is not used."));
   add(bind<J>("data.prompt_field", TANDEM_MEMBER(data.prompt_field),
               "jsonl: the field holding the prompt text."));
   add(bind<J>("data.messages_field", TANDEM_MEMBER(data.messages_field),
               "jsonl: a field of chat messages used instead of prompt_field (\"\": none)."));
   add(bind<J>("data.answer_field", TANDEM_MEMBER(data.answer_field),
               "jsonl: the reference answer given to the rewards."));
+  add(bind<J>("data.require_answer", TANDEM_MEMBER(data.require_answer),
+              "jsonl: a line without the answer field is an error (false: the answer is \"\")."));
+  add(bind<J>("data.id_field", TANDEM_MEMBER(data.id_field),
+              "jsonl: the optional example id; without one the id is <file name>:<line>."));
   add(bind<J>("data.extra_fields", TANDEM_MEMBER(data.extra_fields),
               "jsonl: more fields passed to the rewards."));
   add(bind<J>("data.system_prompt", TANDEM_MEMBER(data.system_prompt),
@@ -201,6 +207,8 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("data.seed", TANDEM_MEMBER(data.seed),
               "Seed of generation, shuffling and the split."))
       .range(0, std::nullopt);
+  add(bind<J>("data.shuffle", TANDEM_MEMBER(data.shuffle),
+              "Visit the training prompts in a new order every epoch (false: file order)."));
   // rollout
   add(bind<J>("rollout.prompts_per_step", TANDEM_MEMBER(rollout.prompts_per_step),
               "B: prompts per GRPO step."))

@@ -30,13 +30,17 @@ struct DataSection {
   int64_t difficulty = 1;            // synthetic arithmetic: 1 (one-digit) .. 5
   int64_t synthetic_size = 4096;     // synthetic: prompts generated
   std::string path;                  // jsonl: the dataset file
+  std::string eval_path;             // jsonl: a separate held-out file (split_fraction unused)
   std::string prompt_field = "prompt";
   std::string messages_field;  // jsonl: chat messages field (instead of prompt_field)
   std::string answer_field = "answer";
+  bool require_answer = true;             // jsonl: a line without the answer is an error
+  std::string id_field = "id";            // jsonl: optional example id
   std::vector<std::string> extra_fields;  // passed to the rewards
   std::string system_prompt;
   int64_t max_prompt_tokens = 512;
-  int64_t seed = 0;  // shuffling and the eval split
+  int64_t seed = 0;     // shuffling and the eval split
+  bool shuffle = true;  // a new order every epoch (false: file order)
 };
 
 struct RolloutSection {
