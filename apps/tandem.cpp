@@ -4,6 +4,7 @@
 
 #include <cstdio>
 
+#include "apps/launch.h"
 #include "apps/model_commands.h"
 #include "apps/train_command.h"
 #include "bench/bench.h"
@@ -34,9 +35,11 @@ int main(int argc, char** argv) {
   std::string bench_what, bench_device = "cpu";
   CLI::App* bench = app.add_subcommand("bench", "measure tandem (and peers side by side)");
   std::string bench_model;
-  bench->add_option("what", bench_what, "what to measure: kernels, generate, rollout, train, step")
+  bench
+      ->add_option("what", bench_what,
+                   "what to measure: kernels, generate, rollout, train, step, comm")
       ->required()
-      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step"}));
+      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm"}));
   bench->add_option("--model", bench_model,
                     "generate, rollout, train, step: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
 
   tandem::apps::add_model_commands(app);
   tandem::apps::add_train_command(app);
+  tandem::apps::add_launch_command(app);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -62,6 +66,7 @@ int main(int argc, char** argv) {
     }
     if (const int rc = tandem::apps::run_model_commands(); rc >= 0) return rc;
     if (const int rc = tandem::apps::run_train_command(); rc >= 0) return rc;
+    if (const int rc = tandem::apps::run_launch_command(); rc >= 0) return rc;
     if (bench->parsed()) {
       if (bench_device.rfind("cuda", 0) == 0) {
         const int index = bench_device.size() > 5 ? std::stoi(bench_device.substr(5)) : 0;
@@ -73,6 +78,7 @@ int main(int argc, char** argv) {
           bench_opt.cpu_matmul == "bf16" && (bench_what == "generate" || bench_what == "rollout");
       const tandem::ops::cpu::ScopedMatmulPrecision precision(
           bf16 ? tandem::ops::cpu::MatmulPrecision::bf16 : tandem::ops::cpu::MatmulPrecision::f32);
+      if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);

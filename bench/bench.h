@@ -104,6 +104,10 @@ int run_train_bench(const Options& opt, const std::string& model_path);
 // GRPOTrainer on the same model, prompts and lengths.
 int run_step_bench(const Options& opt, const std::string& model_path);
 
+// `tandem bench comm`: all-reduce and all-gather bandwidth over Gloo on loopback (2 ranks),
+// beside memcpy of the same bytes; returns the exit code.
+int run_comm_bench(const Options& opt);
+
 // The model shapes the kernel benchmarks use.
 struct ModelShape {
   const char* name;

@@ -1,0 +1,139 @@
+// `tandem bench comm`: all-reduce and all-gather bandwidth over Gloo on loopback between 2 ranks
+// (threads of this process, each with its own communicator and sockets), beside memcpy of the
+// same bytes as the limit.
+#include <fmt/format.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "bench/bench.h"
+#include "core/comm.h"
+#include "core/error.h"
+
+namespace tandem::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  TANDEM_CHECK(ok, "bench comm: no free loopback port");
+  return ntohs(a.sin_port);
+}
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+// Seconds of one memcpy of `bytes` (median), the limit a loopback transfer of them meets.
+double memcpy_seconds(size_t bytes, int reps) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  std::vector<double> t;
+  std::memcpy(dst.data(), src.data(), bytes);
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    std::memcpy(dst.data(), src.data(), bytes);
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(t);
+}
+
+}  // namespace
+
+int run_comm_bench(const Options& opt) {
+  constexpr int kRanks = 2;
+  std::vector<size_t> sizes_mib =
+      opt.quick ? std::vector<size_t>{1, 4} : std::vector<size_t>{1, 4, 16, 64, 256};
+  const int port = free_port();
+  std::vector<std::unique_ptr<Communicator>> comms(kRanks);
+  {
+    std::vector<std::thread> starters;
+    std::vector<std::string> errors(kRanks);
+    for (int r = 0; r < kRanks; ++r)
+      starters.emplace_back([&, r] {
+        try {
+          rendezvous::RankInfo info;
+          info.rank = r;
+          info.world_size = kRanks;
+          info.master_addr = "127.0.0.1";
+          info.master_port = port;
+          CommOptions o;
+          o.timeout_s = 120;
+          comms[static_cast<size_t>(r)] = Communicator::create(info, o);
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    for (auto& t : starters) t.join();
+    for (const auto& e : errors) TANDEM_CHECK(e.empty(), "bench comm: {}", e);
+  }
+
+  int emitted = 0;
+  for (const char* op : {"all_reduce", "all_gather"}) {
+    for (size_t mib : sizes_mib) {
+      const size_t bytes = mib << 20;  // all_reduce: the tensor; all_gather: the output
+      const std::string case_name = fmt::format("f32 {} MiB {} ranks gloo loopback", mib, kRanks);
+      if (!Runner(opt, {}).wants(op, case_name)) continue;
+      const int reps = opt.quick ? 3 : std::clamp(static_cast<int>(2048 / mib), 5, 30);
+      std::vector<std::vector<double>> seconds(kRanks);
+      std::vector<std::string> errors(kRanks);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < kRanks; ++r)
+        threads.emplace_back([&, r] {
+          try {
+            Communicator& c = *comms[static_cast<size_t>(r)];
+            const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
+            Tensor full = Tensor::zeros({n}, DType::f32);
+            Tensor part = full.narrow(r * (n / kRanks), n / kRanks);
+            auto once = [&] {
+              if (std::string_view(op) == "all_reduce")
+                c.all_reduce(full);
+              else
+                c.all_gather(part, full);  // in place: part is this rank's piece of full
+            };
+            once();
+            for (int i = 0; i < reps; ++i) {
+              c.barrier();
+              const auto t0 = Clock::now();
+              once();
+              seconds[static_cast<size_t>(r)].push_back(
+                  std::chrono::duration<double>(Clock::now() - t0).count());
+            }
+          } catch (const Error& e) {
+            errors[static_cast<size_t>(r)] = e.what();
+          }
+        });
+      for (auto& t : threads) t.join();
+      for (const auto& e : errors) TANDEM_CHECK(e.empty(), "bench comm: {}", e);
+      // nccl-tests' bus bandwidth: the bytes each rank must move, whatever the algorithm.
+      const double bus_factor = std::string_view(op) == "all_reduce"
+                                    ? 2.0 * (kRanks - 1) / kRanks
+                                    : static_cast<double>(kRanks - 1) / kRanks;
+      const double t = median(seconds[0]);
+      Ceilings limit;
+      limit.gbytes = static_cast<double>(bytes) / memcpy_seconds(bytes, reps) / 1e9;
+      limit.gbytes_source = "memcpy of the same bytes";
+      Runner runner(opt, limit);
+      runner.emit(Measurement{"comm", op, case_name, t, 0, bus_factor * static_cast<double>(bytes),
+                              std::nullopt, 0});
+      ++emitted;
+    }
+  }
+  return emitted > 0 ? 0 : 1;
+}
+
+}  // namespace tandem::bench

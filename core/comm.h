@@ -1,0 +1,114 @@
+// Communicator: the collectives and point-to-point transfers of a group of ranks on tensors, over
+// Gloo (CPU tensors, TCP) and NCCL (CUDA tensors), every call bounded by distributed.timeout_s.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/rendezvous.h"
+#include "core/tensor.h"
+
+namespace tandem {
+
+enum class ReduceOp { sum, max };
+const char* reduce_op_name(ReduceOp op);
+
+struct CommOptions {
+  // Bound of every collective, of the rendezvous and of the store: a dead or stuck peer becomes a
+  // tandem::Error after this long instead of a hang (distributed.timeout_s).
+  double timeout_s = 300;
+  std::string store = "tcp";  // "tcp" or "file:/shared/dir" (distributed.store)
+  std::string master;         // "HOST:PORT" of the coordinator, over the launcher's variables
+  // CUDA: an NCCL communicator on this device carries the CUDA tensors (CPU ones still go over
+  // Gloo). Needs a build with NCCL.
+  Device device = Device::cpu();
+};
+
+// One transfer of a grouped send_recv: `tensor` goes to, or is filled from, group rank `peer`.
+struct P2POp {
+  enum class Kind { send, recv } kind;
+  int peer;
+  Tensor tensor;
+};
+inline P2POp send_to(int peer, const Tensor& t) { return {P2POp::Kind::send, peer, t}; }
+inline P2POp recv_from(int peer, const Tensor& t) { return {P2POp::Kind::recv, peer, t}; }
+
+namespace comm_detail {
+class Backend;
+}
+
+// A group of ranks. Every member calls the same collectives in the same order with matching
+// shapes; each call returns when this rank's part is done (results are in place on return, CUDA
+// work included). Errors name the collective, the group, the bytes and the peer that failed; after
+// one, the communicator refuses further calls.
+class Communicator {
+ public:
+  // The world of the job: rank and size from the launcher (rendezvous::detect_rank_info), the
+  // ranks meet in the store of options.store.
+  static std::unique_ptr<Communicator> create(const rendezvous::RankInfo& info,
+                                              const CommOptions& options);
+  static std::unique_ptr<Communicator> from_environment(const CommOptions& options);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }  // "world", "world/replica0"
+  // This group's rank r as a rank of the world.
+  int world_rank(int r) const { return world_ranks_[static_cast<size_t>(r)]; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // t = op over the ranks' t, in place.
+  void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum);
+  // out = rank r's slice of op over the ranks' `in`: in holds size() * out.numel() elements,
+  // slice r being elements [r * out.numel(), (r + 1) * out.numel()).
+  void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op = ReduceOp::sum);
+  // out = every rank's `in`, concatenated in rank order; out.numel() = size() * in.numel().
+  void all_gather(const Tensor& in, const Tensor& out);
+  // The same with rank r contributing counts[r] elements (counts known to every rank; in.numel()
+  // = counts[rank()], out.numel() = their sum).
+  void all_gather_v(const Tensor& in, const Tensor& out, std::span<const int64_t> counts);
+  // t = root's t on every rank.
+  void broadcast(const Tensor& t, int root);
+  // Every send and receive of `ops` in flight together (no ordering deadlock between peers); the
+  // peers post the matching ops, in the same order for one pair of ranks.
+  void send_recv(std::span<const P2POp> ops);
+  void barrier();
+
+  // A sub-group of this group's ranks (e.g. one rollout replica): called by exactly the members,
+  // each with the same name and ranks (this group's numbering, ascending); the new group's rank i
+  // is ranks[i]. The same name may be split again (each call is a new group).
+  std::unique_ptr<Communicator> split(const std::string& name, const std::vector<int>& ranks);
+
+ private:
+  Communicator() = default;
+  void check_usable(const char* what) const;
+  comm_detail::Backend& backend_for(const Tensor& t, const char* what);
+  template <class Fn>
+  void guarded(const char* what, Fn&& fn);
+
+  int rank_ = 0, size_ = 1;
+  std::string name_;
+  std::vector<int> world_ranks_;
+  std::chrono::milliseconds timeout_{};
+  CommOptions options_;
+  std::shared_ptr<rendezvous::Store> store_;
+  std::shared_ptr<void> gloo_device_;  // the TCP device every group of this process shares
+  std::unique_ptr<comm_detail::Backend> gloo_;
+  std::unique_ptr<comm_detail::Backend> nccl_;  // null unless options.device is CUDA
+  std::map<std::string, int> splits_;           // name -> times split, for unique store keys
+  std::string broken_;                          // the first failure, once one happened
+};
+
+// Checks that every rank runs the same config (`text`, e.g. the resolved TOML): all-gathers a
+// hash, and on a mismatch gathers the texts and throws a tandem::Error naming the ranks and the
+// keys (or lines) whose values differ. Collective: every rank calls it.
+void verify_same_config(Communicator& comm, const std::string& text);
+
+}  // namespace tandem
