@@ -439,8 +439,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("eval.temperature", TANDEM_MEMBER(eval.temperature), "Sampling temperature of eval."))
       .range(0, 100);
   // placement
-  add(bind<J>("placement.mode", TANDEM_MEMBER(placement.mode),
-              "Rollout and trainer placement; one process for now."))
+  add(bind<J>(
+          "placement.mode", TANDEM_MEMBER(placement.mode),
+          "Rollout and trainer placement: colocated (each rank trains and runs a rollout engine)."))
       .one_of({"colocated"});
   add(bind<J>("placement.device", TANDEM_MEMBER(placement.device), "Where the job runs."))
       .one_of({"cpu", "cuda"});
@@ -453,6 +454,19 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there; "
               "elsewhere slower than f32). Weights, optimizer and all other ops stay f32."))
       .one_of({"f32", "bf16"});
+  add(bind<J>("placement.ranks", TANDEM_MEMBER(placement.ranks),
+              "Data-parallel ranks (colocated: each trains and runs a rollout engine), started by "
+              "`tandem launch --nproc N` (or mpirun, srun, torchrun); 0: as many as the launcher "
+              "started. rollout.prompts_per_step must be a multiple of it (docs/distributed.md)."))
+      .range(0, 4096);
+  // distributed
+  add(bind<J>("distributed.timeout_s", TANDEM_MEMBER(distributed.timeout_s),
+              "Bound of the ranks' rendezvous and of every collective: a dead or stuck rank "
+              "becomes an error naming it after this long."))
+      .range(0.1, 86400);
+  add(bind<J>("distributed.store", TANDEM_MEMBER(distributed.store),
+              "Where the ranks meet: \"tcp\" (rank 0 serves it at the launcher's MASTER_ADDR:"
+              "MASTER_PORT) or \"file:/shared/dir\" (a fresh directory every rank sees)."));
   return v;
 }
 
@@ -478,6 +492,7 @@ std::shared_ptr<const config::Schema> make_schema() {
   s->describe("logging", "Progress, metrics, report and samples.");
   s->describe("eval", "Held-out evaluation: mean reward, pass@1, pass@k.");
   s->describe("placement", "Where rollout and training run.");
+  s->describe("distributed", "How the ranks of a multi-process job meet and wait.");
   for (const auto& b : job_bindings()) s->add(b.field);
   return s;
 }

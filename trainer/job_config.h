@@ -126,6 +126,14 @@ struct PlacementSection {
   // The arithmetic of every CPU matmul, rollout and training alike: "f32", or "bf16" (operands
   // rounded to bf16, sums in f32; AMX tiles where the CPU has them).
   std::string cpu_matmul = "f32";
+  // Data-parallel ranks, each a trainer with its own rollout engine (colocated); 0: as many as
+  // the launcher started (tandem launch --nproc, mpirun, srun, torchrun; 1 without one).
+  int64_t ranks = 0;
+};
+
+struct DistributedSection {
+  double timeout_s = 300;     // bound of the rendezvous and of every collective
+  std::string store = "tcp";  // "tcp" (served by rank 0) or "file:/shared/dir"
 };
 
 struct JobConfig {
@@ -138,6 +146,7 @@ struct JobConfig {
   LoggingSection logging;
   EvalSection eval;
   PlacementSection placement;
+  DistributedSection distributed;
   std::string source;  // the file it came from
   // Where each key's value came from ("job.toml:4:8", "override 'model.path=x'", or
   // "job.toml (default)"), for errors found later: "model.path 'x' does not exist (job.toml:4:8)".

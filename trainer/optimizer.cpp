@@ -1,7 +1,10 @@
-// AdamW: decay exclusions, clipping, skipping, and the per-tensor fused kernel calls.
+// AdamW: decay exclusions, clipping, skipping, and the per-tensor fused kernel calls; the sharded
+// form's reduce-scatter, range update and all-gather.
 #include "trainer/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "core/error.h"
@@ -126,6 +129,166 @@ StepResult AdamW::step(const model::Weights& grads, float lr, model::Weights* pa
   counters_.consecutive_skips = 0;
   r.step = counters_.step;
   return r;
+}
+
+std::vector<double> gather_doubles(Communicator& comm, std::span<const double> mine) {
+  static_assert(sizeof(double) == sizeof(int64_t));
+  std::vector<double> in(mine.begin(), mine.end());
+  std::vector<double> out(in.size() * static_cast<size_t>(comm.size()));
+  const auto n = static_cast<int64_t>(in.size());
+  comm.all_gather(Tensor::wrap(in.data(), {n}, DType::i64),
+                  Tensor::wrap(out.data(), {n * comm.size()}, DType::i64));
+  return out;
+}
+
+ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator& comm, const AdamWConfig& config)
+    : params_(params), comm_(comm), config_(config) {
+  config_.validate();
+  TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
+               "optimizer: sharded AdamW needs f32 master weights on the CPU, got {}",
+               params.dtype());
+  for (const model::NamedTensor& s : params.storage()) {
+    starts_.push_back(total_);
+    total_ += s.tensor.numel();
+    decay_.push_back(AdamW::decays(config_, s.name));
+  }
+  const int64_t n = comm.size();
+  shard_ = (total_ + n - 1) / n;
+  begin_ = std::min(total_, comm.rank() * shard_);
+  end_ = std::min(total_, begin_ + shard_);
+  m_ = Tensor::zeros({shard_}, DType::f32);
+  v_ = Tensor::zeros({shard_}, DType::f32);
+  grad_ = Tensor::zeros({shard_}, DType::f32);
+  stage_ = Tensor::zeros({n * std::min(shard_, kStageElements)}, DType::f32);
+}
+
+template <class Fn>
+void ShardedAdamW::for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const {
+  hi = std::min(hi, total_);
+  if (lo >= hi) return;
+  auto t = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), lo) -
+                               starts_.begin() - 1);
+  for (int64_t at = lo; at < hi; ++t) {
+    const int64_t tensor_end = starts_[t] + params_.storage()[t].tensor.numel();
+    const int64_t len = std::min(hi, tensor_end) - at;
+    fn(t, at - starts_[t], at - lo, len);
+    at += len;
+  }
+}
+
+StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
+  TANDEM_CHECK(grads.dtype() == DType::f32 && grads.storage().size() == starts_.size(),
+               "optimizer: the gradients belong to another model");
+  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
+               "optimizer: learning rate {} must be finite and >= 0", lr);
+  const int64_t n = comm_.size(), chunk = stage_.numel() / n;
+  float* stage = stage_.data_as<float>();
+  float* grad = grad_.data_as<float>();
+
+  // Gradients: chunk k of every rank's range staged side by side, summed into this rank's.
+  for (int64_t k = 0; k < shard_; k += chunk) {
+    const int64_t len = std::min(chunk, shard_ - k);
+    std::fill(stage, stage + n * chunk, 0.0f);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t lo = r * shard_ + k;
+      for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+        std::memcpy(stage + r * len + at, grads.storage()[t].tensor.data_as<float>() + off,
+                    static_cast<size_t>(count) * sizeof(float));
+      });
+    }
+    comm_.reduce_scatter(Tensor::wrap(stage, {n * len}, DType::f32),
+                         Tensor::wrap(grad + k, {len}, DType::f32));
+  }
+
+  // The global norm: each rank's sum of squares, summed in rank order on every rank.
+  double squares = 0;
+  for (int64_t i = 0; i < end_ - begin_; ++i)
+    squares += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
+  double total = 0;
+  for (const double s : gather_doubles(comm_, std::span<const double>(&squares, 1))) total += s;
+
+  StepResult r;
+  r.lr = lr;
+  r.grad_norm = static_cast<float>(std::sqrt(total));
+  if (!std::isfinite(r.grad_norm)) {
+    ++counters_.skipped_total;
+    ++counters_.consecutive_skips;
+    r.skipped = true;
+    r.clip_scale = 0.0f;
+    r.step = counters_.step;
+    r.consecutive_skips = counters_.consecutive_skips;
+    TANDEM_CHECK(counters_.consecutive_skips < config_.max_consecutive_skips,
+                 "optimizer: the gradient norm was {} (not finite) in {} steps in a row "
+                 "(optimizer.max_consecutive_skips = {}): training diverged; lower the learning "
+                 "rate or resume from an earlier checkpoint",
+                 r.grad_norm, counters_.consecutive_skips, config_.max_consecutive_skips);
+    return r;
+  }
+  if (config_.max_grad_norm > 0.0f && r.grad_norm > config_.max_grad_norm)
+    r.clip_scale = config_.max_grad_norm / (r.grad_norm + 1e-6f);
+
+  ops::AdamWParams p;
+  p.lr = lr;
+  p.beta1 = config_.beta1;
+  p.beta2 = config_.beta2;
+  p.eps = config_.eps;
+  p.step = counters_.step + 1;
+  p.grad_scale = r.clip_scale;
+  for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+    p.weight_decay = decay_[t] ? config_.weight_decay : 0.0f;
+    const Tensor& param = params_.storage()[t].tensor;
+    ops::adamw(flat(param).narrow(off, count), grad_.narrow(at, count), m_.narrow(at, count),
+               v_.narrow(at, count), p);
+  });
+
+  // Every rank's updated range into every rank's parameters.
+  for (int64_t k = 0; k < shard_; k += chunk) {
+    const int64_t len = std::min(chunk, shard_ - k);
+    float* mine = grad + k;  // the gradient chunk is spent: it carries this rank's parameters
+    std::fill(mine, mine + len, 0.0f);
+    for_each_piece(begin_ + k, begin_ + k + len,
+                   [&](size_t t, int64_t off, int64_t at, int64_t count) {
+                     std::memcpy(mine + at, params_.storage()[t].tensor.data_as<float>() + off,
+                                 static_cast<size_t>(count) * sizeof(float));
+                   });
+    comm_.all_gather(Tensor::wrap(mine, {len}, DType::f32),
+                     Tensor::wrap(stage, {n * len}, DType::f32));
+    for (int64_t q = 0; q < n; ++q) {
+      if (q == comm_.rank()) continue;
+      const int64_t lo = q * shard_ + k;
+      for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+        std::memcpy(params_.storage()[t].tensor.data_as<float>() + off, stage + q * len + at,
+                    static_cast<size_t>(count) * sizeof(float));
+      });
+    }
+  }
+  ++counters_.step;
+  counters_.consecutive_skips = 0;
+  r.step = counters_.step;
+  return r;
+}
+
+void ShardedAdamW::export_to(AdamW& full) {
+  const int64_t n = comm_.size();
+  Tensor all = Tensor::empty({n * shard_}, DType::f32);
+  for (auto [mine, into] : {std::pair{&m_, &full.m()}, std::pair{&v_, &full.v()}}) {
+    comm_.all_gather(*mine, all);
+    for_each_piece(0, total_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+      std::memcpy(into->storage()[t].tensor.data_as<float>() + off, all.data_as<float>() + at,
+                  static_cast<size_t>(count) * sizeof(float));
+    });
+  }
+  full.set_counters(counters_);
+}
+
+void ShardedAdamW::import_from(const AdamW& full) {
+  for (auto [from, into] : {std::pair{&full.m(), &m_}, std::pair{&full.v(), &v_}}) {
+    for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+      std::memcpy(into->data_as<float>() + at, from->storage()[t].tensor.data_as<float>() + off,
+                  static_cast<size_t>(count) * sizeof(float));
+    });
+  }
+  counters_ = full.counters();
 }
 
 }  // namespace tandem::trainer

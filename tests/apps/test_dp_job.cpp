@@ -1,0 +1,187 @@
+// The data-parallel GRPO job over real processes (tandem launch, Gloo on loopback): the weights
+// after three steps on 2 ranks against 1, rank 0 alone writing the outputs, and the start-up
+// refusals of a world the batch does not allow.
+#include <fmt/format.h>
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "model/hf.h"
+#include "model/weights.h"
+#include "tests/model/tiny_model.h"
+#include "tests/testutil.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kRepo = TANDEM_SOURCE_DIR;
+
+std::string tandem_bin() { return std::string(TANDEM_BIN_DIR) + "/tandem"; }
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// A tiny random Llama (C=64, 2 layers) with SmolLM2's tokenizer, as an HF directory.
+void write_tiny_model(const std::string& dir) {
+  tandem::model::ModelConfig c =
+      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
+  c.vocab_size = 49152;
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  tandem::model::Weights w(c, tandem::DType::f32);
+  tandem::test::fill_random_weights(w, 17);
+  tandem::model::SaveOptions o;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+    o.extra_files[f] = read_bytes(kRepo / "tests/golden/smollm2" / f);
+  tandem::model::save_hf(w, dir, o);
+}
+
+std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
+  return tmp.write("job.toml", R"(
+[model]
+path = ")" + model + R"("
+[data]
+synthetic_size = 64
+max_prompt_tokens = 96
+[rollout]
+prompts_per_step = 4
+n = 4
+max_new_tokens = 8
+num_blocks = 64
+[trainer]
+steps = 3
+lr = 1e-3
+minibatches = 2
+[[rewards]]
+name = "has_e"
+function = "regex_format"
+pattern = '.*e.*'
+[checkpoint]
+every = 0
+[eval]
+every = 0
+[logging]
+samples_every = 1
+[distributed]
+timeout_s = 30
+)");
+}
+
+// `tandem train` of the job on `ranks` processes (1: without a launcher) into tmp/<name>.
+tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::string& job,
+                                  int ranks, const std::string& name,
+                                  const std::string& overrides = "") {
+  const std::string args = fmt::format("train {} logging.dir={} checkpoint.dir={} {}", job,
+                                       tmp.file(name), tmp.file(name + "/ckpt"), overrides);
+  if (ranks == 1) return tandem::test::run_tandem(args, true, 120);
+  return tandem::test::run_tandem(
+      fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120);
+}
+
+// The largest |a - b| over every parameter of two HF directories.
+double max_weight_diff(const std::string& a, const std::string& b) {
+  const auto x = tandem::model::load_hf(a);
+  const auto y = tandem::model::load_hf(b);
+  double d = 0;
+  for (size_t t = 0; t < x->storage().size(); ++t) {
+    const float* p = x->storage()[t].tensor.data_as<float>();
+    const float* q = y->storage()[t].tensor.data_as<float>();
+    for (int64_t i = 0; i < x->storage()[t].tensor.numel(); ++i)
+      d = std::max(d, static_cast<double>(std::abs(p[i] - q[i])));
+  }
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("tandem train on 2 ranks ends with the weights of 1 rank", "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-job");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const auto one = train(tmp, job, 1, "one");
+  INFO(one.out);
+  REQUIRE(one.status == 0);
+  const auto a = step_lines(tmp.file("one/metrics.jsonl"));
+  REQUIRE(a.size() == 3);
+  const double moved = max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("model"));
+  CHECK(moved > 1e-3);
+
+  // Each minibatch (2 groups) lies on one rank: summed over the ranks it is one rank's sum, so the
+  // weights are equal bitwise. Where a minibatch spans ranks (4 ranks here) the sum is rounded in
+  // another order, and the next rollouts of a tiny random model sample other tokens from the
+  // slightly different weights: the runs part (docs/distributed.md).
+  for (const int ranks : {2}) {
+    INFO(ranks << " ranks");
+    const std::string name = fmt::format("ranks{}", ranks);
+    const auto many = train(tmp, job, ranks, name);
+    INFO(many.out);
+    REQUIRE(many.status == 0);
+    // One progress line per step, from rank 0 only.
+    CHECK(many.out.find("[rank 0] step 3/3") != std::string::npos);
+    CHECK(many.out.find("[rank 1] step") == std::string::npos);
+    const auto b = step_lines(tmp.file(name + "/metrics.jsonl"));
+    REQUIRE(b.size() == 3);  // rank 0 alone appended to metrics.jsonl
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("step " << i + 1);
+      CHECK(b[i]["distributed/ranks"] == ranks);
+      // The same batch, whichever rank generated each group.
+      CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
+      CHECK(b[i]["response_tokens"] == a[i]["response_tokens"]);
+      CHECK(b[i]["reward/mean"].get<double>() == Approx(a[i]["reward/mean"].get<double>()));
+      CHECK(b[i]["loss"].get<double>() ==
+            Approx(a[i]["loss"].get<double>()).margin(1e-6).epsilon(1e-5));
+      CHECK(b[i]["grad_norm"].get<double>() ==
+            Approx(a[i]["grad_norm"].get<double>()).epsilon(1e-5));
+      // Moments and gradient range of 1 / ranks of the parameters, against two moments of all.
+      CHECK(b[i]["memory/optimizer_state_mib"].get<double>() ==
+            Approx(a[i]["memory/optimizer_state_mib"].get<double>() * 1.5 / ranks).epsilon(1e-3));
+    }
+    const double diff =
+        max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file(name + "/ckpt/step-3/policy"));
+    INFO("max |w1 - w" << ranks << "| " << diff << " of weights that moved by up to " << moved);
+    CHECK(diff == 0);
+  }
+}
+
+TEST_CASE("tandem train refuses a world the batch does not allow before writing anything",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-refuse");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  SECTION("prompts_per_step not a multiple of the ranks") {
+    const auto r = train(tmp, job, 3, "run");
+    INFO(r.out);
+    CHECK(r.status != 0);
+    CHECK(r.out.find("rollout.prompts_per_step = 4 is not a multiple of the 3 ranks") !=
+          std::string::npos);
+    CHECK(!fs::exists(tmp.file("run")));
+  }
+  SECTION("placement.ranks other than the launcher's") {
+    const auto r = train(tmp, job, 1, "run", "placement.ranks=2");
+    INFO(r.out);
+    CHECK(r.status != 0);
+    CHECK(r.out.find("placement.ranks = 2 but 1 rank was started") != std::string::npos);
+    CHECK(!fs::exists(tmp.file("run")));
+  }
+}
