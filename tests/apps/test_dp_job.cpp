@@ -1,10 +1,16 @@
 // The data-parallel GRPO job over real processes (tandem launch, Gloo on loopback): the weights
 // after three steps on 2 ranks against 1, rank 0 alone writing the outputs, and the start-up
-// refusals of a world the batch does not allow.
+// refusals of a world the batch does not allow, and a rank killed mid-job.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -99,6 +105,18 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::s
       fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120);
 }
 
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
 // The largest |a - b| over every parameter of two HF directories.
 double max_weight_diff(const std::string& a, const std::string& b) {
   const auto x = tandem::model::load_hf(a);
@@ -184,4 +202,35 @@ TEST_CASE("tandem train refuses a world the batch does not allow before writing 
     CHECK(r.out.find("placement.ranks = 2 but 1 rank was started") != std::string::npos);
     CHECK(!fs::exists(tmp.file("run")));
   }
+}
+
+TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-kill");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  // Two ranks started by hand (tandem launch would stop the survivor itself); rank 1 is killed
+  // once rank 0 has finished a step.
+  const std::string train = fmt::format(
+      "{} train {} trainer.steps=20 distributed.timeout_s=10 logging.dir={} checkpoint.dir={}",
+      tandem_bin(), job, tmp.file("run"), tmp.file("run/ckpt"));
+  const std::string script = fmt::format(
+      "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={}; "
+      "RANK=1 LOCAL_RANK=1 {} >{} 2>&1 & p1=$!; "
+      "RANK=0 LOCAL_RANK=0 {} >{} 2>&1 & p0=$!; "
+      "for i in $(seq 600); do grep -q \"^step 1/20\" {} && break; sleep 0.1; done; "
+      "kill -9 $p1; start=$(date +%s); wait $p0; status=$?; "
+      "echo status $status seconds $(( $(date +%s) - start ))",
+      free_port(), train, tmp.file("rank1.log"), train, tmp.file("rank0.log"),
+      tmp.file("rank0.log"));
+  const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
+  const std::string out0 = read_bytes(tmp.file("rank0.log"));
+  INFO(r.out << "\nrank 0:\n" << out0);
+  CHECK(out0.find("step 1/20") != std::string::npos);
+  CHECK(out0.find("step 20/20") == std::string::npos);
+  CHECK(r.out.find("status 0 ") == std::string::npos);
+  CHECK((out0.find("rank 1 failed") != std::string::npos ||
+         out0.find("connection to rank 1 was lost") != std::string::npos));
+  const size_t at = r.out.find("seconds ");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stoi(r.out.substr(at + 8)) <= 12);  // within distributed.timeout_s
 }
