@@ -270,7 +270,9 @@ Selected select(Collected& c, const JobConfig& job) {
   s.advantages = adv.stats;
   // The batch is every rank's kept samples in group order; this rank trains the local ones.
   size_t a = 0;
+  int64_t group = -1;
   for (Group& g : c.groups) {
+    ++group;
     if (!g.kept) continue;
     for (Sample& x : g.samples) {
       const float advantage = adv.values[a++];
@@ -280,7 +282,7 @@ Selected select(Collected& c, const JobConfig& job) {
       }
       if (g.local) {
         s.shard.positions.push_back(s.shard.lengths.size());
-        s.train.push_back({g.prompt.rendered.tokens, x.tokens, x.logprobs, advantage});
+        s.train.push_back({g.prompt.rendered.tokens, x.tokens, x.logprobs, advantage, group});
       }
       s.shard.lengths.push_back(x.length);
     }
@@ -421,9 +423,11 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
       stream_(data_.train, static_cast<uint64_t>(job.data.seed), true),
       rewards_(make_rewards(job)),
-      adamw_(comm == nullptr ? std::make_unique<AdamW>(policy_, job.trainer.optimizer) : nullptr),
-      sharded_(comm != nullptr
-                   ? std::make_unique<ShardedAdamW>(policy_, *comm, job.trainer.optimizer)
+      adamw_(comm == nullptr && !job.trainer.step.deterministic
+                 ? std::make_unique<AdamW>(policy_, job.trainer.optimizer)
+                 : nullptr),
+      sharded_(comm != nullptr || job.trainer.step.deterministic
+                   ? std::make_unique<ShardedAdamW>(policy_, comm, job.trainer.optimizer)
                    : nullptr),
       schedule_(schedule_config(job)),
       step_config_(train_step_config(job)) {

@@ -246,6 +246,11 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("trainer.micro_batch_tokens", TANDEM_MEMBER(trainer.step.micro_batch_tokens),
               "Packed tokens per forward/backward at most."))
       .range(1, 1e9);
+  add(bind<J>("trainer.deterministic", TANDEM_MEMBER(trainer.step.deterministic),
+              "The same update bitwise on any number of data-parallel ranks: micro-batches never "
+              "span two groups, gradients summed in fixed point, the sharded optimizer on one rank "
+              "too (docs/distributed.md). Costs 8 bytes a parameter and a pass over the gradients "
+              "per micro-batch."));
   add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
               "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch); "
               "on whenever rollout.dtype differs from trainer.dtype."));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "core/error.h"
@@ -141,8 +142,12 @@ std::vector<double> gather_doubles(Communicator& comm, std::span<const double> m
   return out;
 }
 
-ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator& comm, const AdamWConfig& config)
-    : params_(params), comm_(comm), config_(config) {
+ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config)
+    : params_(params),
+      comm_(comm),
+      config_(config),
+      rank_(comm != nullptr ? comm->rank() : 0),
+      world_(comm != nullptr ? comm->size() : 1) {
   config_.validate();
   TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
                "optimizer: sharded AdamW needs f32 master weights on the CPU, got {}",
@@ -152,14 +157,16 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator& comm, const Ada
     total_ += s.tensor.numel();
     decay_.push_back(AdamW::decays(config_, s.name));
   }
-  const int64_t n = comm.size();
-  shard_ = (total_ + n - 1) / n;
-  begin_ = std::min(total_, comm.rank() * shard_);
+  // Even ranges of whole norm blocks.
+  const int64_t blocks = (total_ + kNormBlock - 1) / kNormBlock;
+  shard_ = (blocks + world_ - 1) / world_ * kNormBlock;
+  begin_ = std::min(total_, rank_ * shard_);
   end_ = std::min(total_, begin_ + shard_);
   m_ = Tensor::zeros({shard_}, DType::f32);
   v_ = Tensor::zeros({shard_}, DType::f32);
   grad_ = Tensor::zeros({shard_}, DType::f32);
-  stage_ = Tensor::zeros({n * std::min(shard_, kStageElements)}, DType::f32);
+  // 8 bytes an element: step_fixed stages int64.
+  stage_ = Tensor::zeros({2 * world_ * std::min(shard_, kStageElements)}, DType::f32);
 }
 
 template <class Fn>
@@ -179,16 +186,14 @@ void ShardedAdamW::for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const {
 StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
   TANDEM_CHECK(grads.dtype() == DType::f32 && grads.storage().size() == starts_.size(),
                "optimizer: the gradients belong to another model");
-  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
-               "optimizer: learning rate {} must be finite and >= 0", lr);
-  const int64_t n = comm_.size(), chunk = stage_.numel() / n;
+  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
   float* stage = stage_.data_as<float>();
   float* grad = grad_.data_as<float>();
 
   // Gradients: chunk k of every rank's range staged side by side, summed into this rank's.
   for (int64_t k = 0; k < shard_; k += chunk) {
     const int64_t len = std::min(chunk, shard_ - k);
-    std::fill(stage, stage + n * chunk, 0.0f);
+    std::fill(stage, stage + n * len, 0.0f);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t lo = r * shard_ + k;
       for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
@@ -196,8 +201,11 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
                     static_cast<size_t>(count) * sizeof(float));
       });
     }
-    comm_.reduce_scatter(Tensor::wrap(stage, {n * len}, DType::f32),
-                         Tensor::wrap(grad + k, {len}, DType::f32));
+    if (comm_ != nullptr)
+      comm_->reduce_scatter(Tensor::wrap(stage, {n * len}, DType::f32),
+                            Tensor::wrap(grad + k, {len}, DType::f32));
+    else
+      std::copy(stage, stage + len, grad + k);
   }
 
   // The global norm: each rank's sum of squares, summed in rank order on every rank.
@@ -205,11 +213,65 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
   for (int64_t i = 0; i < end_ - begin_; ++i)
     squares += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
   double total = 0;
-  for (const double s : gather_doubles(comm_, std::span<const double>(&squares, 1))) total += s;
+  if (comm_ == nullptr)
+    total = squares;
+  else
+    for (const double s : gather_doubles(*comm_, std::span<const double>(&squares, 1))) total += s;
+  return update(static_cast<float>(std::sqrt(total)), lr);
+}
 
+StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
+  TANDEM_CHECK(static_cast<int64_t>(fixed.size()) == total_,
+               "optimizer: {} fixed-point gradients for {} parameters", fixed.size(), total_);
+  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
+  auto* stage = static_cast<int64_t*>(stage_.data());
+  Tensor sum = Tensor::empty({std::min(chunk, shard_)}, DType::i64);
+  auto* summed = sum.data_as<int64_t>();
+  float* grad = grad_.data_as<float>();
+  bool finite = true;
+  for (int64_t k = 0; k < shard_; k += chunk) {
+    const int64_t len = std::min(chunk, shard_ - k);
+    std::fill(stage, stage + n * len, int64_t{0});
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t lo = std::min(total_, r * shard_ + k);
+      const int64_t hi = std::min(total_, lo + len);
+      std::copy(fixed.begin() + lo, fixed.begin() + hi, stage + r * len);
+    }
+    if (comm_ != nullptr)
+      comm_->reduce_scatter(Tensor::wrap(stage, {n * len}, DType::i64),
+                            Tensor::wrap(summed, {len}, DType::i64));
+    else
+      std::copy(stage, stage + len, summed);
+    // A rank's kFixedInvalid poisons the sum: any sum this far from the others' is taken for it.
+    for (int64_t i = 0; i < len; ++i) {
+      if (summed[i] <= INT64_MIN / 2 || summed[i] >= INT64_MAX / 2) finite = false;
+      grad[k + i] = static_cast<float>(std::ldexp(static_cast<double>(summed[i]), -kFixedBits));
+    }
+  }
+  // Partial sums of squares of whole blocks, in block order on every rank.
+  std::vector<double> partial;
+  for (int64_t b = 0; b < shard_; b += kNormBlock) {
+    double s = 0;
+    for (int64_t i = b; i < std::min(b + kNormBlock, end_ - begin_); ++i)
+      s += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
+    partial.push_back(finite ? s : std::numeric_limits<double>::quiet_NaN());
+  }
+  double total = 0;
+  const std::vector<double> all = comm_ != nullptr ? gather_doubles(*comm_, partial) : partial;
+  const auto blocks = static_cast<size_t>((total_ + kNormBlock - 1) / kNormBlock);
+  for (size_t b = 0; b < all.size(); ++b) total += b < blocks || std::isnan(all[b]) ? all[b] : 0;
+  return update(static_cast<float>(std::sqrt(total)), lr);
+}
+
+StepResult ShardedAdamW::update(float norm, float lr) {
+  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
+               "optimizer: learning rate {} must be finite and >= 0", lr);
+  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
+  float* stage = stage_.data_as<float>();
+  float* grad = grad_.data_as<float>();
   StepResult r;
   r.lr = lr;
-  r.grad_norm = static_cast<float>(std::sqrt(total));
+  r.grad_norm = norm;
   if (!std::isfinite(r.grad_norm)) {
     ++counters_.skipped_total;
     ++counters_.consecutive_skips;
@@ -242,7 +304,7 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
   });
 
   // Every rank's updated range into every rank's parameters.
-  for (int64_t k = 0; k < shard_; k += chunk) {
+  for (int64_t k = 0; comm_ != nullptr && k < shard_; k += chunk) {
     const int64_t len = std::min(chunk, shard_ - k);
     float* mine = grad + k;  // the gradient chunk is spent: it carries this rank's parameters
     std::fill(mine, mine + len, 0.0f);
@@ -251,10 +313,10 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
                      std::memcpy(mine + at, params_.storage()[t].tensor.data_as<float>() + off,
                                  static_cast<size_t>(count) * sizeof(float));
                    });
-    comm_.all_gather(Tensor::wrap(mine, {len}, DType::f32),
-                     Tensor::wrap(stage, {n * len}, DType::f32));
+    comm_->all_gather(Tensor::wrap(mine, {len}, DType::f32),
+                      Tensor::wrap(stage, {n * len}, DType::f32));
     for (int64_t q = 0; q < n; ++q) {
-      if (q == comm_.rank()) continue;
+      if (q == rank_) continue;
       const int64_t lo = q * shard_ + k;
       for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
         std::memcpy(params_.storage()[t].tensor.data_as<float>() + off, stage + q * len + at,
@@ -269,10 +331,12 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
 }
 
 void ShardedAdamW::export_to(AdamW& full) {
-  const int64_t n = comm_.size();
-  Tensor all = Tensor::empty({n * shard_}, DType::f32);
+  Tensor all = Tensor::empty({world_ * shard_}, DType::f32);
   for (auto [mine, into] : {std::pair{&m_, &full.m()}, std::pair{&v_, &full.v()}}) {
-    comm_.all_gather(*mine, all);
+    if (comm_ != nullptr)
+      comm_->all_gather(*mine, all);
+    else
+      all.copy_from(*mine);
     for_each_piece(0, total_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
       std::memcpy(into->storage()[t].tensor.data_as<float>() + off, all.data_as<float>() + at,
                   static_cast<size_t>(count) * sizeof(float));

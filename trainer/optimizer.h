@@ -92,6 +92,8 @@ class AdamW {
 // rank then sums or compares in that order, identically on every rank. Collective.
 std::vector<double> gather_doubles(Communicator& comm, std::span<const double> mine);
 
+inline constexpr int64_t kFixedInvalid = INT64_MIN;
+
 // AdamW sharded over the ranks of `comm` (ZeRO-1/2). The parameters' elements in storage order
 // (each storage tensor flattened, one after the other: P in all) are split into even ranges,
 // rank r owning [r S, min((r + 1) S, P)) with S = ceil(P / N): the f32 moments of that range
@@ -103,13 +105,21 @@ std::vector<double> gather_doubles(Communicator& comm, std::span<const double> m
 class ShardedAdamW {
  public:
   static constexpr int64_t kStageElements = int64_t{1} << 20;
-  ShardedAdamW(model::Weights& params, Communicator& comm, const AdamWConfig& config = {});
+  static constexpr int kFixedBits = 40;        // step_fixed: gradients in units of 2^-40
+  static constexpr int64_t kNormBlock = 4096;  // step_fixed: elements per partial norm
+  // comm: null for one rank (the deterministic update's optimizer on one rank).
+  ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config = {});
   ShardedAdamW(const ShardedAdamW&) = delete;
   ShardedAdamW& operator=(const ShardedAdamW&) = delete;
 
   // One update with this rank's gradients (f32, same model, read only; summed over the ranks
   // here). Collective: every rank calls it with its gradients.
   StepResult step(const model::Weights& grads, float lr);
+  // The same with this rank's gradients in fixed point (P values, storage order, units of
+  // 2^-kFixedBits; kFixedInvalid where not finite): summed exactly over the ranks, the norm summed
+  // in blocks of kNormBlock elements in block order (ranges are whole blocks), so that the update
+  // is the same bitwise whatever the number of ranks.
+  StepResult step_fixed(std::span<const int64_t> fixed, float lr);
 
   int64_t begin() const { return begin_; }  // this rank's range of the flat parameters
   int64_t end() const { return end_; }
@@ -125,7 +135,7 @@ class ShardedAdamW {
   const AdamWCounters& counters() const { return counters_; }
   void set_counters(const AdamWCounters& c) { counters_ = c; }
   int64_t step_count() const { return counters_.step; }
-  Communicator& comm() { return comm_; }
+  Communicator* comm() { return comm_; }
 
   // The whole optimizer state into `full` (the same parameters' replicated AdamW, e.g. for a
   // checkpoint): every rank's moments all-gathered, the counters copied. Collective.
@@ -140,9 +150,13 @@ class ShardedAdamW {
   template <class Fn>
   void for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const;
 
+  // The update of the range from grad_ under the global norm, then the ranges all-gathered.
+  StepResult update(float norm, float lr);
+
   model::Weights& params_;
-  Communicator& comm_;
+  Communicator* comm_;
   AdamWConfig config_;
+  int rank_ = 0, world_ = 1;
   int64_t total_ = 0, shard_ = 0, begin_ = 0, end_ = 0;
   std::vector<int64_t> starts_;  // flat offset of each storage tensor
   std::vector<bool> decay_;      // per storage tensor

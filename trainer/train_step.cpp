@@ -27,7 +27,8 @@ int64_t completion_tokens(std::span<const TrainSample> samples) {
 // predecessor's prompt in the same micro-batch adds only its completion's tokens (see
 // PackedBatch::from_prompts); a group split over two micro-batches packs its prompt in both.
 std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample> samples,
-                                                     int64_t budget, bool share_prompts) {
+                                                     int64_t budget, bool share_prompts,
+                                                     bool by_group) {
   using Pair = model::PackedBatch::PromptCompletion;
   std::vector<std::pair<size_t, size_t>> out;
   size_t begin = 0;
@@ -37,7 +38,8 @@ std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample
     const Pair previous = i > 0 ? Pair{samples[i - 1].prompt, samples[i - 1].completion} : Pair{};
     const int64_t n =
         model::PackedBatch::rows_added(pair, i > begin ? &previous : nullptr, share_prompts);
-    if (i > begin && tokens + n > budget) {
+    if (i > begin &&
+        (tokens + n > budget || (by_group && samples[i].group != samples[i - 1].group))) {
       out.emplace_back(begin, i);
       begin = i;
       tokens = model::PackedBatch::rows_added(pair, nullptr, share_prompts);  // packs its prompt
@@ -56,6 +58,23 @@ model::PackedBatch pack(std::span<const TrainSample> samples, bool share_prompts
   pairs.reserve(samples.size());
   for (const TrainSample& s : samples) pairs.push_back({s.prompt, s.completion});
   return model::PackedBatch::from_prompts(pairs, share_prompts);
+}
+
+// Adds `grads` (storage order, flattened) to `fixed` in units of 2^-kFixedBits; a non-finite or
+// too large value is carried as kFixedInvalid, which the optimizer takes for a non-finite norm.
+void add_fixed(const model::Weights& grads, std::vector<int64_t>& fixed) {
+  size_t k = 0;
+  for (const model::NamedTensor& s : grads.storage()) {
+    const float* g = s.tensor.data_as<float>();
+    for (int64_t i = 0; i < s.tensor.numel(); ++i, ++k) {
+      const double x = std::ldexp(static_cast<double>(g[i]), ShardedAdamW::kFixedBits);
+      if (fixed[k] == kFixedInvalid || !(std::abs(x) < 0x1p61)) {
+        fixed[k] = kFixedInvalid;
+        continue;
+      }
+      fixed[k] += std::llrint(x);
+    }
+  }
 }
 
 // The batch's metrics from every rank's: sums summed, extremes of the extremes, the step's
@@ -167,13 +186,16 @@ PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* refer
       grads_(policy.config(), DType::f32, policy.device(), ArenaClass::gradients),
       decoder_(std::make_unique<model::Decoder>(
           policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})),
-      comm_(&optimizer.comm()) {
+      comm_(optimizer.comm()) {
   TANDEM_CHECK(&optimizer.params() == &policy_, "trainer: the optimizer updates other weights");
   init();
 }
 
 void PolicyTrainer::init() {
   config_.validate();
+  TANDEM_CHECK(!config_.deterministic || sharded_ != nullptr,
+               "trainer: the deterministic update needs the sharded optimizer (on one rank too)");
+  if (config_.deterministic) fixed_.assign(static_cast<size_t>(sharded_->total()), 0);
   share_ = config_.share_prompts && policy_.device().is_cpu();
   TANDEM_CHECK(config_.loss.kl_beta == 0 || reference_ != nullptr,
                "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
@@ -205,7 +227,8 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
   std::vector<float> out;
   out.reserve(static_cast<size_t>(completion_tokens(samples)));
   if (entropy != nullptr) entropy->clear();
-  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
+  for (const auto& [b0, b1] :
+       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic)) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
@@ -224,7 +247,8 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
                                  const LossNormalisers& norm, TrainStepMetrics& metrics) {
   double loss = 0;
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
-  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
+  for (const auto& [b0, b1] :
+       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic)) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     const int64_t T = batch.num_tokens();
@@ -270,7 +294,9 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
       dlogprob.data_as<float>()[batch.head_rows[i]] = pl.dlogp[i];
       if (dentropy.defined()) dentropy.data_as<float>()[batch.head_rows[i]] = pl.dentropy[i];
     }
+    if (config_.deterministic) grads_.zero();
     decoder_->backward(dlogprob, dentropy, grads_);
+    if (config_.deterministic) add_fixed(grads_, fixed_);
     token0 += n;
   }
   return loss;
@@ -278,8 +304,10 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
 
 TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
                                      const BatchShard* shard) {
-  TANDEM_CHECK((shard != nullptr) == (sharded_ != nullptr),
-               "trainer: a batch shard goes with a sharded optimizer, and only with one");
+  TANDEM_CHECK(shard == nullptr || (sharded_ != nullptr && comm_ != nullptr),
+               "trainer: a batch shard needs the sharded optimizer of several ranks");
+  TANDEM_CHECK(shard != nullptr || comm_ == nullptr,
+               "trainer: on several ranks a step needs this rank's shard of the batch");
   TANDEM_CHECK(shard == nullptr || shard->positions.size() == samples.size(),
                "trainer: {} samples and {} batch positions", samples.size(),
                shard ? shard->positions.size() : 0);
@@ -348,6 +376,7 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
       }
       const LossNormalisers norm{mb_tokens, static_cast<int64_t>(per_mb)};
       grads_.zero();
+      if (config_.deterministic) std::fill(fixed_.begin(), fixed_.end(), 0);
       const auto old_part =
           std::span<const float>(old).subspan(token0, static_cast<size_t>(tokens));
       const auto ref_part =
@@ -355,8 +384,9 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
                       : std::span<const float>(ref).subspan(token0, static_cast<size_t>(tokens));
       if (!part.empty()) m.loss += accumulate(part, old_part, ref_part, norm, m);
       m.lr = schedule_.lr_at(optimizer_steps_);
-      const StepResult r =
-          sharded_ != nullptr ? sharded_->step(grads_, m.lr) : optimizer_->step(grads_, m.lr);
+      const StepResult r = config_.deterministic ? sharded_->step_fixed(fixed_, m.lr)
+                           : sharded_ != nullptr ? sharded_->step(grads_, m.lr)
+                                                 : optimizer_->step(grads_, m.lr);
       m.grad_norm = r.grad_norm;
       if (r.skipped) ++m.skipped_steps;
       ++m.optimizer_steps;

@@ -25,6 +25,7 @@ struct TrainSample {
   std::vector<int32_t> completion;  // >= 1 token
   std::vector<float> rollout_logp;  // (completion), the engine's logprobs
   float advantage = 0;
+  int64_t group = 0;  // the prompt's group: deterministic micro-batches never span two
 };
 
 struct TrainStepConfig {
@@ -40,6 +41,10 @@ struct TrainStepConfig {
   // logprobs bitwise, gradients equal up to rounding, fewer tokens through the network. CPU only:
   // on CUDA each sample is packed whole.
   bool share_prompts = true;
+  // The same update bitwise whatever the number of data-parallel ranks: micro-batches never span
+  // two groups, each one's gradient is added in 2^-40 fixed point (exact, in any order), and the
+  // optimizer sums the gradient norm in fixed blocks. Needs a ShardedAdamW, on one rank too.
+  bool deterministic = false;
   void validate() const;
 };
 
@@ -108,6 +113,7 @@ class PolicyTrainer {
   const LrSchedule& schedule_;
   TrainStepConfig config_;
   model::Weights grads_;
+  std::vector<int64_t> fixed_;  // deterministic: the minibatch's gradient in fixed point
   std::unique_ptr<model::Decoder> decoder_;
   std::unique_ptr<model::Decoder> ref_decoder_;  // planned once when there is a reference
   int64_t optimizer_steps_ = 0;

@@ -1,8 +1,9 @@
 // ShardedAdamW against AdamW on the summed gradients: ranks as threads of one process meeting in
 // a file store (Gloo over loopback), 1 to 3 of them, ranges that cross storage tensors; the state
-// exported and imported at another world size.
+// exported and imported at another world size; the fixed-point step bitwise on any world size.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -93,7 +94,7 @@ TEST_CASE("ShardedAdamW on 1 2 and 3 ranks takes the steps of AdamW on the summe
     }
     std::vector<int64_t> sizes(static_cast<size_t>(world));
     on_ranks(world, tmp.file("store"), [&](int r, Communicator& comm) {
-      ShardedAdamW sharded(*params[static_cast<size_t>(r)], comm, cfg);
+      ShardedAdamW sharded(*params[static_cast<size_t>(r)], &comm, cfg);
       sizes[static_cast<size_t>(r)] = sharded.end() - sharded.begin();
       for (int step = 0; step < 2; ++step) {
         const StepResult res = sharded.step(*grads[static_cast<size_t>(r)], 1e-2f);
@@ -141,7 +142,7 @@ TEST_CASE("ShardedAdamW state exported on 2 ranks and imported on 3 continues as
   }
   Weights* p2[] = {&p2a, &p2b};
   on_ranks(2, tmp.file("two"), [&](int r, Communicator& comm) {
-    ShardedAdamW sharded(*p2[r], comm, cfg);
+    ShardedAdamW sharded(*p2[r], &comm, cfg);
     sharded.step(half, 1e-2f);
     AdamW gathered(*p2[r], cfg);
     sharded.export_to(gathered);
@@ -169,7 +170,7 @@ TEST_CASE("ShardedAdamW state exported on 2 ranks and imported on 3 continues as
   third.copy_from(g);
   zero.zero();
   on_ranks(3, tmp.file("three"), [&](int r, Communicator& comm) {
-    ShardedAdamW sharded(*p3[static_cast<size_t>(r)], comm, cfg);
+    ShardedAdamW sharded(*p3[static_cast<size_t>(r)], &comm, cfg);
     sharded.import_from(full);
     sharded.step(r == 0 ? third : zero, 1e-2f);  // the sum is g
     CHECK(sharded.step_count() == 2);
@@ -180,6 +181,57 @@ TEST_CASE("ShardedAdamW state exported on 2 ranks and imported on 3 continues as
       CHECK(test::max_abs_diff(test::to_f64(p3[static_cast<size_t>(r)]->storage()[t].tensor),
                                test::to_f64(ref.storage()[t].tensor)) < 1e-6);
     }
+}
+
+TEST_CASE("ShardedAdamW step_fixed gives the same weights bitwise on 1 2 and 3 ranks", "[unit]") {
+  const model::ModelConfig c = test::micro_model_config(true);
+  AdamWConfig cfg;
+  cfg.max_grad_norm = 0.5f;
+  Weights g(c, DType::f32);
+  fill_random(g, 5);
+  // The gradient in fixed point, split into 6 parts that the ranks hold in different ways.
+  std::vector<int64_t> whole;
+  for (const NamedTensor& s : g.storage())
+    for (int64_t i = 0; i < s.tensor.numel(); ++i)
+      whole.push_back(std::llrint(
+          std::ldexp(static_cast<double>(s.tensor.data_as<float>()[i]), ShardedAdamW::kFixedBits)));
+  std::vector<std::vector<int64_t>> parts(6, std::vector<int64_t>(whole.size()));
+  for (size_t i = 0; i < whole.size(); ++i) {
+    int64_t left = whole[i];
+    for (size_t p = 0; p + 1 < parts.size(); ++p) {
+      parts[p][i] = (static_cast<int64_t>(i * 7 + p * 13) % 11 - 5) * (int64_t{1} << 30);
+      left -= parts[p][i];
+    }
+    parts.back()[i] = left;
+  }
+  Weights one(c, DType::f32);
+  fill_random(one, 1);
+  {
+    ShardedAdamW alone(one, nullptr, cfg);
+    for (int step = 0; step < 2; ++step) alone.step_fixed(whole, 1e-2f);
+  }
+  for (const int world : {2, 3}) {
+    INFO("world " << world);
+    const test::TempDir tmp("sharded-fixed");
+    std::vector<std::unique_ptr<Weights>> params;
+    for (int r = 0; r < world; ++r) {
+      params.push_back(std::make_unique<Weights>(c, DType::f32));
+      fill_random(*params.back(), 1);
+    }
+    on_ranks(world, tmp.file("store"), [&](int r, Communicator& comm) {
+      std::vector<int64_t> mine(whole.size(), 0);
+      for (size_t p = static_cast<size_t>(r); p < parts.size(); p += static_cast<size_t>(world))
+        for (size_t i = 0; i < mine.size(); ++i) mine[i] += parts[p][i];
+      ShardedAdamW sharded(*params[static_cast<size_t>(r)], &comm, cfg);
+      for (int step = 0; step < 2; ++step) sharded.step_fixed(mine, 1e-2f);
+    });
+    for (int r = 0; r < world; ++r)
+      for (size_t t = 0; t < one.storage().size(); ++t) {
+        INFO(one.storage()[t].name << " on rank " << r);
+        CHECK(test::max_abs_diff(test::to_f64(params[static_cast<size_t>(r)]->storage()[t].tensor),
+                                 test::to_f64(one.storage()[t].tensor)) == 0);
+      }
+  }
 }
 
 }  // namespace tandem::trainer
