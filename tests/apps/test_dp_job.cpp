@@ -1,6 +1,7 @@
 // The data-parallel GRPO job over real processes (tandem launch, Gloo on loopback): the weights
 // after three steps on 2 ranks (and 4, deterministic) against 1, rank 0 alone writing the outputs;
-// the start-up refusals of a world the batch does not allow; a rank killed mid-job.
+// the start-up refusals of a world the batch does not allow; a rank killed mid-job; a checkpoint
+// of 2 ranks resumed on 1.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -247,4 +248,27 @@ TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", 
   const size_t at = r.out.find("seconds ");
   REQUIRE(at != std::string::npos);
   CHECK(std::stoi(r.out.substr(at + 8)) <= 12);  // within distributed.timeout_s
+}
+
+TEST_CASE("a checkpoint written by 2 ranks resumes on 1 rank bitwise as if it had run alone",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-resume");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const std::string det = "trainer.deterministic=true";
+  const auto straight = train(tmp, job, 1, "one", det);
+  INFO(straight.out);
+  REQUIRE(straight.status == 0);
+  const auto first = train(tmp, job, 2, "run", det + " trainer.steps=2");
+  INFO(first.out);
+  REQUIRE(first.status == 0);
+  REQUIRE(fs::exists(tmp.file("run/ckpt/step-2")));
+  // The same job (trainer.steps = 3) resumed on one rank: the optimizer state gathered from 2
+  // ranks is this rank's whole range; the prompt stream continues where it was.
+  const auto rest = train(tmp, job, 1, "run", det);
+  INFO(rest.out);
+  REQUIRE(rest.status == 0);
+  CHECK(rest.out.find("resumed from") != std::string::npos);
+  CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("run/ckpt/step-3/policy")) ==
+        0);
 }
