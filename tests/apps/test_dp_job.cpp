@@ -272,3 +272,13 @@ TEST_CASE("a checkpoint written by 2 ranks resumes on 1 rank bitwise as if it ha
   CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("run/ckpt/step-3/policy")) ==
         0);
 }
+
+TEST_CASE("tandem train deterministic with dynamic sampling and batch-std on 2 ranks",
+          "[multiproc]") {
+  // Groups without reward variance dropped and refilled (3 refill rounds in a step here): the kept
+  // groups, the refills and the batch's advantage std are every rank's alike.
+  check_ranks_match(
+      "trainer.deterministic=true trainer.algorithm.dynamic_sampling=true "
+      "trainer.algorithm.advantage_scale=batch-std",
+      {2}, 1.0);
+}
