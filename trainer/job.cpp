@@ -653,12 +653,12 @@ void Job::evaluate() {
   result_.last_eval_accuracy = pass1;
 }
 
-// Collective on several ranks: they gather the optimizer state, rank 0 writes it.
+// Collective on several ranks: they send their optimizer state to rank 0, which writes it.
 void Job::checkpoint() {
   std::unique_ptr<AdamW> gathered;
   if (sharded_) {
-    gathered = std::make_unique<AdamW>(policy_, job_.trainer.optimizer);
-    sharded_->export_to(*gathered);
+    if (role_ == Role::writer) gathered = std::make_unique<AdamW>(policy_, job_.trainer.optimizer);
+    sharded_->export_to(gathered.get());
   }
   if (role_ != Role::writer) return;
   state_.extra["stream"] = stream_.state();

@@ -137,9 +137,10 @@ class ShardedAdamW {
   int64_t step_count() const { return counters_.step; }
   Communicator* comm() { return comm_; }
 
-  // The whole optimizer state into `full` (the same parameters' replicated AdamW, e.g. for a
-  // checkpoint): every rank's moments all-gathered, the counters copied. Collective.
-  void export_to(AdamW& full);
+  // The whole optimizer state into rank 0's `full` (the same parameters' replicated AdamW, e.g.
+  // for a checkpoint; null on the other ranks): every rank sends its moments to rank 0, which
+  // alone holds the whole state for the while. Collective.
+  void export_to(AdamW* full);
   // This rank's range of `full`'s moments, and its counters (e.g. from a checkpoint written by
   // any number of ranks).
   void import_from(const AdamW& full);
