@@ -1,5 +1,6 @@
 // The colocated GRPO job behind `tandem train`: rollout → rewards → advantages → (dynamic
-// sampling) → update → weight publish → metrics, eval and checkpoints, in one process.
+// sampling) → update → weight publish → metrics, eval and checkpoints, on one rank or several
+// data-parallel ranks (docs/distributed.md).
 #pragma once
 
 #include <atomic>

@@ -257,6 +257,11 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("trainer.micro_batch_tokens", TANDEM_MEMBER(trainer.step.micro_batch_tokens),
               "Packed tokens per forward/backward at most."))
       .range(1, 1e9);
+  add(bind<J>("trainer.deterministic", TANDEM_MEMBER(trainer.step.deterministic),
+              "The same update bitwise on any number of data-parallel ranks: micro-batches never "
+              "span two groups, gradients summed in fixed point, the sharded optimizer on one rank "
+              "too (docs/distributed.md). Costs 8 bytes a parameter and a pass over the gradients "
+              "per micro-batch."));
   add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
               "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch); "
               "on whenever rollout.dtype differs from trainer.dtype."));
@@ -457,8 +462,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("eval.temperature", TANDEM_MEMBER(eval.temperature), "Sampling temperature of eval."))
       .range(0, 100);
   // placement
-  add(bind<J>("placement.mode", TANDEM_MEMBER(placement.mode),
-              "Rollout and trainer placement; one process for now."))
+  add(bind<J>(
+          "placement.mode", TANDEM_MEMBER(placement.mode),
+          "Rollout and trainer placement: colocated (each rank trains and runs a rollout engine)."))
       .one_of({"colocated"});
   add(bind<J>("placement.device", TANDEM_MEMBER(placement.device), "Where the job runs."))
       .one_of({"cpu", "cuda"});
@@ -471,6 +477,11 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there; "
               "elsewhere slower than f32). Weights, optimizer and all other ops stay f32."))
       .one_of({"f32", "bf16"});
+  add(bind<J>("placement.ranks", TANDEM_MEMBER(placement.ranks),
+              "Data-parallel ranks (colocated: each trains and runs a rollout engine), started by "
+              "`tandem launch --nproc N` (or mpirun, srun, torchrun); 0: as many as the launcher "
+              "started. rollout.prompts_per_step must be a multiple of it (docs/distributed.md)."))
+      .range(0, 4096);
   // distributed
   add(bind<J>("distributed.timeout_s", TANDEM_MEMBER(distributed.timeout_s),
               "Seconds that bound the rendezvous, every store wait and every collective: a dead "

@@ -135,6 +135,9 @@ struct PlacementSection {
   // The arithmetic of every CPU matmul, rollout and training alike: "f32", or "bf16" (operands
   // rounded to bf16, sums in f32; AMX tiles where the CPU has them).
   std::string cpu_matmul = "f32";
+  // Data-parallel ranks, each a trainer with its own rollout engine (colocated); 0: as many as
+  // the launcher started (tandem launch --nproc, mpirun, srun, torchrun; 1 without one).
+  int64_t ranks = 0;
 };
 
 // Multi-rank jobs (docs/distributed.md): the Communicator's store, coordinator and timeout.

@@ -1,7 +1,11 @@
-// AdamW: decay exclusions, clipping, skipping, and the per-tensor fused kernel calls.
+// AdamW: decay exclusions, clipping, skipping, and the per-tensor fused kernel calls; the sharded
+// form's reduce-scatter, range update and all-gather.
 #include "trainer/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <string>
 
 #include "core/error.h"
@@ -126,6 +130,241 @@ StepResult AdamW::step(const model::Weights& grads, float lr, model::Weights* pa
   counters_.consecutive_skips = 0;
   r.step = counters_.step;
   return r;
+}
+
+std::vector<double> gather_doubles(Communicator& comm, std::span<const double> mine) {
+  static_assert(sizeof(double) == sizeof(int64_t));
+  std::vector<double> in(mine.begin(), mine.end());
+  std::vector<double> out(in.size() * static_cast<size_t>(comm.size()));
+  const auto n = static_cast<int64_t>(in.size());
+  comm.all_gather(Tensor::wrap(in.data(), {n}, DType::i64),
+                  Tensor::wrap(out.data(), {n * comm.size()}, DType::i64));
+  return out;
+}
+
+ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config)
+    : params_(params),
+      comm_(comm),
+      config_(config),
+      rank_(comm != nullptr ? comm->rank() : 0),
+      world_(comm != nullptr ? comm->size() : 1) {
+  config_.validate();
+  TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
+               "optimizer: sharded AdamW needs f32 master weights on the CPU, got {}",
+               params.dtype());
+  for (const model::NamedTensor& s : params.storage()) {
+    starts_.push_back(total_);
+    total_ += s.tensor.numel();
+    decay_.push_back(AdamW::decays(config_, s.name));
+  }
+  // Even ranges of whole norm blocks.
+  const int64_t blocks = (total_ + kNormBlock - 1) / kNormBlock;
+  shard_ = (blocks + world_ - 1) / world_ * kNormBlock;
+  begin_ = std::min(total_, rank_ * shard_);
+  end_ = std::min(total_, begin_ + shard_);
+  m_ = Tensor::zeros({shard_}, DType::f32);
+  v_ = Tensor::zeros({shard_}, DType::f32);
+  grad_ = Tensor::zeros({shard_}, DType::f32);
+  // 8 bytes an element: step_fixed stages int64.
+  stage_ = Tensor::zeros({2 * world_ * std::min(shard_, kStageElements)}, DType::f32);
+}
+
+template <class Fn>
+void ShardedAdamW::for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const {
+  hi = std::min(hi, total_);
+  if (lo >= hi) return;
+  auto t = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), lo) -
+                               starts_.begin() - 1);
+  for (int64_t at = lo; at < hi; ++t) {
+    const int64_t tensor_end = starts_[t] + params_.storage()[t].tensor.numel();
+    const int64_t len = std::min(hi, tensor_end) - at;
+    fn(t, at - starts_[t], at - lo, len);
+    at += len;
+  }
+}
+
+StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
+  TANDEM_CHECK(grads.dtype() == DType::f32 && grads.storage().size() == starts_.size(),
+               "optimizer: the gradients belong to another model");
+  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
+  float* stage = stage_.data_as<float>();
+  float* grad = grad_.data_as<float>();
+
+  // Gradients: chunk k of every rank's range staged side by side, summed into this rank's.
+  for (int64_t k = 0; k < shard_; k += chunk) {
+    const int64_t len = std::min(chunk, shard_ - k);
+    std::fill(stage, stage + n * len, 0.0f);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t lo = r * shard_ + k;
+      for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+        std::memcpy(stage + r * len + at, grads.storage()[t].tensor.data_as<float>() + off,
+                    static_cast<size_t>(count) * sizeof(float));
+      });
+    }
+    if (comm_ != nullptr)
+      comm_->reduce_scatter(Tensor::wrap(stage, {n * len}, DType::f32),
+                            Tensor::wrap(grad + k, {len}, DType::f32));
+    else
+      std::copy(stage, stage + len, grad + k);
+  }
+
+  // The global norm: each rank's sum of squares, summed in rank order on every rank.
+  double squares = 0;
+  for (int64_t i = 0; i < end_ - begin_; ++i)
+    squares += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
+  double total = 0;
+  if (comm_ == nullptr)
+    total = squares;
+  else
+    for (const double s : gather_doubles(*comm_, std::span<const double>(&squares, 1))) total += s;
+  return update(static_cast<float>(std::sqrt(total)), lr);
+}
+
+StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
+  TANDEM_CHECK(static_cast<int64_t>(fixed.size()) == total_,
+               "optimizer: {} fixed-point gradients for {} parameters", fixed.size(), total_);
+  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
+  auto* stage = static_cast<int64_t*>(stage_.data());
+  Tensor sum = Tensor::empty({std::min(chunk, shard_)}, DType::i64);
+  auto* summed = sum.data_as<int64_t>();
+  float* grad = grad_.data_as<float>();
+  bool finite = true;
+  for (int64_t k = 0; k < shard_; k += chunk) {
+    const int64_t len = std::min(chunk, shard_ - k);
+    std::fill(stage, stage + n * len, int64_t{0});
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t lo = std::min(total_, r * shard_ + k);
+      const int64_t hi = std::min(total_, lo + len);
+      std::copy(fixed.begin() + lo, fixed.begin() + hi, stage + r * len);
+    }
+    if (comm_ != nullptr)
+      comm_->reduce_scatter(Tensor::wrap(stage, {n * len}, DType::i64),
+                            Tensor::wrap(summed, {len}, DType::i64));
+    else
+      std::copy(stage, stage + len, summed);
+    // A rank's kFixedInvalid poisons the sum: any sum this far from the others' is taken for it.
+    for (int64_t i = 0; i < len; ++i) {
+      if (summed[i] <= INT64_MIN / 2 || summed[i] >= INT64_MAX / 2) finite = false;
+      grad[k + i] = static_cast<float>(std::ldexp(static_cast<double>(summed[i]), -kFixedBits));
+    }
+  }
+  // Partial sums of squares of whole blocks, in block order on every rank.
+  std::vector<double> partial;
+  for (int64_t b = 0; b < shard_; b += kNormBlock) {
+    double s = 0;
+    for (int64_t i = b; i < std::min(b + kNormBlock, end_ - begin_); ++i)
+      s += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
+    partial.push_back(finite ? s : std::numeric_limits<double>::quiet_NaN());
+  }
+  double total = 0;
+  const std::vector<double> all = comm_ != nullptr ? gather_doubles(*comm_, partial) : partial;
+  const auto blocks = static_cast<size_t>((total_ + kNormBlock - 1) / kNormBlock);
+  for (size_t b = 0; b < all.size(); ++b) total += b < blocks || std::isnan(all[b]) ? all[b] : 0;
+  return update(static_cast<float>(std::sqrt(total)), lr);
+}
+
+StepResult ShardedAdamW::update(float norm, float lr) {
+  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
+               "optimizer: learning rate {} must be finite and >= 0", lr);
+  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
+  float* stage = stage_.data_as<float>();
+  float* grad = grad_.data_as<float>();
+  StepResult r;
+  r.lr = lr;
+  r.grad_norm = norm;
+  if (!std::isfinite(r.grad_norm)) {
+    ++counters_.skipped_total;
+    ++counters_.consecutive_skips;
+    r.skipped = true;
+    r.clip_scale = 0.0f;
+    r.step = counters_.step;
+    r.consecutive_skips = counters_.consecutive_skips;
+    TANDEM_CHECK(counters_.consecutive_skips < config_.max_consecutive_skips,
+                 "optimizer: the gradient norm was {} (not finite) in {} steps in a row "
+                 "(optimizer.max_consecutive_skips = {}): training diverged; lower the learning "
+                 "rate or resume from an earlier checkpoint",
+                 r.grad_norm, counters_.consecutive_skips, config_.max_consecutive_skips);
+    return r;
+  }
+  if (config_.max_grad_norm > 0.0f && r.grad_norm > config_.max_grad_norm)
+    r.clip_scale = config_.max_grad_norm / (r.grad_norm + 1e-6f);
+
+  ops::AdamWParams p;
+  p.lr = lr;
+  p.beta1 = config_.beta1;
+  p.beta2 = config_.beta2;
+  p.eps = config_.eps;
+  p.step = counters_.step + 1;
+  p.grad_scale = r.clip_scale;
+  for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+    p.weight_decay = decay_[t] ? config_.weight_decay : 0.0f;
+    const Tensor& param = params_.storage()[t].tensor;
+    ops::adamw(flat(param).narrow(off, count), grad_.narrow(at, count), m_.narrow(at, count),
+               v_.narrow(at, count), p);
+  });
+
+  // Every rank's updated range into every rank's parameters.
+  for (int64_t k = 0; comm_ != nullptr && k < shard_; k += chunk) {
+    const int64_t len = std::min(chunk, shard_ - k);
+    float* mine = grad + k;  // the gradient chunk is spent: it carries this rank's parameters
+    std::fill(mine, mine + len, 0.0f);
+    for_each_piece(begin_ + k, begin_ + k + len,
+                   [&](size_t t, int64_t off, int64_t at, int64_t count) {
+                     std::memcpy(mine + at, params_.storage()[t].tensor.data_as<float>() + off,
+                                 static_cast<size_t>(count) * sizeof(float));
+                   });
+    comm_->all_gather(Tensor::wrap(mine, {len}, DType::f32),
+                      Tensor::wrap(stage, {n * len}, DType::f32));
+    for (int64_t q = 0; q < n; ++q) {
+      if (q == rank_) continue;
+      const int64_t lo = q * shard_ + k;
+      for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+        std::memcpy(params_.storage()[t].tensor.data_as<float>() + off, stage + q * len + at,
+                    static_cast<size_t>(count) * sizeof(float));
+      });
+    }
+  }
+  ++counters_.step;
+  counters_.consecutive_skips = 0;
+  r.step = counters_.step;
+  return r;
+}
+
+void ShardedAdamW::export_to(AdamW* full) {
+  TANDEM_CHECK((full != nullptr) == (rank_ == 0),
+               "optimizer: rank 0, and only rank 0, gathers the whole state");
+  if (rank_ != 0) {
+    const P2POp ops[] = {send_to(0, m_), send_to(0, v_)};
+    comm_->send_recv(ops);
+    return;
+  }
+  Tensor m = Tensor::empty({world_ * shard_}, DType::f32);
+  Tensor v = Tensor::empty({world_ * shard_}, DType::f32);
+  m.narrow(0, shard_).copy_from(m_);
+  v.narrow(0, shard_).copy_from(v_);
+  std::vector<P2POp> ops;
+  for (int r = 1; r < world_; ++r) {
+    ops.push_back(recv_from(r, m.narrow(r * shard_, shard_)));
+    ops.push_back(recv_from(r, v.narrow(r * shard_, shard_)));
+  }
+  if (!ops.empty()) comm_->send_recv(ops);
+  for (auto [all, into] : {std::pair{&m, &full->m()}, std::pair{&v, &full->v()}}) {
+    for_each_piece(0, total_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+      std::memcpy(into->storage()[t].tensor.data_as<float>() + off, all->data_as<float>() + at,
+                  static_cast<size_t>(count) * sizeof(float));
+    });
+  }
+  full->set_counters(counters_);
+}
+
+void ShardedAdamW::import_from(const AdamW& full) {
+  for (auto [from, into] : {std::pair{&full.m(), &m_}, std::pair{&full.v(), &v_}}) {
+    for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+      std::memcpy(into->data_as<float>() + at, from->storage()[t].tensor.data_as<float>() + off,
+                  static_cast<size_t>(count) * sizeof(float));
+    });
+  }
+  counters_ = full.counters();
 }
 
 }  // namespace tandem::trainer

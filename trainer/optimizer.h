@@ -1,12 +1,15 @@
 // AdamW over a model's fused f32 master weights: moments in two more Weights objects, weight-decay
-// exclusions per storage tensor, global-norm gradient clipping, and skipping of non-finite steps.
+// exclusions per storage tensor, global-norm gradient clipping, and skipping of non-finite steps;
+// and its ZeRO form over data-parallel ranks, each owning the moments of one range of parameters.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
+#include "core/comm.h"
 #include "model/weights.h"
 
 namespace tandem::trainer {
@@ -82,6 +85,84 @@ class AdamW {
   AdamWConfig config_;
   std::unique_ptr<model::Weights> m_, v_;
   std::vector<bool> decay_;  // per storage tensor
+  AdamWCounters counters_;
+};
+
+// Every rank's `mine` (the same length on every rank), concatenated in rank order: the doubles a
+// rank then sums or compares in that order, identically on every rank. Collective.
+std::vector<double> gather_doubles(Communicator& comm, std::span<const double> mine);
+
+inline constexpr int64_t kFixedInvalid = INT64_MIN;
+
+// AdamW sharded over the ranks of `comm` (ZeRO-1/2). The parameters' elements in storage order
+// (each storage tensor flattened, one after the other: P in all) are split into even ranges,
+// rank r owning [r S, min((r + 1) S, P)) with S = ceil(P / N): the f32 moments of that range
+// only, and the gradients summed over the ranks into it (reduce-scatter). The update of the range
+// follows (weight decay decided per storage tensor, a range may cross tensors), then every
+// rank's range is all-gathered into every rank's full parameters. Clipping and the non-finite
+// skip use the global norm, the same on every rank. Collectives go through a staging buffer of
+// N * kStageElements floats.
+class ShardedAdamW {
+ public:
+  static constexpr int64_t kStageElements = int64_t{1} << 20;
+  static constexpr int kFixedBits = 40;        // step_fixed: gradients in units of 2^-40
+  static constexpr int64_t kNormBlock = 4096;  // step_fixed: elements per partial norm
+  // comm: null for one rank (the deterministic update's optimizer on one rank).
+  ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config = {});
+  ShardedAdamW(const ShardedAdamW&) = delete;
+  ShardedAdamW& operator=(const ShardedAdamW&) = delete;
+
+  // One update with this rank's gradients (f32, same model, read only; summed over the ranks
+  // here). Collective: every rank calls it with its gradients.
+  StepResult step(const model::Weights& grads, float lr);
+  // The same with this rank's gradients in fixed point (P values, storage order, units of
+  // 2^-kFixedBits; kFixedInvalid where not finite): summed exactly over the ranks, the norm summed
+  // in blocks of kNormBlock elements in block order (ranges are whole blocks), so that the update
+  // is the same bitwise whatever the number of ranks.
+  StepResult step_fixed(std::span<const int64_t> fixed, float lr);
+
+  int64_t begin() const { return begin_; }  // this rank's range of the flat parameters
+  int64_t end() const { return end_; }
+  int64_t total() const { return total_; }  // P
+  // Bytes of this rank's optimizer state: moments and the gradient range (f32).
+  int64_t state_bytes() const { return 3 * 4 * (end_ - begin_); }
+  const Tensor& m() const { return m_; }  // (end - begin) first moments of the range
+  const Tensor& v() const { return v_; }
+  Tensor& m() { return m_; }
+  Tensor& v() { return v_; }
+  const AdamWConfig& config() const { return config_; }
+  model::Weights& params() { return params_; }
+  const AdamWCounters& counters() const { return counters_; }
+  void set_counters(const AdamWCounters& c) { counters_ = c; }
+  int64_t step_count() const { return counters_.step; }
+  Communicator* comm() { return comm_; }
+
+  // The whole optimizer state into rank 0's `full` (the same parameters' replicated AdamW, e.g.
+  // for a checkpoint; null on the other ranks): every rank sends its moments to rank 0, which
+  // alone holds the whole state for the while. Collective.
+  void export_to(AdamW* full);
+  // This rank's range of `full`'s moments, and its counters (e.g. from a checkpoint written by
+  // any number of ranks).
+  void import_from(const AdamW& full);
+
+ private:
+  // Calls fn(tensor index, offset in the tensor, offset in [lo, hi), length) for each piece of
+  // the flat range [lo, hi) that lies in one storage tensor.
+  template <class Fn>
+  void for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const;
+
+  // The update of the range from grad_ under the global norm, then the ranges all-gathered.
+  StepResult update(float norm, float lr);
+
+  model::Weights& params_;
+  Communicator* comm_;
+  AdamWConfig config_;
+  int rank_ = 0, world_ = 1;
+  int64_t total_ = 0, shard_ = 0, begin_ = 0, end_ = 0;
+  std::vector<int64_t> starts_;  // flat offset of each storage tensor
+  std::vector<bool> decay_;      // per storage tensor
+  Tensor m_, v_, grad_;          // (shard_) each; the tail past end_ stays zero
+  Tensor stage_;                 // (N * kStageElements)
   AdamWCounters counters_;
 };
 

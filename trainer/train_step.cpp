@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "core/error.h"
 
@@ -26,7 +27,8 @@ int64_t completion_tokens(std::span<const TrainSample> samples) {
 // predecessor's prompt in the same micro-batch adds only its completion's tokens (see
 // PackedBatch::from_prompts); a group split over two micro-batches packs its prompt in both.
 std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample> samples,
-                                                     int64_t budget, bool share_prompts) {
+                                                     int64_t budget, bool share_prompts,
+                                                     bool by_group) {
   using Pair = model::PackedBatch::PromptCompletion;
   std::vector<std::pair<size_t, size_t>> out;
   size_t begin = 0;
@@ -36,7 +38,8 @@ std::vector<std::pair<size_t, size_t>> micro_batches(std::span<const TrainSample
     const Pair previous = i > 0 ? Pair{samples[i - 1].prompt, samples[i - 1].completion} : Pair{};
     const int64_t n =
         model::PackedBatch::rows_added(pair, i > begin ? &previous : nullptr, share_prompts);
-    if (i > begin && tokens + n > budget) {
+    if (i > begin &&
+        (tokens + n > budget || (by_group && samples[i].group != samples[i - 1].group))) {
       out.emplace_back(begin, i);
       begin = i;
       tokens = model::PackedBatch::rows_added(pair, nullptr, share_prompts);  // packs its prompt
@@ -57,6 +60,95 @@ model::PackedBatch pack(std::span<const TrainSample> samples, bool share_prompts
   return model::PackedBatch::from_prompts(pairs, share_prompts);
 }
 
+// Adds `grads` (storage order, flattened) to `fixed` in units of 2^-kFixedBits; a non-finite or
+// too large value is carried as kFixedInvalid, which the optimizer takes for a non-finite norm.
+void add_fixed(const model::Weights& grads, std::vector<int64_t>& fixed) {
+  size_t k = 0;
+  for (const model::NamedTensor& s : grads.storage()) {
+    const float* g = s.tensor.data_as<float>();
+    for (int64_t i = 0; i < s.tensor.numel(); ++i, ++k) {
+      const double x = std::ldexp(static_cast<double>(g[i]), ShardedAdamW::kFixedBits);
+      if (fixed[k] == kFixedInvalid || !(std::abs(x) < 0x1p61)) {
+        fixed[k] = kFixedInvalid;
+        continue;
+      }
+      fixed[k] += std::llrint(x);
+    }
+  }
+}
+
+// The batch's metrics from every rank's: sums summed, extremes of the extremes, the step's
+// counters (the same on every rank) kept.
+void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
+  PolicyLossMetrics& p = m.policy;
+  std::vector<double> sums = {m.loss,
+                              static_cast<double>(m.tokens),
+                              static_cast<double>(m.packed_tokens),
+                              m.rollout_vs_trainer_mean_abs * static_cast<double>(m.tokens),
+                              static_cast<double>(p.tokens),
+                              static_cast<double>(p.sequences),
+                              p.pg_loss,
+                              p.kl_loss,
+                              p.entropy_loss,
+                              static_cast<double>(p.clipped_low),
+                              static_cast<double>(p.clipped_high),
+                              static_cast<double>(p.clipped_dual),
+                              p.kl_old_k1_sum,
+                              p.kl_old_k3_sum,
+                              p.kl_ref_sum,
+                              p.entropy_sum,
+                              p.ratio_sum,
+                              p.is_weight_sum,
+                              static_cast<double>(p.is_capped),
+                              static_cast<double>(p.mismatch_tokens),
+                              p.mismatch_abs_sum,
+                              p.mismatch_mult_sum};
+  std::vector<double> maxes = {
+      m.rollout_vs_trainer_max_abs, -p.ratio_min,  p.ratio_max,   -p.is_weight_min, p.is_weight_max,
+      p.mismatch_abs_max,           m.seconds_old, m.seconds_ref, m.seconds_update};
+  const std::vector<double> all_sums = gather_doubles(comm, sums);
+  const std::vector<double> all_maxes = gather_doubles(comm, maxes);
+  std::vector<double> a(sums.size(), 0.0),
+      b(maxes.size(), -std::numeric_limits<double>::infinity());
+  for (int r = 0; r < comm.size(); ++r) {
+    for (size_t i = 0; i < a.size(); ++i) a[i] += all_sums[static_cast<size_t>(r) * a.size() + i];
+    for (size_t i = 0; i < b.size(); ++i)
+      b[i] = std::max(b[i], all_maxes[static_cast<size_t>(r) * b.size() + i]);
+  }
+  const auto i64 = [](double v) { return static_cast<int64_t>(std::llround(v)); };
+  m.loss = a[0];
+  m.tokens = i64(a[1]);
+  m.packed_tokens = i64(a[2]);
+  m.rollout_vs_trainer_mean_abs = m.tokens > 0 ? a[3] / static_cast<double>(m.tokens) : 0;
+  p.tokens = i64(a[4]);
+  p.sequences = i64(a[5]);
+  p.pg_loss = a[6];
+  p.kl_loss = a[7];
+  p.entropy_loss = a[8];
+  p.clipped_low = i64(a[9]);
+  p.clipped_high = i64(a[10]);
+  p.clipped_dual = i64(a[11]);
+  p.kl_old_k1_sum = a[12];
+  p.kl_old_k3_sum = a[13];
+  p.kl_ref_sum = a[14];
+  p.entropy_sum = a[15];
+  p.ratio_sum = a[16];
+  p.is_weight_sum = a[17];
+  p.is_capped = i64(a[18]);
+  p.mismatch_tokens = i64(a[19]);
+  p.mismatch_abs_sum = a[20];
+  p.mismatch_mult_sum = a[21];
+  m.rollout_vs_trainer_max_abs = b[0];
+  p.ratio_min = -b[1];
+  p.ratio_max = b[2];
+  p.is_weight_min = -b[3];
+  p.is_weight_max = b[4];
+  p.mismatch_abs_max = b[5];
+  m.seconds_old = b[6];
+  m.seconds_ref = b[7];
+  m.seconds_update = b[8];
+}
+
 }  // namespace
 
 void TrainStepConfig::validate() const {
@@ -73,17 +165,40 @@ PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* refer
                              const TrainStepConfig& config)
     : policy_(policy),
       reference_(reference),
-      optimizer_(optimizer),
+      optimizer_(&optimizer),
       schedule_(schedule),
       config_(config),
       grads_(policy.config(), DType::f32, policy.device(), ArenaClass::gradients),
       decoder_(std::make_unique<model::Decoder>(
           policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})) {
+  TANDEM_CHECK(&optimizer.params() == &policy_, "trainer: the optimizer updates other weights");
+  init();
+}
+
+PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* reference,
+                             ShardedAdamW& optimizer, const LrSchedule& schedule,
+                             const TrainStepConfig& config)
+    : policy_(policy),
+      reference_(reference),
+      sharded_(&optimizer),
+      schedule_(schedule),
+      config_(config),
+      grads_(policy.config(), DType::f32, policy.device(), ArenaClass::gradients),
+      decoder_(std::make_unique<model::Decoder>(
+          policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})),
+      comm_(optimizer.comm()) {
+  TANDEM_CHECK(&optimizer.params() == &policy_, "trainer: the optimizer updates other weights");
+  init();
+}
+
+void PolicyTrainer::init() {
   config_.validate();
+  TANDEM_CHECK(!config_.deterministic || sharded_ != nullptr,
+               "trainer: the deterministic update needs the sharded optimizer (on one rank too)");
+  if (config_.deterministic) fixed_.assign(static_cast<size_t>(sharded_->total()), 0);
   share_ = config_.share_prompts && policy_.device().is_cpu();
   TANDEM_CHECK(config_.loss.kl_beta == 0 || reference_ != nullptr,
                "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
-  TANDEM_CHECK(&optimizer_.params() == &policy_, "trainer: the optimizer updates other weights");
   if (reference_ != nullptr) {
     ref_decoder_ = std::make_unique<model::Decoder>(
         *reference_, model::DecoderOptions{.max_tokens = config_.micro_batch_tokens});
@@ -112,7 +227,8 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
   std::vector<float> out;
   out.reserve(static_cast<size_t>(completion_tokens(samples)));
   if (entropy != nullptr) entropy->clear();
-  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
+  for (const auto& [b0, b1] :
+       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic)) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
@@ -131,7 +247,8 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
                                  const LossNormalisers& norm, TrainStepMetrics& metrics) {
   double loss = 0;
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
-  for (const auto& [b0, b1] : micro_batches(samples, config_.micro_batch_tokens, share_)) {
+  for (const auto& [b0, b1] :
+       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic)) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     const int64_t T = batch.num_tokens();
@@ -177,20 +294,39 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
       dlogprob.data_as<float>()[batch.head_rows[i]] = pl.dlogp[i];
       if (dentropy.defined()) dentropy.data_as<float>()[batch.head_rows[i]] = pl.dentropy[i];
     }
+    if (config_.deterministic) grads_.zero();
     decoder_->backward(dlogprob, dentropy, grads_);
+    if (config_.deterministic) add_fixed(grads_, fixed_);
     token0 += n;
   }
   return loss;
 }
 
-TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples) {
-  TANDEM_CHECK(!samples.empty(), "trainer: a step needs samples");
-  TANDEM_CHECK(samples.size() % static_cast<size_t>(config_.minibatches) == 0,
+TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
+                                     const BatchShard* shard) {
+  TANDEM_CHECK(shard == nullptr || (sharded_ != nullptr && comm_ != nullptr),
+               "trainer: a batch shard needs the sharded optimizer of several ranks");
+  TANDEM_CHECK(shard != nullptr || comm_ == nullptr,
+               "trainer: on several ranks a step needs this rank's shard of the batch");
+  TANDEM_CHECK(shard == nullptr || shard->positions.size() == samples.size(),
+               "trainer: {} samples and {} batch positions", samples.size(),
+               shard ? shard->positions.size() : 0);
+  const size_t batch = shard != nullptr ? shard->lengths.size() : samples.size();
+  TANDEM_CHECK(batch > 0, "trainer: a step needs samples");
+  TANDEM_CHECK(batch % static_cast<size_t>(config_.minibatches) == 0,
                "trainer: {} minibatches do not divide a batch of {} samples", config_.minibatches,
-               samples.size());
+               batch);
+  // The batch position of each sample.
+  std::vector<size_t> position(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) {
+    position[i] = shard != nullptr ? shard->positions[i] : i;
     TANDEM_CHECK(!samples[i].prompt.empty() && !samples[i].completion.empty(),
                  "trainer: sample {} needs a prompt and at least one completion token", i);
+    TANDEM_CHECK(
+        shard == nullptr ||
+            (position[i] < batch && (i == 0 || position[i] > position[i - 1]) &&
+             shard->lengths[position[i]] == static_cast<int64_t>(samples[i].completion.size())),
+        "trainer: sample {} does not match entry {} of the batch", i, position[i]);
   }
   TrainStepMetrics m;
   m.tokens = completion_tokens(samples);
@@ -220,22 +356,37 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples) {
   m.seconds_ref = seconds_since(t0);
 
   t0 = std::chrono::steady_clock::now();
-  const size_t per_mb = samples.size() / static_cast<size_t>(config_.minibatches);
+  // Minibatch mb is entries [mb * per_mb, (mb + 1) * per_mb) of the batch; this rank trains the
+  // ones it holds, normalised by the whole minibatch's tokens and sequences.
+  const size_t per_mb = batch / static_cast<size_t>(config_.minibatches);
   for (int epoch = 0; epoch < config_.epochs; ++epoch) {
     size_t token0 = 0;
     for (int mb = 0; mb < config_.minibatches; ++mb) {
-      const auto part = samples.subspan(static_cast<size_t>(mb) * per_mb, per_mb);
+      const size_t g0 = static_cast<size_t>(mb) * per_mb, g1 = g0 + per_mb;
+      const auto l0 = static_cast<size_t>(std::lower_bound(position.begin(), position.end(), g0) -
+                                          position.begin());
+      const auto l1 = static_cast<size_t>(std::lower_bound(position.begin(), position.end(), g1) -
+                                          position.begin());
+      const auto part = samples.subspan(l0, l1 - l0);
       const int64_t tokens = completion_tokens(part);
-      const LossNormalisers norm{tokens, static_cast<int64_t>(part.size())};
+      int64_t mb_tokens = tokens;
+      if (shard != nullptr) {
+        mb_tokens = 0;
+        for (size_t i = g0; i < g1; ++i) mb_tokens += shard->lengths[i];
+      }
+      const LossNormalisers norm{mb_tokens, static_cast<int64_t>(per_mb)};
       grads_.zero();
+      if (config_.deterministic) std::fill(fixed_.begin(), fixed_.end(), 0);
       const auto old_part =
           std::span<const float>(old).subspan(token0, static_cast<size_t>(tokens));
       const auto ref_part =
           ref.empty() ? std::span<const float>()
                       : std::span<const float>(ref).subspan(token0, static_cast<size_t>(tokens));
-      m.loss += accumulate(part, old_part, ref_part, norm, m);
+      if (!part.empty()) m.loss += accumulate(part, old_part, ref_part, norm, m);
       m.lr = schedule_.lr_at(optimizer_steps_);
-      const StepResult r = optimizer_.step(grads_, m.lr);
+      const StepResult r = config_.deterministic ? sharded_->step_fixed(fixed_, m.lr)
+                           : sharded_ != nullptr ? sharded_->step(grads_, m.lr)
+                                                 : optimizer_->step(grads_, m.lr);
       m.grad_norm = r.grad_norm;
       if (r.skipped) ++m.skipped_steps;
       ++m.optimizer_steps;
@@ -244,6 +395,7 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples) {
     }
   }
   m.seconds_update = seconds_since(t0);
+  if (shard != nullptr) reduce_metrics(*comm_, m);
   return m;
 }
 

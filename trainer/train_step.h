@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "core/comm.h"
 #include "model/decoder.h"
 #include "model/weights.h"
 #include "trainer/grpo.h"
@@ -24,6 +25,7 @@ struct TrainSample {
   std::vector<int32_t> completion;  // >= 1 token
   std::vector<float> rollout_logp;  // (completion), the engine's logprobs
   float advantage = 0;
+  int64_t group = 0;  // the prompt's group: deterministic micro-batches never span two
 };
 
 struct TrainStepConfig {
@@ -39,6 +41,10 @@ struct TrainStepConfig {
   // logprobs bitwise, gradients equal up to rounding, fewer tokens through the network. CPU only:
   // on CUDA each sample is packed whole.
   bool share_prompts = true;
+  // The same update bitwise whatever the number of data-parallel ranks: micro-batches never span
+  // two groups, each one's gradient is added in 2^-40 fixed point (exact, in any order), and the
+  // optimizer sums the gradient norm in fixed blocks. Needs a ShardedAdamW, on one rank too.
+  bool deterministic = false;
   void validate() const;
 };
 
@@ -56,16 +62,32 @@ struct TrainStepMetrics {
   double seconds_old = 0, seconds_ref = 0, seconds_update = 0;
 };
 
+// This rank's part of a batch trained by several data-parallel ranks: its i-th sample is entry
+// positions[i] of the batch (ascending), and `lengths` holds the completion tokens of every sample
+// of the batch (the same on every rank), so that minibatch boundaries and loss normalisers are
+// the batch's, whichever rank holds a sample.
+struct BatchShard {
+  std::vector<size_t> positions;
+  std::vector<int64_t> lengths;
+};
+
 class PolicyTrainer {
  public:
   // policy: the f32 master weights that `optimizer` updates; reference: frozen weights for the
   // KL term (may be null when loss.kl_beta == 0). All outlive the trainer.
   PolicyTrainer(model::Weights& policy, const model::Weights* reference, AdamW& optimizer,
                 const LrSchedule& schedule, const TrainStepConfig& config);
+  // The same as one of several data-parallel ranks, each training its share of every batch with
+  // its part of the optimizer (ZeRO): the ranks of optimizer.comm().
+  PolicyTrainer(model::Weights& policy, const model::Weights* reference, ShardedAdamW& optimizer,
+                const LrSchedule& schedule, const TrainStepConfig& config);
   ~PolicyTrainer();
 
-  // One training step (mu * minibatches optimizer steps) on these samples.
-  TrainStepMetrics step(std::span<const TrainSample> samples);
+  // One training step (mu * minibatches optimizer steps) on these samples. On several ranks
+  // `shard` is required and `samples` is this rank's part of the batch: the sharded optimizer sums
+  // the gradients over the ranks (every rank takes the same step) and the returned metrics are
+  // the batch's.
+  TrainStepMetrics step(std::span<const TrainSample> samples, const BatchShard* shard = nullptr);
   // The logprobs of every completion token under `weights` (training forward), concatenated in
   // sample order, and optionally the entropies.
   std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
@@ -78,6 +100,7 @@ class PolicyTrainer {
   void set_steps_done(int64_t steps) { optimizer_steps_ = steps; }
 
  private:
+  void init();
   // d loss / d theta of one minibatch accumulated into grads_; returns the loss.
   double accumulate(std::span<const TrainSample> samples, std::span<const float> old_logp,
                     std::span<const float> ref_logp, const LossNormalisers& norm,
@@ -85,13 +108,16 @@ class PolicyTrainer {
 
   model::Weights& policy_;
   const model::Weights* reference_;
-  AdamW& optimizer_;
+  AdamW* optimizer_ = nullptr;
+  ShardedAdamW* sharded_ = nullptr;
   const LrSchedule& schedule_;
   TrainStepConfig config_;
   model::Weights grads_;
+  std::vector<int64_t> fixed_;  // deterministic: the minibatch's gradient in fixed point
   std::unique_ptr<model::Decoder> decoder_;
   std::unique_ptr<model::Decoder> ref_decoder_;  // planned once when there is a reference
   int64_t optimizer_steps_ = 0;
+  Communicator* comm_ = nullptr;
   bool share_;  // config_.share_prompts where the device supports it
 };
 

@@ -1,0 +1,284 @@
+// The data-parallel GRPO job over real processes (tandem launch, Gloo on loopback): the weights
+// after three steps on 2 ranks (and 4, deterministic) against 1, rank 0 alone writing the outputs;
+// the start-up refusals of a world the batch does not allow; a rank killed mid-job; a checkpoint
+// of 2 ranks resumed on 1.
+#include <fmt/format.h>
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "model/hf.h"
+#include "model/weights.h"
+#include "tests/model/tiny_model.h"
+#include "tests/testutil.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kRepo = TANDEM_SOURCE_DIR;
+
+std::string tandem_bin() { return std::string(TANDEM_BIN_DIR) + "/tandem"; }
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// A tiny random Llama (C=64, 2 layers) with SmolLM2's tokenizer, as an HF directory.
+void write_tiny_model(const std::string& dir) {
+  tandem::model::ModelConfig c =
+      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
+  c.vocab_size = 49152;
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  tandem::model::Weights w(c, tandem::DType::f32);
+  tandem::test::fill_random_weights(w, 17);
+  tandem::model::SaveOptions o;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+    o.extra_files[f] = read_bytes(kRepo / "tests/golden/smollm2" / f);
+  tandem::model::save_hf(w, dir, o);
+}
+
+std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
+  return tmp.write("job.toml", R"(
+[model]
+path = ")" + model + R"("
+[data]
+synthetic_size = 64
+max_prompt_tokens = 96
+[rollout]
+prompts_per_step = 4
+n = 4
+max_new_tokens = 8
+num_blocks = 64
+[trainer]
+steps = 3
+lr = 1e-3
+minibatches = 2
+[[rewards]]
+name = "has_e"
+function = "regex_format"
+pattern = '.*e.*'
+[checkpoint]
+every = 0
+[eval]
+every = 0
+[logging]
+samples_every = 1
+[distributed]
+timeout_s = 30
+)");
+}
+
+// `tandem train` of the job on `ranks` processes (1: without a launcher) into tmp/<name>.
+tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::string& job,
+                                  int ranks, const std::string& name,
+                                  const std::string& overrides = "") {
+  const std::string args = fmt::format("train {} logging.dir={} checkpoint.dir={} {}", job,
+                                       tmp.file(name), tmp.file(name + "/ckpt"), overrides);
+  if (ranks == 1) return tandem::test::run_tandem(args, true, 120);
+  return tandem::test::run_tandem(
+      fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120);
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// The largest |a - b| over every parameter of two HF directories.
+double max_weight_diff(const std::string& a, const std::string& b) {
+  const auto x = tandem::model::load_hf(a);
+  const auto y = tandem::model::load_hf(b);
+  double d = 0;
+  for (size_t t = 0; t < x->storage().size(); ++t) {
+    const float* p = x->storage()[t].tensor.data_as<float>();
+    const float* q = y->storage()[t].tensor.data_as<float>();
+    for (int64_t i = 0; i < x->storage()[t].tensor.numel(); ++i)
+      d = std::max(d, static_cast<double>(std::abs(p[i] - q[i])));
+  }
+  return d;
+}
+
+// Runs the job on 1 rank, then on each of `ranks`, with `overrides`; checks every step's batch,
+// metrics and optimizer memory (`state_factor` x 1 rank's / ranks), and that the weights after
+// 3 steps are those of 1 rank bitwise.
+void check_ranks_match(const std::string& overrides, std::initializer_list<int> ranks,
+                       double state_factor) {
+  const tandem::test::TempDir tmp("dp-job");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const auto one = train(tmp, job, 1, "one", overrides);
+  INFO(one.out);
+  REQUIRE(one.status == 0);
+  const auto a = step_lines(tmp.file("one/metrics.jsonl"));
+  REQUIRE(a.size() == 3);
+  const double moved = max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("model"));
+  CHECK(moved > 1e-3);
+
+  for (const int n : ranks) {
+    INFO(n << " ranks");
+    const std::string name = fmt::format("ranks{}", n);
+    const auto many = train(tmp, job, n, name, overrides);
+    INFO(many.out);
+    REQUIRE(many.status == 0);
+    // One progress line per step, from rank 0 only.
+    CHECK(many.out.find("[rank 0] step 3/3") != std::string::npos);
+    CHECK(many.out.find("[rank 1] step") == std::string::npos);
+    const auto b = step_lines(tmp.file(name + "/metrics.jsonl"));
+    REQUIRE(b.size() == 3);  // rank 0 alone appended to metrics.jsonl
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("step " << i + 1);
+      CHECK(b[i]["distributed/ranks"] == n);
+      // The same batch, whichever rank generated each group.
+      CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
+      CHECK(b[i]["response_tokens"] == a[i]["response_tokens"]);
+      CHECK(b[i]["reward/mean"].get<double>() == Approx(a[i]["reward/mean"].get<double>()));
+      CHECK(b[i]["loss"].get<double>() ==
+            Approx(a[i]["loss"].get<double>()).margin(1e-6).epsilon(1e-5));
+      CHECK(b[i]["grad_norm"].get<double>() ==
+            Approx(a[i]["grad_norm"].get<double>()).epsilon(1e-5));
+      CHECK(b[i]["memory/optimizer_state_mib"].get<double>() ==
+            Approx(a[i]["memory/optimizer_state_mib"].get<double>() * state_factor / n)
+                .epsilon(1e-2));
+    }
+    const double diff =
+        max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file(name + "/ckpt/step-3/policy"));
+    INFO("max |w1 - w" << n << "| " << diff << " of weights that moved by up to " << moved);
+    CHECK(diff == 0);
+  }
+}
+
+}  // namespace
+
+// Each minibatch (2 groups) lies on one rank: summed over the ranks it is one rank's sum, so the
+// weights are equal bitwise. Where a minibatch spans ranks (4 ranks) the sum is rounded in another
+// order, and the next rollouts of a tiny random model sample other tokens from the slightly
+// different weights: that needs trainer.deterministic.
+TEST_CASE("tandem train on 2 ranks ends with the weights of 1 rank", "[multiproc]") {
+  // Moments and gradient range of 1 / ranks of the parameters, against two moments of all.
+  check_ranks_match("", {2}, 1.5);
+}
+
+TEST_CASE("tandem train deterministic on 2 and 4 ranks ends with the weights of 1 rank",
+          "[multiproc]") {
+  check_ranks_match("trainer.deterministic=true", {2, 4}, 1.0);
+}
+
+TEST_CASE("tandem train refuses a world the batch does not allow before writing anything",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-refuse");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  SECTION("prompts_per_step not a multiple of the ranks") {
+    const auto r = train(tmp, job, 3, "run");
+    INFO(r.out);
+    CHECK(r.status != 0);
+    CHECK(r.out.find("rollout.prompts_per_step = 4 is not a multiple of the 3 ranks") !=
+          std::string::npos);
+    CHECK(!fs::exists(tmp.file("run")));
+  }
+  SECTION("placement.ranks other than the launcher's") {
+    const auto r = train(tmp, job, 1, "run", "placement.ranks=2");
+    INFO(r.out);
+    CHECK(r.status != 0);
+    CHECK(r.out.find("placement.ranks = 2 but 1 rank was started") != std::string::npos);
+    CHECK(!fs::exists(tmp.file("run")));
+  }
+}
+
+TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-kill");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  // Two ranks started by hand (tandem launch would stop the survivor itself); rank 1 is killed
+  // once rank 0 has finished a step.
+  const std::string train = fmt::format(
+      "{} train {} trainer.steps=20 distributed.timeout_s=10 logging.dir={} checkpoint.dir={}",
+      tandem_bin(), job, tmp.file("run"), tmp.file("run/ckpt"));
+  const std::string script = fmt::format(
+      "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={}; "
+      "RANK=1 LOCAL_RANK=1 {} >{} 2>&1 & p1=$!; "
+      "RANK=0 LOCAL_RANK=0 {} >{} 2>&1 & p0=$!; "
+      "for i in $(seq 600); do grep -q \"^step 1/20\" {} && break; sleep 0.1; done; "
+      "kill -9 $p1; start=$(date +%s); wait $p0; status=$?; "
+      "echo status $status seconds $(( $(date +%s) - start ))",
+      free_port(), train, tmp.file("rank1.log"), train, tmp.file("rank0.log"),
+      tmp.file("rank0.log"));
+  const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
+  const std::string out0 = read_bytes(tmp.file("rank0.log"));
+  INFO(r.out << "\nrank 0:\n" << out0);
+  CHECK(out0.find("step 1/20") != std::string::npos);
+  CHECK(out0.find("step 20/20") == std::string::npos);
+  CHECK(r.out.find("status 0 ") == std::string::npos);
+  CHECK((out0.find("rank 1 failed") != std::string::npos ||
+         out0.find("connection to rank 1 was lost") != std::string::npos));
+  const size_t at = r.out.find("seconds ");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stoi(r.out.substr(at + 8)) <= 12);  // within distributed.timeout_s
+}
+
+TEST_CASE("a checkpoint written by 2 ranks resumes on 1 rank bitwise as if it had run alone",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-resume");
+  write_tiny_model(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const std::string det = "trainer.deterministic=true";
+  const auto straight = train(tmp, job, 1, "one", det);
+  INFO(straight.out);
+  REQUIRE(straight.status == 0);
+  const auto first = train(tmp, job, 2, "run", det + " trainer.steps=2");
+  INFO(first.out);
+  REQUIRE(first.status == 0);
+  REQUIRE(fs::exists(tmp.file("run/ckpt/step-2")));
+  // The same job (trainer.steps = 3) resumed on one rank: the optimizer state gathered from 2
+  // ranks is this rank's whole range; the prompt stream continues where it was.
+  const auto rest = train(tmp, job, 1, "run", det);
+  INFO(rest.out);
+  REQUIRE(rest.status == 0);
+  CHECK(rest.out.find("resumed from") != std::string::npos);
+  CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("run/ckpt/step-3/policy")) ==
+        0);
+}
+
+TEST_CASE("tandem train deterministic with dynamic sampling and batch-std on 2 ranks",
+          "[multiproc]") {
+  // Groups without reward variance dropped and refilled (3 refill rounds in a step here): the kept
+  // groups, the refills and the batch's advantage std are every rank's alike.
+  check_ranks_match(
+      "trainer.deterministic=true trainer.algorithm.dynamic_sampling=true "
+      "trainer.algorithm.advantage_scale=batch-std",
+      {2}, 1.0);
+}
