@@ -3,10 +3,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <array>
@@ -366,6 +369,27 @@ std::string require_python_with_thrift() {
         "no python3 with the thrift package (tried $TANDEM_PYTHON, python3, /usr/bin/python3): "
         "run scripts/setup (it installs python3-thrift and thrift-compiler)");
   return python;
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string short_default_train_args(const TempDir& tmp) {
+  const std::filesystem::path repo = TANDEM_SOURCE_DIR;
+  return "train " + (repo / "configs" / "default.toml").string() +
+         " model.path=" + (repo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string() +
+         " rollout.prompts_per_step=2 rollout.n=2 rollout.max_new_tokens=8 trainer.steps=2"
+         " eval.every=1 eval.max_prompts=2 eval.pass_k=2 checkpoint.every=0 logging.dir=" +
+         tmp.file("run") + " checkpoint.dir=" + tmp.file("run/ckpt");
 }
 
 }  // namespace tandem::test

@@ -112,6 +112,14 @@ class Subprocess {
   int status_ = -1;
 };
 
+// The `tandem train` arguments of a short run of configs/default.toml on the bundled model (2
+// steps of 2 prompts x 2 samples of 8 tokens, eval of 2 prompts at every step) into
+// tmp/run (checkpoints in tmp/run/ckpt).
+std::string short_default_train_args(const TempDir& tmp);
+
+// A loopback TCP port nobody listens on right now.
+int free_port();
+
 // A Python 3 interpreter that can import the thrift package: $TANDEM_PYTHON, else python3, else
 // /usr/bin/python3 (Debian's python3-thrift lives there; a pyenv or venv python3 may lack it);
 // "" when none can.

@@ -14,6 +14,32 @@
 namespace tandem::trainer {
 namespace {
 
+// What the global gradient norm decides, the same for AdamW and ShardedAdamW: a non-finite norm
+// skips the step (counted; the max_consecutive_skips-th skip in a row throws), a norm above
+// max_grad_norm scales the gradients by max_norm / (norm + 1e-6) (torch's clip_grad_norm_).
+StepResult decide_step(float norm, float lr, const AdamWConfig& config, AdamWCounters& counters) {
+  StepResult r;
+  r.lr = lr;
+  r.grad_norm = norm;
+  if (!std::isfinite(norm)) {
+    ++counters.skipped_total;
+    ++counters.consecutive_skips;
+    r.skipped = true;
+    r.clip_scale = 0.0f;
+    r.step = counters.step;
+    r.consecutive_skips = counters.consecutive_skips;
+    TANDEM_CHECK(counters.consecutive_skips < config.max_consecutive_skips,
+                 "optimizer: the gradient norm was {} (not finite) in {} steps in a row "
+                 "(optimizer.max_consecutive_skips = {}): training diverged; lower the learning "
+                 "rate or resume from an earlier checkpoint",
+                 norm, counters.consecutive_skips, config.max_consecutive_skips);
+    return r;
+  }
+  if (config.max_grad_norm > 0.0f && norm > config.max_grad_norm)
+    r.clip_scale = config.max_grad_norm / (norm + 1e-6f);
+  return r;
+}
+
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
@@ -88,26 +114,8 @@ StepResult AdamW::step(const model::Weights& grads, float lr, model::Weights* pa
   TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
                "optimizer: learning rate {} must be finite and >= 0", lr);
 
-  StepResult r;
-  r.lr = lr;
-  r.grad_norm = grad_norm(grads);
-  if (!std::isfinite(r.grad_norm)) {
-    ++counters_.skipped_total;
-    ++counters_.consecutive_skips;
-    r.skipped = true;
-    r.clip_scale = 0.0f;
-    r.step = counters_.step;
-    r.consecutive_skips = counters_.consecutive_skips;
-    TANDEM_CHECK(counters_.consecutive_skips < config_.max_consecutive_skips,
-                 "optimizer: the gradient norm was {} (not finite) in {} steps in a row "
-                 "(optimizer.max_consecutive_skips = {}): training diverged; lower the learning "
-                 "rate or resume from an earlier checkpoint",
-                 r.grad_norm, counters_.consecutive_skips, config_.max_consecutive_skips);
-    return r;
-  }
-  if (config_.max_grad_norm > 0.0f && r.grad_norm > config_.max_grad_norm) {
-    r.clip_scale = config_.max_grad_norm / (r.grad_norm + 1e-6f);
-  }
+  StepResult r = decide_step(grad_norm(grads), lr, config_, counters_);
+  if (r.skipped) return r;
 
   ops::AdamWParams p;
   p.lr = lr;
@@ -269,25 +277,8 @@ StepResult ShardedAdamW::update(float norm, float lr) {
   const int64_t n = world_, chunk = stage_.numel() / (2 * n);
   float* stage = stage_.data_as<float>();
   float* grad = grad_.data_as<float>();
-  StepResult r;
-  r.lr = lr;
-  r.grad_norm = norm;
-  if (!std::isfinite(r.grad_norm)) {
-    ++counters_.skipped_total;
-    ++counters_.consecutive_skips;
-    r.skipped = true;
-    r.clip_scale = 0.0f;
-    r.step = counters_.step;
-    r.consecutive_skips = counters_.consecutive_skips;
-    TANDEM_CHECK(counters_.consecutive_skips < config_.max_consecutive_skips,
-                 "optimizer: the gradient norm was {} (not finite) in {} steps in a row "
-                 "(optimizer.max_consecutive_skips = {}): training diverged; lower the learning "
-                 "rate or resume from an earlier checkpoint",
-                 r.grad_norm, counters_.consecutive_skips, config_.max_consecutive_skips);
-    return r;
-  }
-  if (config_.max_grad_norm > 0.0f && r.grad_norm > config_.max_grad_norm)
-    r.clip_scale = config_.max_grad_norm / (r.grad_norm + 1e-6f);
+  StepResult r = decide_step(norm, lr, config_, counters_);
+  if (r.skipped) return r;
 
   ops::AdamWParams p;
   p.lr = lr;

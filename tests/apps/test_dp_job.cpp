@@ -49,21 +49,6 @@ std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
   return out;
 }
 
-// A tiny random Llama (C=64, 2 layers) with SmolLM2's tokenizer, as an HF directory.
-void write_tiny_model(const std::string& dir) {
-  tandem::model::ModelConfig c =
-      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
-  c.vocab_size = 49152;
-  c.bos_token_id = 1;
-  c.eos_token_ids = {2};
-  tandem::model::Weights w(c, tandem::DType::f32);
-  tandem::test::fill_random_weights(w, 17);
-  tandem::model::SaveOptions o;
-  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
-    o.extra_files[f] = read_bytes(kRepo / "tests/golden/smollm2" / f);
-  tandem::model::save_hf(w, dir, o);
-}
-
 std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
   return tmp.write("job.toml", R"(
 [model]
@@ -106,18 +91,6 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::s
       fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120);
 }
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 // The largest |a - b| over every parameter of two HF directories.
 double max_weight_diff(const std::string& a, const std::string& b) {
   const auto x = tandem::model::load_hf(a);
@@ -138,7 +111,7 @@ double max_weight_diff(const std::string& a, const std::string& b) {
 void check_ranks_match(const std::string& overrides, std::initializer_list<int> ranks,
                        double state_factor) {
   const tandem::test::TempDir tmp("dp-job");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
   const auto one = train(tmp, job, 1, "one", overrides);
   INFO(one.out);
@@ -200,7 +173,7 @@ TEST_CASE("tandem train deterministic on 2 and 4 ranks ends with the weights of 
 TEST_CASE("tandem train refuses a world the batch does not allow before writing anything",
           "[multiproc]") {
   const tandem::test::TempDir tmp("dp-refuse");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
   SECTION("prompts_per_step not a multiple of the ranks") {
     const auto r = train(tmp, job, 3, "run");
@@ -221,7 +194,7 @@ TEST_CASE("tandem train refuses a world the batch does not allow before writing 
 
 TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", "[multiproc]") {
   const tandem::test::TempDir tmp("dp-kill");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
   // Two ranks started by hand (tandem launch would stop the survivor itself); rank 1 is killed
   // once rank 0 has finished a step.
@@ -235,7 +208,7 @@ TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", 
       "for i in $(seq 600); do grep -q \"^step 1/20\" {} && break; sleep 0.1; done; "
       "kill -9 $p1; start=$(date +%s); wait $p0; status=$?; "
       "echo status $status seconds $(( $(date +%s) - start ))",
-      free_port(), train, tmp.file("rank1.log"), train, tmp.file("rank0.log"),
+      tandem::test::free_port(), train, tmp.file("rank1.log"), train, tmp.file("rank0.log"),
       tmp.file("rank0.log"));
   const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
   const std::string out0 = read_bytes(tmp.file("rank0.log"));
@@ -253,7 +226,7 @@ TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", 
 TEST_CASE("a checkpoint written by 2 ranks resumes on 1 rank bitwise as if it had run alone",
           "[multiproc]") {
   const tandem::test::TempDir tmp("dp-resume");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
   const std::string det = "trainer.deterministic=true";
   const auto straight = train(tmp, job, 1, "one", det);

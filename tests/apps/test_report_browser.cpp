@@ -41,13 +41,7 @@ TEST_CASE("report html renders its charts with data points in headless Chromium"
     FAIL("chromium is not installed: run scripts/setup (it installs the Debian package chromium)");
   REQUIRE(fs::exists(kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"));
   const tandem::test::TempDir tmp("report-browser");
-  const auto run = tandem::test::run_tandem(
-      "train " + (kRepo / "configs" / "default.toml").string() +
-          " model.path=" + (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string() +
-          " rollout.prompts_per_step=2 rollout.n=2 rollout.max_new_tokens=8 trainer.steps=2"
-          " eval.every=1 eval.max_prompts=2 eval.pass_k=2 checkpoint.every=0 logging.dir=" +
-          tmp.file("run") + " checkpoint.dir=" + tmp.file("run/ckpt"),
-      true, 300);
+  const auto run = tandem::test::run_tandem(tandem::test::short_default_train_args(tmp), true, 300);
   INFO(run.out);
   REQUIRE(run.status == 0);
   const std::string report = fs::absolute(tmp.file("run/report.html")).string();

@@ -45,25 +45,6 @@ std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
   return steps;
 }
 
-// A tiny random Llama (C=64, 2 layers) with SmolLM2's tokenizer and chat template, as an HF
-// directory in `dir`; returns the bytes its parameters take in bf16.
-int64_t write_tiny_model(const std::string& dir) {
-  tandem::model::ModelConfig c =
-      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
-  c.vocab_size = 49152;
-  c.bos_token_id = 1;
-  c.eos_token_ids = {2};
-  tandem::model::Weights w(c, tandem::DType::f32);
-  tandem::test::fill_random_weights(w, 17);
-  tandem::model::SaveOptions o;
-  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
-    o.extra_files[f] = read_bytes(kRepo / "tests/golden/smollm2" / f);
-  tandem::model::save_hf(w, dir, o);
-  int64_t bf16_bytes = 0;
-  for (const auto& t : w.storage()) bf16_bytes += t.tensor.numel() * 2;
-  return bf16_bytes;
-}
-
 // A job file of three steps on that model (no eval, no checkpoint but the last): tmp's job.toml.
 std::string tiny_job_file(const tandem::test::TempDir& tmp, const std::string& model) {
   return tmp.write("job.toml", R"(
@@ -119,7 +100,7 @@ TEST_CASE(
     "logprobs",
     "[e2e]") {
   const tandem::test::TempDir tmp("train-bf16");
-  const int64_t bf16_bytes = write_tiny_model(tmp.file("model"));
+  const int64_t bf16_bytes = tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const auto steps = run_tiny_job(tmp, tmp.file("model"), "rollout.dtype=bf16");
   REQUIRE(steps.size() == 3);
   for (const auto& m : steps) {
@@ -143,7 +124,7 @@ TEST_CASE(
 
 TEST_CASE("tandem train with the default f32 rollout publishes without moving a byte", "[e2e]") {
   const tandem::test::TempDir tmp("train-f32");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // Old logprobs reused from the rollout by default; recomputed on request they equal the
   // engine's bitwise (same weights, same kernels).
   for (const std::string recompute : {"false", "true"}) {
@@ -169,7 +150,7 @@ TEST_CASE("tandem train with the default f32 rollout publishes without moving a 
 TEST_CASE("tandem train with bf16 CPU matmuls: engine and trainer logprobs agree bitwise",
           "[e2e]") {
   const tandem::test::TempDir tmp("train-bf16-matmul");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // The engine's packed weights (AMX) and the trainer's per-call packing round alike; without
   // AMX both take the portable path. Either way the difference is exactly 0.
   const auto steps = run_tiny_job(tmp, tmp.file("model"),
@@ -384,7 +365,7 @@ samples_every = 0
 TEST_CASE("tandem train skips prompts longer than data.max_prompt_tokens and counts them",
           "[e2e]") {
   const tandem::test::TempDir tmp("train-long-prompts");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // Five short prompts and three far past the 96-token limit: those are never cut and trained on.
   std::string lines;
   for (int i = 0; i < 5; ++i)
@@ -416,7 +397,7 @@ TEST_CASE("tandem train skips prompts longer than data.max_prompt_tokens and cou
 
 TEST_CASE("tandem train renders prompts as model.chat_template says", "[e2e]") {
   const tandem::test::TempDir tmp("train-chat-template");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   run_tiny_job(tmp, tmp.file("model"), "model.chat_template=none logging.samples_every=1");
   const auto samples = read_jsonl(tmp.file("run/samples.jsonl"));
   REQUIRE(samples.size() == 3);
@@ -449,7 +430,7 @@ TEST_CASE("tandem train refuses unusable run directories before loading the mode
 
 TEST_CASE("tandem train refuses a synthetic data set beyond memory with one line", "[e2e]") {
   const tandem::test::TempDir tmp("train-huge-data");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // Inside the key's documented range, far beyond this machine's memory.
   const auto r = train_tiny(tmp, tmp.file("model"), "data.synthetic_size=1000000000");
   INFO(r.out);
@@ -459,7 +440,7 @@ TEST_CASE("tandem train refuses a synthetic data set beyond memory with one line
 
 TEST_CASE("tandem train fails when its metrics cannot be written", "[e2e]") {
   const tandem::test::TempDir tmp("train-disk-full");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   fs::create_directories(tmp.file("run"));
   fs::create_symlink("/dev/full", tmp.file("run/metrics.jsonl"));  // every write: ENOSPC
   const auto r = train_tiny(tmp, tmp.file("model"), "trainer.steps=1");
@@ -470,7 +451,7 @@ TEST_CASE("tandem train fails when its metrics cannot be written", "[e2e]") {
 
 TEST_CASE("tandem train locks its run and checkpoint directories for the job's life", "[e2e]") {
   const tandem::test::TempDir tmp("train-lock");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // A save killed mid-way by a process that is gone: removed when the next job starts.
   const fs::path stale = tmp.file("run/ckpt/.tmp-step-7-999999999");
   fs::create_directories(stale / "policy");
@@ -513,7 +494,7 @@ TEST_CASE("tandem train locks its run and checkpoint directories for the job's l
 
 TEST_CASE("tandem train resumes with a changed config only when allowed and records it", "[e2e]") {
   const tandem::test::TempDir tmp("train-resume-config");
-  write_tiny_model(tmp.file("model"));
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   auto r = train_tiny(tmp, tmp.file("model"), "trainer.steps=1");
   INFO(r.out);
   REQUIRE(r.status == 0);

@@ -22,19 +22,6 @@ namespace {
 using tandem::test::run_shell;
 using tandem::test::TempDir;
 
-// A TCP port nobody listens on right now.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 struct RankResult {
   int status = -1;
   std::string out;
@@ -86,25 +73,25 @@ void check_all_ok(const std::vector<RankResult>& results) {
 }  // namespace
 
 TEST_CASE("every collective matches a plain reference at world size 2", "[multiproc]") {
-  check_all_ok(
-      run_ranks(2, "collectives", torchrun_env(2, free_port(), "TANDEM_TEST_TIMEOUT_S=30")));
+  check_all_ok(run_ranks(2, "collectives",
+                         torchrun_env(2, tandem::test::free_port(), "TANDEM_TEST_TIMEOUT_S=30")));
 }
 
 TEST_CASE("every collective matches a plain reference at world size 4", "[multiproc]") {
-  check_all_ok(
-      run_ranks(4, "collectives", torchrun_env(4, free_port(), "TANDEM_TEST_TIMEOUT_S=30")));
+  check_all_ok(run_ranks(4, "collectives",
+                         torchrun_env(4, tandem::test::free_port(), "TANDEM_TEST_TIMEOUT_S=30")));
 }
 
 TEST_CASE("the file store bootstraps ranks from a shared directory", "[multiproc]") {
   TempDir shared("comm_file_store");
-  check_all_ok(
-      run_ranks(2, "collectives",
-                torchrun_env(2, free_port(), "TANDEM_TEST_STORE=file:" + shared.path.string())));
+  check_all_ok(run_ranks(2, "collectives",
+                         torchrun_env(2, tandem::test::free_port(),
+                                      "TANDEM_TEST_STORE=file:" + shared.path.string())));
 }
 
 TEST_CASE("a killed rank makes the others fail naming the collective and the peer", "[multiproc]") {
   const auto results =
-      run_ranks(3, "die 2", torchrun_env(3, free_port(), "TANDEM_TEST_TIMEOUT_S=8"));
+      run_ranks(3, "die 2", torchrun_env(3, tandem::test::free_port(), "TANDEM_TEST_TIMEOUT_S=8"));
   CHECK(results[2].status == 137);  // killed by SIGKILL (timeout reports 128 + 9)
   for (int r = 0; r < 2; ++r) {
     const auto& out = results[static_cast<size_t>(r)].out;
@@ -123,8 +110,8 @@ TEST_CASE("a killed rank makes the others fail naming the collective and the pee
 
 TEST_CASE("a stuck rank makes the others time out naming the collective and the peer",
           "[multiproc]") {
-  const auto results =
-      run_ranks(2, "stuck 1", torchrun_env(2, free_port(), "TANDEM_TEST_TIMEOUT_S=2"), 5);
+  const auto results = run_ranks(
+      2, "stuck 1", torchrun_env(2, tandem::test::free_port(), "TANDEM_TEST_TIMEOUT_S=2"), 5);
   const auto& out = results[0].out;
   INFO(out);
   CHECK(results[0].status == 3);
@@ -134,13 +121,13 @@ TEST_CASE("a stuck rank makes the others time out naming the collective and the 
 }
 
 TEST_CASE("verify_same_config names the keys that differ between ranks", "[multiproc]") {
-  const auto same = run_ranks(2, "config same", torchrun_env(2, free_port()));
+  const auto same = run_ranks(2, "config same", torchrun_env(2, tandem::test::free_port()));
   for (const auto& r : same) {
     INFO(r.out);
     CHECK(r.status == 0);
     CHECK(r.out.find("same config") != std::string::npos);
   }
-  const auto differ = run_ranks(2, "config differ", torchrun_env(2, free_port()));
+  const auto differ = run_ranks(2, "config differ", torchrun_env(2, tandem::test::free_port()));
   for (const auto& r : differ) {
     INFO(r.out);
     CHECK(r.status == 3);
@@ -165,7 +152,7 @@ TEST_CASE("a coordinator port in use is a clear error at start-up", "[multiproc]
 
 TEST_CASE("an unreachable coordinator is an error naming its address after the timeout",
           "[multiproc]") {
-  const int port = free_port();
+  const int port = tandem::test::free_port();
   const auto t0 = std::chrono::steady_clock::now();
   const auto results = run_ranks(1, "info", [&](int) {
     return fmt::format(
@@ -180,7 +167,7 @@ TEST_CASE("an unreachable coordinator is an error naming its address after the t
 }
 
 TEST_CASE("a rank that never comes is named after the timeout", "[multiproc]") {
-  const auto results = run_ranks(2, "info", [&, port = free_port()](int r) {
+  const auto results = run_ranks(2, "info", [&, port = tandem::test::free_port()](int r) {
     return fmt::format(
         "RANK={} WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT={} "
         "TANDEM_TEST_TIMEOUT_S=1",

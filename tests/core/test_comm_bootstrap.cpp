@@ -38,18 +38,6 @@ std::string error_of(const std::map<std::string, std::string>& env) {
   return "";
 }
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 std::string worker() { return std::string(TANDEM_BIN_DIR) + "/tandem_comm_worker"; }
 
 }  // namespace
@@ -133,7 +121,7 @@ TEST_CASE("ranks bootstrap under mpirun", "[multiproc]") {
   const auto res = tandem::test::run_shell(fmt::format(
       "MASTER_PORT={} timeout -k 2 60 mpirun --allow-run-as-root --oversubscribe -np 2 {} info "
       "2>&1",
-      free_port(), worker()));
+      tandem::test::free_port(), worker()));
   INFO(res.out);
   REQUIRE(res.status == 0);
   CHECK(res.out.find("rank 0 world 2 local 0 node 0 launcher mpirun") != std::string::npos);
@@ -143,7 +131,7 @@ TEST_CASE("ranks bootstrap under mpirun", "[multiproc]") {
 
 TEST_CASE("ranks bootstrap from Slurm-style variables", "[multiproc]") {
   std::string script = "pids=''; ";
-  const int port = free_port();
+  const int port = tandem::test::free_port();
   for (int r = 0; r < 2; ++r)
     script += fmt::format(
         "SLURM_PROCID={} SLURM_NTASKS=2 SLURM_LOCALID={} SLURM_NODEID=0 "
@@ -162,7 +150,7 @@ TEST_CASE("ranks bootstrap from Slurm-style variables", "[multiproc]") {
 
 TEST_CASE("ranks bootstrap from torchrun-style variables", "[multiproc]") {
   std::string script = "pids=''; ";
-  const int port = free_port();
+  const int port = tandem::test::free_port();
   for (int r = 0; r < 3; ++r)
     script += fmt::format(
         "RANK={} WORLD_SIZE=3 LOCAL_RANK={} MASTER_ADDR=127.0.0.1 MASTER_PORT={} timeout -k 2 60 "

@@ -16,18 +16,6 @@
 
 namespace {
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 void skip_without_two_gpus() {
   tandem::test::skip_without_gpu();
   if (tandem::cuda_device_count() >= 2) return;
@@ -48,7 +36,7 @@ TEST_CASE("NCCL collectives of one rank on one GPU leave the tensors as they are
   tandem::test::skip_without_gpu();
   tandem::rendezvous::RankInfo info;
   info.master_addr = "127.0.0.1";
-  info.master_port = free_port();
+  info.master_port = tandem::test::free_port();
   tandem::CommOptions options;
   options.timeout_s = 60;
   options.device = tandem::Device::cuda(0);

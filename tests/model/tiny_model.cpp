@@ -2,7 +2,12 @@
 #include "tests/model/tiny_model.h"
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
+
+#include "model/hf.h"
 
 #include "tests/testutil.h"
 
@@ -92,6 +97,27 @@ void fill_random_weights(model::Weights& w, uint64_t seed) {
     Tensor t = s.tensor;
     t.copy_from(random_tensor(s.tensor.shape(), s.tensor.dtype(), seed, lo, hi));
   }
+}
+
+int64_t write_tiny_smollm2_hf(const std::string& dir) {
+  model::ModelConfig c = tiny_model_config(TinyKind::llama_tied);
+  c.vocab_size = 49152;
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  model::Weights w(c, DType::f32);
+  fill_random_weights(w, 17);
+  model::SaveOptions o;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
+    std::ifstream in(std::filesystem::path(TANDEM_SOURCE_DIR) / "tests/golden/smollm2" / f,
+                     std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    o.extra_files[f] = ss.str();
+  }
+  model::save_hf(w, dir, o);
+  int64_t bf16_bytes = 0;
+  for (const auto& t : w.storage()) bf16_bytes += t.tensor.numel() * 2;
+  return bf16_bytes;
 }
 
 }  // namespace tandem::test

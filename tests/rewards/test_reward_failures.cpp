@@ -51,29 +51,10 @@ int start_server(tandem::test::Subprocess& server) {
   return std::stoi(line.substr(13));
 }
 
-// A tiny random Llama with SmolLM2's tokenizer, as an HF directory.
-void write_tiny_model(const std::string& dir) {
-  tandem::model::ModelConfig c =
-      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
-  c.vocab_size = 49152;
-  c.bos_token_id = 1;
-  c.eos_token_ids = {2};
-  tandem::model::Weights w(c, tandem::DType::f32);
-  tandem::test::fill_random_weights(w, 17);
-  tandem::model::SaveOptions o;
-  for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
-    std::ifstream in(kRepo / "tests/golden/smollm2" / f, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    o.extra_files[f] = ss.str();
-  }
-  tandem::model::save_hf(w, dir, o);
-}
-
 // A job of `steps` steps on the tiny model with the given [[rewards]] entries.
 tandem::test::CommandResult run_job(const tandem::test::TempDir& tmp, const std::string& rewards,
                                     int steps, const std::string& env = "") {
-  if (!fs::exists(tmp.file("model"))) write_tiny_model(tmp.file("model"));
+  if (!fs::exists(tmp.file("model"))) tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = tmp.write("job.toml", R"(
 [model]
 path = ")" + tmp.file("model") + R"("
