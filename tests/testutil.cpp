@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include "core/philox.h"
@@ -372,15 +373,25 @@ std::string require_python_with_thrift() {
 }
 
 int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  // Drawn below the kernel's ephemeral range (32768 and up on Linux): a port the kernel handed out
+  // and took back could be handed at once to another test's listener (the ranks' Gloo pairs
+  // bind ephemeral ports), and a coordinator started there would meet the wrong peers.
+  static std::mt19937 rng(
+      static_cast<uint32_t>(::getpid()) * 2654435761u ^
+      static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = 20000 + static_cast<int>(rng() % 12000);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (ok) return port;
+  }
+  FAIL("no free loopback port in 20000-31999");
+  return -1;
 }
 
 std::string short_default_train_args(const TempDir& tmp) {
