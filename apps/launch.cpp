@@ -7,11 +7,13 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -136,6 +138,22 @@ int launch(const LaunchOptions& o) {
   sigaction(SIGTERM, &sa, nullptr);
 
   std::vector<Rank> ranks(static_cast<size_t>(o.nproc));
+  // The node's CPUs shared among its ranks, as torchrun does with OMP_NUM_THREADS: N ranks of a
+  // thread pool as wide as the machine each would oversubscribe it N times over (OpenMP's
+  // spinning threads then slow every rank down). A value the user set is kept.
+  std::vector<std::string> thread_env;
+  if (std::getenv("TANDEM_NUM_THREADS") == nullptr) {
+    cpu_set_t set;
+    const int cpus = ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+    const int per_rank = std::max(1, cpus / o.nproc);
+    thread_env.push_back(fmt::format("TANDEM_NUM_THREADS={}", per_rank));
+    if (std::getenv("OMP_NUM_THREADS") == nullptr)
+      thread_env.push_back(fmt::format("OMP_NUM_THREADS={}", per_rank));
+    std::fprintf(stderr,
+                 "tandem launch: %d threads per rank (%d CPUs / %d ranks; set TANDEM_NUM_THREADS "
+                 "to choose)\n",
+                 per_rank, cpus, o.nproc);
+  }
   for (int local = 0; local < o.nproc; ++local) {
     Rank& r = ranks[static_cast<size_t>(local)];
     r.rank = o.node_rank * o.nproc + local;
@@ -156,6 +174,7 @@ int launch(const LaunchOptions& o) {
     env_text.push_back(fmt::format("GROUP_RANK={}", o.node_rank));
     env_text.push_back(fmt::format("MASTER_ADDR={}", host));
     env_text.push_back(fmt::format("MASTER_PORT={}", port));
+    for (const std::string& kv : thread_env) env_text.push_back(kv);
     std::vector<char*> envp, argv;
     for (auto& kv : env_text) envp.push_back(kv.data());
     envp.push_back(nullptr);

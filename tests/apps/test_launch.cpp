@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "tests/testutil.h"
 
@@ -73,4 +75,22 @@ TEST_CASE("tandem launch refuses bad input at start-up", "[multiproc]") {
   r = error_of("--nproc 2 -- /nonexistent/program");
   CHECK(r.status == 127);
   CHECK(r.out.find("cannot run '/nonexistent/program'") != std::string::npos);
+}
+
+TEST_CASE("tandem launch shares the node's CPUs among its ranks unless told", "[multiproc]") {
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  const std::string expected =
+      fmt::format("threads {} {}", std::max(1, cpus / 2), std::max(1, cpus / 2));
+  const auto shared = tandem::test::run_tandem(
+      "launch --nproc 2 -- sh -c 'echo threads $TANDEM_NUM_THREADS $OMP_NUM_THREADS'", true, 60,
+      "unset TANDEM_NUM_THREADS OMP_NUM_THREADS;");
+  INFO(shared.out);
+  CHECK(shared.status == 0);
+  CHECK(shared.out.find("[rank 0] " + expected) != std::string::npos);
+  CHECK(shared.out.find("[rank 1] " + expected) != std::string::npos);
+  const auto told =
+      tandem::test::run_tandem("launch --nproc 2 -- sh -c 'echo threads $TANDEM_NUM_THREADS'", true,
+                               60, "TANDEM_NUM_THREADS=3");
+  INFO(told.out);
+  CHECK(told.out.find("[rank 1] threads 3") != std::string::npos);
 }
