@@ -224,8 +224,15 @@ def main():
             if client is None:
                 continue
             client.setTimeout(args.idle_timeout_s * 1000)
-            threading.Thread(target=serve_connection, args=(processor, client, args),
-                             daemon=True).start()
+            # Started with SIGTERM and SIGINT blocked, so the kernel delivers them to this (main)
+            # thread: one delivered to a connection thread would leave accept() waiting and the
+            # handler unrun until the next connection.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            try:
+                threading.Thread(target=serve_connection, args=(processor, client, args),
+                                 daemon=True).start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     except KeyboardInterrupt:
         pass
     finally:
