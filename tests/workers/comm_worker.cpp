@@ -291,6 +291,9 @@ int scenario_die(const tandem::CommOptions& options, int victim, bool stuck) {
       std::printf("then: %s\n", again.what());
     }
     std::fflush(stdout);
+    // Stay a moment before exiting: a survivor that exits at once closes its connections, and a
+    // slower survivor could then see that loss first and name this rank instead of the killed one.
+    std::this_thread::sleep_for(std::chrono::seconds(1));
     std::_Exit(3);
   }
   std::printf("no error\n");
