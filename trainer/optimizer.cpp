@@ -18,6 +18,8 @@ namespace {
 // skips the step (counted; the max_consecutive_skips-th skip in a row throws), a norm above
 // max_grad_norm scales the gradients by max_norm / (norm + 1e-6) (torch's clip_grad_norm_).
 StepResult decide_step(float norm, float lr, const AdamWConfig& config, AdamWCounters& counters) {
+  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
+               "optimizer: learning rate {} must be finite and >= 0", lr);
   StepResult r;
   r.lr = lr;
   r.grad_norm = norm;
@@ -38,6 +40,19 @@ StepResult decide_step(float norm, float lr, const AdamWConfig& config, AdamWCou
   if (config.max_grad_norm > 0.0f && norm > config.max_grad_norm)
     r.clip_scale = config.max_grad_norm / (norm + 1e-6f);
   return r;
+}
+
+// The kernel's parameters of an update that decide_step let through (weight decay is per tensor).
+ops::AdamWParams update_params(const AdamWConfig& config, const AdamWCounters& counters,
+                               const StepResult& r) {
+  ops::AdamWParams p;
+  p.lr = r.lr;
+  p.beta1 = config.beta1;
+  p.beta2 = config.beta2;
+  p.eps = config.eps;
+  p.step = counters.step + 1;
+  p.grad_scale = r.clip_scale;
+  return p;
 }
 
 bool ends_with(std::string_view s, std::string_view suffix) {
@@ -111,19 +126,11 @@ StepResult AdamW::step(const model::Weights& grads, float lr, model::Weights* pa
   TANDEM_CHECK(grads.dtype() == DType::f32, "optimizer: gradients must be f32, got {}",
                grads.dtype());
   if (param_copy != nullptr) check_same_model(*param_copy, "the parameter copy");
-  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
-               "optimizer: learning rate {} must be finite and >= 0", lr);
 
   StepResult r = decide_step(grad_norm(grads), lr, config_, counters_);
   if (r.skipped) return r;
 
-  ops::AdamWParams p;
-  p.lr = lr;
-  p.beta1 = config_.beta1;
-  p.beta2 = config_.beta2;
-  p.eps = config_.eps;
-  p.step = counters_.step + 1;
-  p.grad_scale = r.clip_scale;
+  ops::AdamWParams p = update_params(config_, counters_, r);
   const auto params = params_.storage();
   const auto g = grads.storage();
   const auto m = m_->storage();
@@ -272,21 +279,13 @@ StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
 }
 
 StepResult ShardedAdamW::update(float norm, float lr) {
-  TANDEM_CHECK(std::isfinite(lr) && lr >= 0.0f,
-               "optimizer: learning rate {} must be finite and >= 0", lr);
   const int64_t n = world_, chunk = stage_.numel() / (2 * n);
   float* stage = stage_.data_as<float>();
   float* grad = grad_.data_as<float>();
   StepResult r = decide_step(norm, lr, config_, counters_);
   if (r.skipped) return r;
 
-  ops::AdamWParams p;
-  p.lr = lr;
-  p.beta1 = config_.beta1;
-  p.beta2 = config_.beta2;
-  p.eps = config_.eps;
-  p.step = counters_.step + 1;
-  p.grad_scale = r.clip_scale;
+  ops::AdamWParams p = update_params(config_, counters_, r);
   for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
     p.weight_decay = decay_[t] ? config_.weight_decay : 0.0f;
     const Tensor& param = params_.storage()[t].tensor;
