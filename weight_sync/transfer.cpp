@@ -19,14 +19,32 @@ constexpr int64_t kAlign = 8;  // wire offsets of pieces; chunk sizes are multip
 
 int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// n elements from s (dtype sd) into d (dtype dd), rounding as the kernels' cast does.
+// f32_to_bf16_bits (core/half.h) written without a branch, so that the compiler vectorizes it
+// (one clone per x86 vector width): the same bits for every input, NaN included.
+#if defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void f32_to_bf16(const float* s, uint16_t* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, s + i, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    d[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
+}
+
+// n elements from s (dtype sd) into d (dtype dd) on the CPU, rounding as the kernels' cast does,
+// on the calling thread (the packing thread; no thread pool of its own to contend with).
 void convert(const void* s, DType sd, void* d, DType dd, int64_t n) {
   if (n <= 0) return;
   if (sd == dd) {
     std::memcpy(d, s, static_cast<size_t>(n) * dtype_size(sd));
-    return;
+  } else if (sd == DType::f32 && dd == DType::bf16) {
+    f32_to_bf16(static_cast<const float*>(s), static_cast<uint16_t*>(d), n);
+  } else {
+    ops::cast(Tensor::wrap(const_cast<void*>(s), {n}, sd), Tensor::wrap(d, {n}, dd));
   }
-  ops::cast(Tensor::wrap(const_cast<void*>(s), {n}, sd), Tensor::wrap(d, {n}, dd));
 }
 
 uint64_t splitmix(uint64_t x) {
@@ -255,6 +273,11 @@ void Publisher::copy_local() {
   for (size_t i = 0; i < local_.size(); ++i) {
     const Piece& pc = local_[i];
     const size_t p = local_param_[i];
+    if (src_[p].device().is_cpu() && dst_[p].device().is_cpu()) {
+      convert(data_at(src_[p], pc.src_offset), src_[p].dtype(),
+              const_cast<char*>(data_at(dst_[p], pc.dst_offset)), dst_[p].dtype(), pc.length);
+      continue;
+    }
     Tensor s = src_[p].view({src_[p].numel()}).narrow(pc.src_offset, pc.length);
     Tensor d = dst_[p].view({dst_[p].numel()}).narrow(pc.dst_offset, pc.length);
     if (s.dtype() == d.dtype())
