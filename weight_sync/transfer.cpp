@@ -340,6 +340,11 @@ SyncStats Publisher::publish(uint64_t version) {
           throw;
         }
         overlap.get();
+        if (options_.on_received)
+          for (const P2POp& op : ops)
+            if (op.kind == P2POp::Kind::recv)
+              options_.on_received(round, op.peer,
+                                   {static_cast<char*>(op.tensor.data()), op.tensor.nbytes()});
       }
       round = rounds_;
       if (!options_.staged && rounds_ > 0)

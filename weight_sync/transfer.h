@@ -36,6 +36,9 @@ struct SyncOptions {
   bool checksums = false;
   // Called before each round with its index and the number of rounds (progress, tests).
   std::function<void(int round, int rounds)> on_round;
+  // Called after each round with the bytes received from each peer, before anything reads them
+  // (to inspect them; tests corrupt one to see the checksums catch it).
+  std::function<void(int round, int peer, std::span<char> bytes)> on_received;
 };
 
 struct SyncStats {

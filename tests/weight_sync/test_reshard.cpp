@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <random>
 #include <set>
@@ -359,6 +360,11 @@ TEST_CASE(
     "[unit]") {
   model::Weights trainer(sync_model_config(), DType::f32);
   fill_sync_weights(trainer, 9);
+  // Values whose rounding to bf16 is delicate: NaNs (quiet, signalling, with low payload bits
+  // only), infinities, -0, the largest float, ties to even both ways, a subnormal.
+  const uint32_t special[] = {0x7fc00001u, 0x7f800001u, 0xffa00000u, 0x7f800000u, 0xff800000u,
+                              0x80000000u, 0x7f7fffffu, 0x3f808000u, 0x3f818000u, 0x00000001u};
+  std::memcpy(trainer.storage()[0].tensor.data(), special, sizeof special);
   const auto specs = param_specs(trainer);
   std::vector<weight_sync::Param> tensors;
   for (const model::NamedTensor& s : trainer.storage()) tensors.push_back({s.name, s.tensor});

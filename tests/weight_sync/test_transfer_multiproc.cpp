@@ -1,6 +1,6 @@
 // Reshards over Gloo between real processes on loopback (tests/workers/sync_worker.cpp is each
 // rank): every destination shard bitwise equal to the slice of the full tensor (rounded to bf16
-// where the destination is bf16), and a rank killed in the middle of a sync.
+// where the destination is bf16), a rank killed in the middle of a sync, a corrupted byte.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 
@@ -62,6 +62,27 @@ void check_all_ok(const std::vector<RankResult>& results) {
 TEST_CASE("zero over 4 ranks reshards into 2 tensor parallel replicas of 2 as bf16",
           "[multiproc]") {
   check_all_ok(run_ranks(4, "zero4_tp2x2"));
+}
+
+TEST_CASE(
+    "zero over 4 ranks reshards into tensor parallel replicas unstaged through two receive "
+    "buckets",
+    "[multiproc]") {
+  check_all_ok(run_ranks(4, "zero4_tp2x2 unstaged"));
+}
+
+TEST_CASE(
+    "a byte corrupted on the way fails the sync on every rank by checksum and the old "
+    "version stays",
+    "[multiproc]") {
+  const auto results = run_ranks(4, "corrupt");
+  check_all_ok(results);
+  for (const auto& r : results) {
+    INFO(r.out);
+    CHECK(r.out.find("version 2 not published: checksums differ after the transfer on rank 0 (1 "
+                     "shards)") != std::string::npos);
+  }
+  CHECK(results[0].out.find("(here: model.") != std::string::npos);
 }
 
 TEST_CASE("zero over 2 ranks reshards into tensor parallel 2 bitwise", "[multiproc]") {

@@ -1,6 +1,6 @@
 // The per-rank side of the weight_sync multi-process tests: one reshard per run (ZeRO to tensor
 // parallel, tensor parallel to one rank, replicated to tensor parallel) checked against slicing
-// the full tensors, or a rank killed in the middle of a sync.
+// the full tensors, a rank killed in the middle of a sync, or a corrupted byte.
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -93,12 +94,15 @@ void check_destination(const Layout& dst, int rank, const model::Weights& full,
   }
 }
 
-int run(const std::string& name, const CommOptions& options, int victim) {
+// victim >= 0: that rank is killed in round 1 of version 2. corrupt: rank 0 flips a byte it
+// received from rank 1 in round 1 of version 2. staged: SyncOptions::staged.
+int run(const std::string& name, const CommOptions& options, int victim, bool corrupt,
+        bool staged) {
   auto comm = Communicator::from_environment(options);
   const int rank = comm->rank(), world = comm->size();
   model::Weights full(test::sync_model_config(), DType::f32);
   test::fill_sync_weights(full, 11);
-  const Case c = make_case(victim >= 0 ? "zero4_tp2x2" : name, full, world);
+  const Case c = make_case(victim >= 0 || corrupt ? "zero4_tp2x2" : name, full, world);
   expect(c.src.world() == world, "the case's world is the launched world");
 
   if (c.src.name().rfind("zero", 0) == 0) {
@@ -129,8 +133,12 @@ int run(const std::string& name, const CommOptions& options, int victim) {
   so.checksums = true;
   const bool dies = victim >= 0;
   bool armed = false;  // the victim dies in round 1 of version 2
+  so.staged = staged;
   so.on_round = [&](int round, int) {
     if (armed && rank == victim && round == 1) ::kill(::getpid(), SIGKILL);
+  };
+  so.on_received = [&](int round, int peer, std::span<char> bytes) {
+    if (armed && corrupt && rank == 0 && round == 1 && peer == 1) bytes[bytes.size() / 2] ^= 0x10;
   };
   auto plan = weight_sync::ReshardPlan::make(c.src, c.dst);
   weight_sync::Publisher pub(plan, comm.get(), src, dst, so);
@@ -151,6 +159,19 @@ int run(const std::string& name, const CommOptions& options, int victim) {
   old.copy_from(full);
   test::fill_sync_weights(full, 12);
   fill_local(c.src, rank, full, c.src_full, src);
+  if (corrupt) {
+    armed = true;
+    try {
+      pub.publish(2);
+      expect(false, "version 2 published although rank 0 received a corrupted byte");
+    } catch (const Error& e) {
+      std::printf("error: %s\n", e.what());
+    }
+    check_destination(c.dst, rank, old, dst, "after the corrupted version 2");
+    expect(pub.version() == 1, "the publisher's version stays 1");
+    std::printf("%s rank %d of %d\n", failures == 0 ? "ok" : "failed", rank, world);
+    return failures == 0 ? 0 : 1;
+  }
   if (dies) {
     armed = true;
     const auto t0 = std::chrono::steady_clock::now();
@@ -179,15 +200,17 @@ int run(const std::string& name, const CommOptions& options, int victim) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: tandem_sync_worker CASE | die VICTIM\n");
+    std::fprintf(stderr, "usage: tandem_sync_worker CASE [unstaged] | die VICTIM | corrupt\n");
     return 2;
   }
   CommOptions options;
   options.timeout_s = 30;
   if (const char* t = std::getenv("TANDEM_TEST_TIMEOUT_S")) options.timeout_s = std::atof(t);
   const std::string what = argv[1];
+  const std::string arg = argc > 2 ? argv[2] : "";
   try {
-    return run(what, options, what == "die" && argc > 2 ? std::atoi(argv[2]) : -1);
+    return run(what, options, what == "die" ? std::atoi(arg.c_str()) : -1, what == "corrupt",
+               arg != "unstaged");
   } catch (const std::exception& e) {
     std::printf("error: %s\n", e.what());
     return 1;
