@@ -148,6 +148,14 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
       int64_t& len =
           length[static_cast<size_t>(pc.src_rank) * W + static_cast<size_t>(pc.dst_rank)];
       const WirePiece wp{p, pc.src_offset, pc.dst_offset, pc.length, len};
+      if (pc.src_rank == rank_ || pc.dst_rank == rank_) {
+        const Tensor& mine = pc.src_rank == rank_ ? src_[p] : dst_[p];
+        TANDEM_CHECK(mine.device().is_cpu(),
+                     "weight_sync: {} moves from rank {} to rank {}, but rank {}'s tensor is on "
+                     "{}: the transfers between ranks carry CPU tensors (Gloo)",
+                     plan_.src().params()[p].name, pc.src_rank, pc.dst_rank, rank_,
+                     mine.device().str());
+      }
       if (pc.src_rank == rank_) out_[static_cast<size_t>(pc.dst_rank)].pieces.push_back(wp);
       if (pc.dst_rank == rank_) in_[static_cast<size_t>(pc.src_rank)].pieces.push_back(wp);
       len = align_up(len + pc.length * static_cast<int64_t>(esize_[p]));
@@ -197,19 +205,6 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
   } else {
     for (Tensor& t : recv_) t = Tensor::empty({recv_bucket_}, DType::u8);
   }
-  for (size_t p = 0; p < P; ++p)
-    for (size_t q = 0; q < W; ++q) {
-      if (q == me) continue;
-      const bool sends = std::any_of(out_[q].pieces.begin(), out_[q].pieces.end(),
-                                     [&](const WirePiece& w) { return w.param == p; });
-      const bool receives = std::any_of(in_[q].pieces.begin(), in_[q].pieces.end(),
-                                        [&](const WirePiece& w) { return w.param == p; });
-      TANDEM_CHECK(
-          !(sends && !src_[p].device().is_cpu()) && !(receives && !dst_[p].device().is_cpu()),
-          "weight_sync: {} moves between ranks {} and {} from a device tensor: the Gloo "
-          "path carries CPU tensors",
-          plan_.src().params()[p].name, rank_, q);
-    }
   if (comm_ != nullptr) {
     // Ranks that planned differently would exchange garbage: compare the plans first.
     verify_same_config(*comm_, fmt::format("weight_sync plan {} -> {} digest {:016x} bucket {}",
