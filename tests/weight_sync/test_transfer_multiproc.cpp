@@ -93,6 +93,11 @@ TEST_CASE("tensor parallel 2 reshards into one rank's full bf16 tensors", "[mult
   check_all_ok(run_ranks(2, "tp2_tp1"));
 }
 
+TEST_CASE("a trainer rank reshards into a tensor parallel engine on two other ranks",
+          "[multiproc]") {
+  check_all_ok(run_ranks(3, "disaggregated"));
+}
+
 TEST_CASE("replicated ranks reshard into tensor parallel 2 without sending a byte", "[multiproc]") {
   const auto results = run_ranks(2, "replicated_tp2");
   check_all_ok(results);

@@ -60,6 +60,9 @@ Case make_case(const std::string& name, const model::Weights& w, int world) {
   if (name == "replicated_tp2")
     return {Layout::replicated(specs, 2),
             Layout::tensor_parallel(dims, specs, 2, 1).with_dtype(DType::bf16), true};
+  if (name == "disaggregated")  // a trainer on rank 0, a TP-2 engine on ranks 1 and 2
+    return {Layout::replicated(specs, 1).placed(0, 3),
+            Layout::tensor_parallel(dims, specs, 2, 1).placed(1, 3).with_dtype(DType::bf16), true};
   TANDEM_CHECK(world < 0, "sync worker: unknown case {}", name);
   return {Layout::replicated(specs, 1), Layout::replicated(specs, 1), true};
 }
