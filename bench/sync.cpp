@@ -154,13 +154,22 @@ void one_rank(const Options& opt, const char* name, const model::Weights& master
 // all-gather that moves the same bytes between the same ranks.
 void zero_to_tp(const Options& opt, const char* name, const model::Weights& master, int& emitted) {
   constexpr int kRanks = 4;
-  std::vector<int64_t> buckets_mib =
-      opt.quick ? std::vector<int64_t>{16} : std::vector<int64_t>{4, 16, 64};
-  std::vector<int64_t> wanted;
-  for (int64_t b : buckets_mib)
+  // Bucket sizes, staged (the default) or not.
+  struct Variant {
+    int64_t mib;
+    bool staged;
+    std::string label() const {
+      return fmt::format("bucket {} MiB{}", mib, staged ? "" : " unstaged");
+    }
+  };
+  const std::vector<Variant> variants =
+      opt.quick ? std::vector<Variant>{{16, true}}
+                : std::vector<Variant>{{4, true}, {16, true}, {64, true}, {4, false}};
+  std::vector<Variant> wanted;
+  for (const Variant& v : variants)
     if (Runner(opt, {}).wants("reshard",
-                              fmt::format("{} zero4->tp2x2 f32->bf16 bucket {} MiB gloo", name, b)))
-      wanted.push_back(b);
+                              fmt::format("{} zero4->tp2x2 f32->bf16 {} gloo", name, v.label())))
+      wanted.push_back(v);
   if (wanted.empty()) return;
   // One set of full f32 master weights stands for every rank's (ZeRO-1/2: each rank keeps the
   // full parameters and owns a range of them); each rank sends only its range.
@@ -235,12 +244,13 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
       gather_s.push_back(worst);
     }
   }
-  for (int64_t mib : wanted) {
+  for (const Variant& v : wanted) {
     std::vector<std::vector<double>> t(kRanks);
     int64_t added = 0;
     on_ranks([&](int r) {
       weight_sync::SyncOptions so;
-      so.bucket_bytes = mib << 20;
+      so.bucket_bytes = v.mib << 20;
+      so.staged = v.staged;
       weight_sync::Publisher pub(plan, comms[static_cast<size_t>(r)].get(),
                                  weight_sync::bind(src, r, mp), shards[static_cast<size_t>(r)], so);
       if (r == 0) added = pub.added_bytes();
@@ -259,9 +269,8 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
       worst.push_back(w);
     }
     const std::string case_name = fmt::format(
-        "{} zero4->tp2x2 f32->bf16 bucket {} MiB gloo ({} MB between ranks, {} MB added on rank "
-        "0)",
-        name, mib, remote / 1000000, added / 1000000);
+        "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB between ranks, {} MB added on rank 0)", name,
+        v.label(), remote / 1000000, added / 1000000);
     Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(worst), 0,
                                      static_cast<double>(remote), "gloo all_gather",
                                      median(gather_s)});
