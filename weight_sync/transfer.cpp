@@ -140,8 +140,7 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
         if (same) {
           ++shared_;
         } else {
-          local_.push_back(pc);
-          local_param_.push_back(p);
+          local_.push_back({p, pc});
         }
         continue;
       }
@@ -264,155 +263,171 @@ void Publisher::unpack(int round, const char* bucket, std::vector<uint64_t>* sum
   }
 }
 
-void Publisher::copy_local() {
-  for (size_t i = 0; i < local_.size(); ++i) {
-    const Piece& pc = local_[i];
-    const size_t p = local_param_[i];
-    if (src_[p].device().is_cpu() && dst_[p].device().is_cpu()) {
-      convert(data_at(src_[p], pc.src_offset), src_[p].dtype(),
-              const_cast<char*>(data_at(dst_[p], pc.dst_offset)), dst_[p].dtype(), pc.length);
+int64_t Publisher::copy_local() {
+  int64_t bytes = 0;
+  for (const LocalCopy& c : local_) {
+    const Piece& pc = c.piece;
+    const Tensor &from = src_[c.param], &to = dst_[c.param];
+    bytes += pc.length * static_cast<int64_t>(dtype_size(to.dtype()));
+    if (from.device().is_cpu() && to.device().is_cpu()) {
+      convert(data_at(from, pc.src_offset), from.dtype(),
+              const_cast<char*>(data_at(to, pc.dst_offset)), to.dtype(), pc.length);
       continue;
     }
-    Tensor s = src_[p].view({src_[p].numel()}).narrow(pc.src_offset, pc.length);
-    Tensor d = dst_[p].view({dst_[p].numel()}).narrow(pc.dst_offset, pc.length);
+    Tensor s = from.view({from.numel()}).narrow(pc.src_offset, pc.length);
+    Tensor d = to.view({to.numel()}).narrow(pc.dst_offset, pc.length);
     if (s.dtype() == d.dtype())
       d.copy_from(s);
     else
       ops::cast(s, d);
   }
+  return bytes;
+}
+
+template <class Fn>
+void Publisher::on_comm(uint64_t version, const std::string& what, Fn&& fn) const {
+  try {
+    fn();
+  } catch (const Error& e) {
+    throw Error(fmt::format(
+        "weight_sync: version {} not published on rank {} ({} of plan {} -> {}): {}; {}", version,
+        rank_, what, plan_.src().name(), plan_.dst().name(), e.what(),
+        options_.staged ? fmt::format("this rank's destination keeps version {}", version_)
+                        : "this rank's destination is partly written (staged = false)"));
+  }
+}
+
+void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
+  const auto W = static_cast<size_t>(world_);
+  std::vector<uint64_t>* out = options_.checksums ? &sums.out : nullptr;
+  std::vector<uint64_t>* in = options_.checksums ? &sums.in : nullptr;
+  pack(0, static_cast<char*>(send_[0].data()), out);
+  for (int round = 0; round < rounds_; ++round) {
+    if (options_.on_round) options_.on_round(round, rounds_);
+    char* sending = static_cast<char*>(send_[round % 2].data());
+    std::vector<P2POp> ops;
+    for (size_t q = 0; q < W; ++q) {
+      const Stream& o = out_[q];
+      const int64_t lo = round * o.chunk, hi = std::min(o.bytes, lo + o.chunk);
+      if (lo >= hi) continue;
+      ops.push_back(send_to(static_cast<int>(q),
+                            Tensor::wrap(sending + send_slot_[q], {hi - lo}, DType::u8)));
+      st.bytes_sent += hi - lo;
+    }
+    for (size_t q = 0; q < W; ++q) {
+      const Stream& i = in_[q];
+      const int64_t lo = round * i.chunk, hi = std::min(i.bytes, lo + i.chunk);
+      if (lo >= hi) continue;
+      char* to = options_.staged ? static_cast<char*>(staging_.data()) + staging_at_[q] + lo
+                                 : static_cast<char*>(recv_[round % 2].data()) + recv_slot_[q];
+      ops.push_back(recv_from(static_cast<int>(q), Tensor::wrap(to, {hi - lo}, DType::u8)));
+      st.bytes_received += hi - lo;
+    }
+    if (!ops.empty()) ++st.rounds;
+    // While this round is in flight: pack the next one into the other send bucket and
+    // (unstaged) unpack the previous one from the other receive bucket.
+    auto overlap = std::async(std::launch::async, [&, round] {
+      if (round + 1 < rounds_)
+        pack(round + 1, static_cast<char*>(send_[(round + 1) % 2].data()), out);
+      if (!options_.staged && round > 0)
+        unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()), in);
+    });
+    on_comm(version, fmt::format("round {} of {}", round, rounds_), [&] {
+      try {
+        comm_->send_recv(ops);
+      } catch (...) {
+        overlap.wait();
+        throw;
+      }
+    });
+    overlap.get();
+    if (options_.on_received)
+      for (const P2POp& op : ops)
+        if (op.kind == P2POp::Kind::recv)
+          options_.on_received(round, op.peer,
+                               {static_cast<char*>(op.tensor.data()), op.tensor.nbytes()});
+  }
+  if (options_.staged) {
+    if (in != nullptr)
+      for (size_t q = 0; q < W; ++q)
+        if (in_[q].bytes > 0)
+          unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
+                        static_cast<const char*>(staging_.data()) + staging_at_[q], in, false);
+  } else if (rounds_ > 0) {
+    unpack(rounds_ - 1, static_cast<const char*>(recv_[(rounds_ - 1) % 2].data()), in);
+  }
+}
+
+std::string Publisher::compare_checksums(uint64_t version, SyncStats& st, const Sums& sums,
+                                         int64_t& mismatched) {
+  const auto W = static_cast<size_t>(world_);
+  const size_t P = plan_.size();
+  const auto n = static_cast<int64_t>(P);
+  // Each sender's sums go to its receivers, which compare.
+  std::vector<Tensor> theirs(W);
+  std::vector<P2POp> ops;
+  for (size_t q = 0; q < W; ++q) {
+    if (out_[q].bytes > 0)
+      ops.push_back(
+          send_to(static_cast<int>(q),
+                  Tensor::wrap(const_cast<uint64_t*>(sums.out.data()) + q * P, {n}, DType::i64)));
+    if (in_[q].bytes > 0) {
+      theirs[q] = Tensor::empty({n}, DType::i64);
+      ops.push_back(recv_from(static_cast<int>(q), theirs[q]));
+    }
+  }
+  on_comm(version, "checksum exchange", [&] { comm_->send_recv(ops); });
+  std::string first;
+  for (size_t q = 0; q < W; ++q) {
+    if (in_[q].bytes == 0) continue;
+    for (size_t p = 0; p < P; ++p) {
+      ++st.checksums_compared;
+      if (static_cast<uint64_t>(theirs[q].data_as<int64_t>()[p]) != sums.in[q * P + p] &&
+          mismatched++ == 0)
+        first = fmt::format("{} from rank {}", plan_.dst().params()[p].name, q);
+    }
+  }
+  return first;
+}
+
+void Publisher::agree(uint64_t version, int64_t mismatched, const std::string& first) {
+  const auto W = static_cast<size_t>(world_);
+  Tensor status = Tensor::empty({static_cast<int64_t>(W)}, DType::i64);
+  on_comm(version, "final agreement",
+          [&] { comm_->all_gather(Tensor::wrap(&mismatched, {1}, DType::i64), status); });
+  std::string bad;
+  for (size_t q = 0; q < W; ++q)
+    if (const int64_t n = status.data_as<int64_t>()[q]; n > 0)
+      bad += fmt::format("{}rank {} ({} shards)", bad.empty() ? "" : ", ", q, n);
+  TANDEM_CHECK(bad.empty(),
+               "weight_sync: version {} not published: checksums differ after the transfer on "
+               "{}{}; {}",
+               version, bad, first.empty() ? "" : fmt::format(" (here: {})", first),
+               options_.staged
+                   ? fmt::format("every destination keeps version {}", version_)
+                   : fmt::format("the destinations are partly written (staged = false)"));
 }
 
 SyncStats Publisher::publish(uint64_t version) {
   const auto t0 = std::chrono::steady_clock::now();
   SyncStats st;
   st.version = version;
-  const auto W = static_cast<size_t>(world_);
-  const size_t P = plan_.size();
-  const bool sums = options_.checksums;
-  // The flat [peer * P + param] checksum tables of this publish.
-  std::vector<uint64_t> sum_out(sums ? W * P : 0, 0), sum_in(sums ? W * P : 0, 0);
-  int round = -1;
-  try {
-    if (rounds_ > 0 && remote_) {
-      pack(0, static_cast<char*>(send_[0].data()), sums ? &sum_out : nullptr);
-      for (round = 0; round < rounds_; ++round) {
-        if (options_.on_round) options_.on_round(round, rounds_);
-        char* sending = static_cast<char*>(send_[round % 2].data());
-        std::vector<P2POp> ops;
-        for (size_t q = 0; q < W; ++q) {
-          const Stream& o = out_[q];
-          const int64_t lo = round * o.chunk, hi = std::min(o.bytes, lo + o.chunk);
-          if (lo < hi) {
-            ops.push_back(send_to(static_cast<int>(q),
-                                  Tensor::wrap(sending + send_slot_[q], {hi - lo}, DType::u8)));
-            st.bytes_sent += hi - lo;
-          }
-        }
-        for (size_t q = 0; q < W; ++q) {
-          const Stream& i = in_[q];
-          const int64_t lo = round * i.chunk, hi = std::min(i.bytes, lo + i.chunk);
-          if (lo >= hi) continue;
-          char* to = options_.staged ? static_cast<char*>(staging_.data()) + staging_at_[q] + lo
-                                     : static_cast<char*>(recv_[round % 2].data()) + recv_slot_[q];
-          ops.push_back(recv_from(static_cast<int>(q), Tensor::wrap(to, {hi - lo}, DType::u8)));
-          st.bytes_received += hi - lo;
-        }
-        // While this round is in flight: pack the next one into the other send bucket and
-        // (unstaged) unpack the previous one from the other receive bucket.
-        auto overlap = std::async(std::launch::async, [&, round] {
-          if (round + 1 < rounds_)
-            pack(round + 1, static_cast<char*>(send_[(round + 1) % 2].data()),
-                 sums ? &sum_out : nullptr);
-          if (!options_.staged && round > 0)
-            unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()),
-                   sums ? &sum_in : nullptr);
-        });
-        if (!ops.empty()) ++st.rounds;
-        try {
-          comm_->send_recv(ops);
-        } catch (...) {
-          overlap.wait();
-          throw;
-        }
-        overlap.get();
-        if (options_.on_received)
-          for (const P2POp& op : ops)
-            if (op.kind == P2POp::Kind::recv)
-              options_.on_received(round, op.peer,
-                                   {static_cast<char*>(op.tensor.data()), op.tensor.nbytes()});
-      }
-      round = rounds_;
-      if (!options_.staged && rounds_ > 0)
-        unpack(rounds_ - 1, static_cast<const char*>(recv_[(rounds_ - 1) % 2].data()),
-               sums ? &sum_in : nullptr);
-      if (options_.staged && sums)
-        for (size_t q = 0; q < W; ++q)
-          if (in_[q].bytes > 0)
-            unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
-                          static_cast<const char*>(staging_.data()) + staging_at_[q], &sum_in,
-                          false);
-      // Checksums: each sender's sums go to its receivers, which compare.
-      int64_t mismatched = 0;
-      std::string first_mismatch;
-      if (sums) {
-        std::vector<Tensor> theirs(W);
-        std::vector<P2POp> ops;
-        for (size_t q = 0; q < W; ++q) {
-          if (out_[q].bytes > 0)
-            ops.push_back(send_to(
-                static_cast<int>(q),
-                Tensor::wrap(sum_out.data() + q * P, {static_cast<int64_t>(P)}, DType::i64)));
-          if (in_[q].bytes > 0) {
-            theirs[q] = Tensor::empty({static_cast<int64_t>(P)}, DType::i64);
-            ops.push_back(recv_from(static_cast<int>(q), theirs[q]));
-          }
-        }
-        comm_->send_recv(ops);
-        for (size_t q = 0; q < W; ++q) {
-          if (in_[q].bytes == 0) continue;
-          for (size_t p = 0; p < P; ++p) {
-            ++st.checksums_compared;
-            if (static_cast<uint64_t>(theirs[q].data_as<int64_t>()[p]) != sum_in[q * P + p]) {
-              if (mismatched++ == 0)
-                first_mismatch = fmt::format("{} from rank {}", plan_.dst().params()[p].name, q);
-            }
-          }
-        }
-      }
-      // Every rank learns whether every rank got everything right before any destination changes.
-      Tensor status = Tensor::empty({static_cast<int64_t>(W)}, DType::i64);
-      Tensor mine = Tensor::wrap(&mismatched, {1}, DType::i64);
-      comm_->all_gather(mine, status);
-      std::string bad;
-      for (size_t q = 0; q < W; ++q)
-        if (const int64_t n = status.data_as<int64_t>()[q]; n > 0)
-          bad += fmt::format("{}rank {} ({} shards)", bad.empty() ? "" : ", ", q, n);
-      TANDEM_CHECK(
-          bad.empty(),
-          "weight_sync: version {} not published: checksums differ after the transfer "
-          "on {}{}; every destination keeps version {}{}",
-          version, bad, first_mismatch.empty() ? "" : fmt::format(" (here: {})", first_mismatch),
-          version_, options_.staged ? "" : " in the parts not yet written (staged = false)");
-      if (options_.staged)
-        for (size_t q = 0; q < W; ++q)
-          if (in_[q].bytes > 0)
-            unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
-                          static_cast<const char*>(staging_.data()) + staging_at_[q], nullptr,
-                          true);
-    }
-  } catch (const Error& e) {
-    if (round < 0 || round >= rounds_) throw;
-    throw Error(fmt::format(
-        "weight_sync: version {} not published on rank {} (round {} of {} of plan {} -> {}): "
-        "{}; {}",
-        version, rank_, round, rounds_, plan_.src().name(), plan_.dst().name(), e.what(),
-        options_.staged ? fmt::format("this rank's destination keeps version {}", version_)
-                        : "this rank's destination is partly written (staged = false)"));
+  if (remote_) {
+    const size_t n = options_.checksums ? static_cast<size_t>(world_) * plan_.size() : 0;
+    Sums sums{std::vector<uint64_t>(n, 0), std::vector<uint64_t>(n, 0)};
+    run_rounds(version, st, sums);
+    int64_t mismatched = 0;
+    const std::string first =
+        options_.checksums ? compare_checksums(version, st, sums, mismatched) : "";
+    // Every rank learns whether every rank got everything right before any destination changes.
+    agree(version, mismatched, first);
+    if (options_.staged)
+      for (size_t q = 0; q < in_.size(); ++q)
+        if (in_[q].bytes > 0)
+          unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
+                        static_cast<const char*>(staging_.data()) + staging_at_[q], nullptr, true);
   }
-  copy_local();
-  for (size_t i = 0; i < local_.size(); ++i)
-    st.bytes_copied +=
-        local_[i].length * static_cast<int64_t>(dtype_size(dst_[local_param_[i]].dtype()));
+  st.bytes_copied = copy_local();
   st.pieces_shared = shared_;
   version_ = version;
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/comm.h"
@@ -98,7 +99,25 @@ class Publisher {
   // the destination (if write).
   void unpack_stream(int peer, int64_t lo, int64_t hi, const char* at, std::vector<uint64_t>* sums,
                      bool write) const;
-  void copy_local();
+  // The pieces within this rank; returns the bytes written.
+  int64_t copy_local();
+
+  // The checksum tables of one publish, [peer * parameters + parameter]: of what this rank sent
+  // to each peer, and of what it received from each.
+  struct Sums {
+    std::vector<uint64_t> out, in;
+  };
+  // The phases of a publish that moves bytes between ranks.
+  void run_rounds(uint64_t version, SyncStats& st, Sums& sums);
+  // Returns the first mismatching shard here ("" if none) and counts them into `mismatched`.
+  std::string compare_checksums(uint64_t version, SyncStats& st, const Sums& sums,
+                                int64_t& mismatched);
+  // Throws on every rank when any rank counted a mismatch.
+  void agree(uint64_t version, int64_t mismatched, const std::string& first);
+  // Runs a communicator call; its failure becomes an error naming the version, this rank, `what`
+  // (the phase) and what the destination holds.
+  template <class Fn>
+  void on_comm(uint64_t version, const std::string& what, Fn&& fn) const;
 
   ReshardPlan plan_;
   Communicator* comm_;
@@ -111,8 +130,11 @@ class Publisher {
   std::vector<int64_t> send_slot_, recv_slot_;  // [peer]: offset in a bucket
   int64_t send_bucket_ = 0, recv_bucket_ = 0;   // bytes of one bucket
   std::vector<int64_t> staging_at_;             // [peer]: offset of its stream in staging_
-  std::vector<Piece> local_;                    // pieces within this rank that copy
-  std::vector<size_t> local_param_;
+  struct LocalCopy {
+    size_t param;
+    Piece piece;
+  };
+  std::vector<LocalCopy> local_;  // pieces within this rank that copy
   int64_t shared_ = 0;
   Tensor send_[2], recv_[2], staging_;  // u8
   std::vector<size_t> esize_;           // [param]: destination element bytes
