@@ -97,9 +97,10 @@ void check_destination(const Layout& dst, int rank, const model::Weights& full,
   }
 }
 
-// victim >= 0: that rank is killed in round 1 of version 2. corrupt: rank 0 flips a byte it
-// received from rank 1 in round 1 of version 2. staged: SyncOptions::staged.
-int run(const std::string& name, const CommOptions& options, int victim, bool corrupt,
+// victim >= 0: that rank is killed (stuck: stalls past the timeout) in round 1 of version 2.
+// corrupt: rank 0 flips a byte it received from rank 1 in round 1 of version 2. staged:
+// SyncOptions::staged.
+int run(const std::string& name, const CommOptions& options, int victim, bool stuck, bool corrupt,
         bool staged) {
   auto comm = Communicator::from_environment(options);
   const int rank = comm->rank(), world = comm->size();
@@ -135,10 +136,14 @@ int run(const std::string& name, const CommOptions& options, int victim, bool co
   so.bucket_bytes = 4096;  // many rounds of a tiny model
   so.checksums = true;
   const bool dies = victim >= 0;
-  bool armed = false;  // the victim dies in round 1 of version 2
+  bool armed = false;  // the victim dies or stalls in round 1 of version 2
   so.staged = staged;
   so.on_round = [&](int round, int) {
-    if (armed && rank == victim && round == 1) ::kill(::getpid(), SIGKILL);
+    if (!armed || rank != victim || round != 1) return;
+    if (stuck)
+      std::this_thread::sleep_for(std::chrono::duration<double>(options.timeout_s + 3));
+    else
+      ::kill(::getpid(), SIGKILL);
   };
   so.on_received = [&](int round, int peer, std::span<char> bytes) {
     if (armed && corrupt && rank == 0 && round == 1 && peer == 1) bytes[bytes.size() / 2] ^= 0x10;
@@ -180,7 +185,7 @@ int run(const std::string& name, const CommOptions& options, int victim, bool co
     const auto t0 = std::chrono::steady_clock::now();
     try {
       pub.publish(2);
-      expect(false, "version 2 published although a rank was killed");
+      expect(false, "version 2 published although a rank was killed or stuck");
     } catch (const Error& e) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("error after %.2f s: %s\n", s, e.what());
@@ -203,7 +208,9 @@ int run(const std::string& name, const CommOptions& options, int victim, bool co
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: tandem_sync_worker CASE [unstaged] | die VICTIM | corrupt\n");
+    std::fprintf(
+        stderr,
+        "usage: tandem_sync_worker CASE [unstaged] | die VICTIM | stuck VICTIM | corrupt\n");
     return 2;
   }
   CommOptions options;
@@ -212,8 +219,9 @@ int main(int argc, char** argv) {
   const std::string what = argv[1];
   const std::string arg = argc > 2 ? argv[2] : "";
   try {
-    return run(what, options, what == "die" ? std::atoi(arg.c_str()) : -1, what == "corrupt",
-               arg != "unstaged");
+    const bool faulty = what == "die" || what == "stuck";
+    return run(what, options, faulty ? std::atoi(arg.c_str()) : -1, what == "stuck",
+               what == "corrupt", arg != "unstaged");
   } catch (const std::exception& e) {
     std::printf("error: %s\n", e.what());
     return 1;
