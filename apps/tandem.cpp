@@ -42,9 +42,9 @@ int main(int argc, char** argv) {
   std::string bench_model;
   bench
       ->add_option("what", bench_what,
-                   "what to measure: kernels, generate, rollout, train, step, comm")
+                   "what to measure: kernels, generate, rollout, train, step, comm, sync")
       ->required()
-      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm"}));
+      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm", "sync"}));
   bench->add_option("--model", bench_model,
                     "generate, rollout, train, step: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
@@ -88,6 +88,7 @@ int main(int argc, char** argv) {
       const tandem::ops::ScopedMatmulPrecision precision(bf16 ? tandem::ops::MatmulPrecision::bf16
                                                               : tandem::ops::MatmulPrecision::f32);
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
+      if (bench_what == "sync") return tandem::bench::run_sync_bench(bench_opt);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);

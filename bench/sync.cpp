@@ -1,0 +1,302 @@
+// `tandem bench sync`: weight publishing through weight_sync. One rank, f32 master weights to
+// bf16 engine weights (SmolLM2-135M and Qwen2.5-0.5B shapes, random weights), beside memcpy; and
+// ZeRO over 4 ranks to 2 tensor-parallel replicas of 2 over Gloo on loopback (threads of this
+// process, each with its own communicator and sockets, as bench comm), beside a raw Gloo
+// all-gather of the same bytes in the same run, the bucket size swept.
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "bench/bench.h"
+#include "core/comm.h"
+#include "core/error.h"
+#include "kernels/ops.h"
+#include "model/weights.h"
+#include "trainer/optimizer.h"
+#include "weight_sync/transfer.h"
+
+namespace tandem::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  TANDEM_CHECK(ok, "bench sync: no free loopback port");
+  return ntohs(a.sin_port);
+}
+
+model::ModelConfig config_of(const ModelShape& s, int64_t layers, bool bias) {
+  model::ModelConfig c;
+  c.arch = bias ? model::Architecture::qwen2 : model::Architecture::llama;
+  c.vocab_size = s.V;
+  c.hidden_size = s.C;
+  c.intermediate_size = s.F;
+  c.num_layers = layers;
+  c.num_heads = s.H;
+  c.num_kv_heads = s.Hkv;
+  c.head_dim = s.D;
+  c.max_position_embeddings = 2048;
+  c.attention_bias = bias;
+  c.tie_word_embeddings = true;
+  return c;
+}
+
+constexpr ModelShape kQwen25_05B{"qwen2.5-0.5b", 896, 4864, 14, 2, 64, 151936};
+
+std::vector<weight_sync::ParamSpec> specs_of(const model::Weights& w) {
+  std::vector<weight_sync::ParamSpec> out;
+  for (const model::NamedTensor& s : w.storage())
+    out.push_back({s.name, s.tensor.shape(), w.dtype()});
+  return out;
+}
+
+std::vector<weight_sync::Param> params_of(const model::Weights& w) {
+  std::vector<weight_sync::Param> out;
+  for (const model::NamedTensor& s : w.storage()) out.push_back({s.name, s.tensor});
+  return out;
+}
+
+// Seeded values in [-1, 1) (xorshift on this thread: the thread pool's Philox fill of 2 GB took
+// longer than the measurements on the loaded development machine).
+void fill_random(model::Weights& w) {
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (const model::NamedTensor& s : w.storage()) {
+    float* p = s.tensor.data_as<float>();
+    for (int64_t i = 0; i < s.tensor.numel(); ++i) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      p[i] = static_cast<float>(static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) * 0x1p-23f;
+    }
+  }
+}
+
+// Seconds of a memcpy of `bytes` from `from` (median of `reps` after a warm-up), written into a
+// ring of 256 MiB: the bytes leave the caches as the destination of a real copy would.
+double memcpy_seconds(const char* from, int64_t bytes, int reps) {
+  const int64_t ring = std::min<int64_t>(bytes, int64_t{256} << 20);
+  std::vector<char> to(static_cast<size_t>(ring), 0);
+  std::vector<double> t;
+  for (int i = 0; i <= reps; ++i) {
+    const auto t0 = Clock::now();
+    for (int64_t at = 0; at < bytes; at += ring)
+      std::memcpy(to.data(), from + at, static_cast<size_t>(std::min(ring, bytes - at)));
+    if (i > 0) t.push_back(seconds_since(t0));
+  }
+  return median(t);
+}
+
+int64_t parameter_bytes(const model::Weights& w) {
+  int64_t n = 0;
+  for (const model::NamedTensor& s : w.storage()) n += static_cast<int64_t>(s.tensor.nbytes());
+  return n;
+}
+
+// One rank: the publisher's f32 -> bf16 cast of every parameter of `master`, beside memcpy of
+// the f32 bytes (what a same-dtype publish copies) as the peer and memcpy of the bf16 bytes it
+// writes as the limit.
+void one_rank(const Options& opt, const char* name, const model::Weights& master, int& emitted) {
+  const std::string case_name = fmt::format("{} one rank f32->bf16", name);
+  if (!Runner(opt, {}).wants("publish", case_name)) return;
+  model::Weights engine(master.config(), DType::bf16);
+  const auto specs = specs_of(master);
+  const weight_sync::Layout src = weight_sync::Layout::replicated(specs, 1);
+  const weight_sync::Layout dst = src.with_dtype(DType::bf16);
+  const auto mp = params_of(master), ep = params_of(engine);
+  weight_sync::Publisher pub(weight_sync::ReshardPlan::make(src, dst), nullptr,
+                             weight_sync::bind(src, 0, mp), weight_sync::bind(dst, 0, ep));
+  const int64_t written = parameter_bytes(engine), read = parameter_bytes(master);
+  const int reps = 2;  // after a warm-up: these move gigabytes each
+  std::vector<double> t;
+  for (int i = 0; i <= reps; ++i) {
+    const auto t0 = Clock::now();
+    pub.publish(static_cast<uint64_t>(i + 1));
+    if (i > 0) t.push_back(seconds_since(t0));
+  }
+  // The arena holds the parameters one after the other (padding aside).
+  const char* from = static_cast<const char*>(master.storage()[0].tensor.data());
+  Ceilings limit;
+  limit.gbytes = static_cast<double>(written) / memcpy_seconds(from, written, reps) / 1e9;
+  limit.gbytes_source = "memcpy of the bf16 bytes written";
+  Runner(opt, limit)
+      .emit(Measurement{"sync", "publish", case_name, median(t), 0, static_cast<double>(written),
+                        "memcpy f32 bytes", memcpy_seconds(from, read, reps)});
+  ++emitted;
+}
+
+// ZeRO-4 -> TP-2 x 2 over Gloo (4 threads, one communicator each), per bucket size, beside a raw
+// all-gather that moves the same bytes between the same ranks.
+void zero_to_tp(const Options& opt, const char* name, const model::Weights& master, int& emitted) {
+  constexpr int kRanks = 4;
+  // Bucket sizes, staged (the default) or not.
+  struct Variant {
+    int64_t mib;
+    bool staged;
+    std::string label() const {
+      return fmt::format("bucket {} MiB{}", mib, staged ? "" : " unstaged");
+    }
+  };
+  const std::vector<Variant> variants =
+      opt.quick ? std::vector<Variant>{{16, true}}
+                : std::vector<Variant>{{4, true}, {16, true}, {64, true}, {4, false}};
+  std::vector<Variant> wanted;
+  for (const Variant& v : variants)
+    if (Runner(opt, {}).wants("reshard",
+                              fmt::format("{} zero4->tp2x2 f32->bf16 {} gloo", name, v.label())))
+      wanted.push_back(v);
+  if (wanted.empty()) return;
+  // One set of full f32 master weights stands for every rank's (ZeRO-1/2: each rank keeps the
+  // full parameters and owns a range of them); each rank sends only its range.
+  const model::ModelConfig& c = master.config();
+  const auto specs = specs_of(master);
+  const weight_sync::Layout src =
+      weight_sync::Layout::zero(specs, kRanks, trainer::ShardedAdamW::kNormBlock);
+  const weight_sync::TpDims dims{c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                                 c.vocab_size};
+  const weight_sync::Layout dst =
+      weight_sync::Layout::tensor_parallel(dims, specs, 2, 2).with_dtype(DType::bf16);
+  const weight_sync::ReshardPlan plan = weight_sync::ReshardPlan::make(src, dst);
+  int64_t remote = 0;
+  for (int a = 0; a < kRanks; ++a)
+    for (int b = 0; b < kRanks; ++b)
+      if (a != b) remote += plan.bytes(a, b);
+  const auto mp = params_of(master);
+
+  const int port = free_port();
+  std::vector<std::unique_ptr<Communicator>> comms(kRanks);
+  std::vector<std::vector<Tensor>> shards(kRanks);
+  auto on_ranks = [&](const std::function<void(int)>& fn) {
+    std::vector<std::thread> threads;
+    std::vector<std::string> errors(kRanks);
+    for (int r = 0; r < kRanks; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          fn(r);
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (const auto& e : errors) TANDEM_CHECK(e.empty(), "bench sync: {}", e);
+  };
+  on_ranks([&](int r) {
+    rendezvous::RankInfo info;
+    info.rank = r;
+    info.world_size = kRanks;
+    info.master_addr = "127.0.0.1";
+    info.master_port = port;
+    CommOptions o;
+    o.timeout_s = 300;
+    comms[static_cast<size_t>(r)] = Communicator::create(info, o);
+    for (size_t p = 0; p < specs.size(); ++p)
+      shards[static_cast<size_t>(r)].push_back(Tensor::empty(dst.shard(p, r).shape, DType::bf16));
+  });
+  // One timed sync per bucket size after a warm-up one (each moves a gigabyte and more; the
+  // default invocation stays under a minute on 2 busy cores).
+  const int reps = 1;
+  // The peer: every rank all-gathers remote / (N (N - 1)) bytes, so that each rank receives
+  // remote / N bytes, as it does in the reshard.
+  const int64_t per_rank = remote / (kRanks * (kRanks - 1)) / 2 * 2;
+  std::vector<double> gather_s;
+  {
+    std::vector<std::vector<double>> t(kRanks);
+    on_ranks([&](int r) {
+      Communicator& c = *comms[static_cast<size_t>(r)];
+      Tensor out = Tensor::zeros({kRanks * per_rank / 2}, DType::bf16);
+      Tensor in = out.narrow(r * (per_rank / 2), per_rank / 2);
+      for (int i = 0; i <= reps; ++i) {
+        c.barrier();
+        const auto t0 = Clock::now();
+        c.all_gather(in, out);
+        if (i > 0) t[static_cast<size_t>(r)].push_back(seconds_since(t0));
+      }
+    });
+    for (int i = 0; i < reps; ++i) {
+      double worst = 0;
+      for (int r = 0; r < kRanks; ++r)
+        worst = std::max(worst, t[static_cast<size_t>(r)][static_cast<size_t>(i)]);
+      gather_s.push_back(worst);
+    }
+  }
+  for (const Variant& v : wanted) {
+    std::vector<std::vector<double>> t(kRanks);
+    int64_t added = 0;
+    on_ranks([&](int r) {
+      weight_sync::SyncOptions so;
+      so.bucket_bytes = v.mib << 20;
+      so.staged = v.staged;
+      weight_sync::Publisher pub(plan, comms[static_cast<size_t>(r)].get(),
+                                 weight_sync::bind(src, r, mp), shards[static_cast<size_t>(r)], so);
+      if (r == 0) added = pub.added_bytes();
+      for (int i = 0; i <= reps; ++i) {
+        comms[static_cast<size_t>(r)]->barrier();
+        const auto t0 = Clock::now();
+        pub.publish(static_cast<uint64_t>(i + 1));
+        if (i > 0) t[static_cast<size_t>(r)].push_back(seconds_since(t0));
+      }
+    });
+    std::vector<double> worst;
+    for (int i = 0; i < reps; ++i) {
+      double w = 0;
+      for (int r = 0; r < kRanks; ++r)
+        w = std::max(w, t[static_cast<size_t>(r)][static_cast<size_t>(i)]);
+      worst.push_back(w);
+    }
+    const std::string case_name = fmt::format(
+        "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB between ranks, {} MB added on rank 0)", name,
+        v.label(), remote / 1000000, added / 1000000);
+    Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(worst), 0,
+                                     static_cast<double>(remote), "gloo all_gather",
+                                     median(gather_s)});
+    ++emitted;
+  }
+}
+
+}  // namespace
+
+int run_sync_bench(const Options& opt) {
+  int emitted = 0;
+  {
+    model::Weights smollm(config_of(kSmolLM2_135M, 30, false), DType::f32);
+    fill_random(smollm);
+    one_rank(opt, "smollm2-135m", smollm, emitted);
+  }
+  // SmolLM2's 9 query heads do not split over tp = 2: the reshard runs on the Qwen2.5 shape
+  // (--quick: 2 of its 24 layers and a 32k vocabulary).
+  model::ModelConfig qc = config_of(kQwen25_05B, opt.quick ? 2 : 24, true);
+  if (opt.quick) qc.vocab_size = 32768;
+  const char* qname = opt.quick ? "qwen2.5-0.5b 2 layers 32k vocabulary" : "qwen2.5-0.5b";
+  model::Weights qwen(qc, DType::f32);
+  fill_random(qwen);
+  if (!opt.quick) one_rank(opt, qname, qwen, emitted);
+  zero_to_tp(opt, qname, qwen, emitted);
+  return emitted > 0 ? 0 : 1;
+}
+
+}  // namespace tandem::bench

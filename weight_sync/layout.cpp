@@ -1,0 +1,284 @@
+// Layout builders (replicated, ZeRO ranges, tensor-parallel shards) and their checks.
+#include "weight_sync/layout.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string_view>
+
+#include "core/error.h"
+
+namespace tandem::weight_sync {
+namespace {
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// Rows [start, start + units * unit_rows) of a row-split parameter: `units` heads (or rows) of
+// unit_rows rows each, dealt out evenly over the tp ranks.
+struct Segment {
+  int64_t start, units, unit_rows;
+  const char* what;           // "query heads"
+  bool replicate_when_fewer;  // key/value heads: tp a multiple of units is fine
+};
+
+// The units [first, first + count) of a segment rank t holds.
+std::pair<int64_t, int64_t> units_of(const ParamSpec& p, const Segment& s, int tp, int t) {
+  if (s.units % tp == 0) return {t * (s.units / tp), s.units / tp};
+  TANDEM_CHECK(s.replicate_when_fewer && tp % s.units == 0,
+               "weight_sync: tensor parallel tp = {} does not divide the {} {} of {} (shape {}): "
+               "choose a tp that divides {}{}",
+               tp, s.units, s.what, p.name, p.shape, s.units,
+               s.replicate_when_fewer ? " or a multiple of it" : "");
+  return {t / (tp / s.units), 1};
+}
+
+Shard row_shard(const ParamSpec& p, std::span<const Segment> segments, int tp, int t) {
+  const int64_t cols = p.shape.numel() / p.shape[0];
+  Shard s;
+  int64_t local_rows = 0;
+  for (const Segment& seg : segments) {
+    const auto [first, count] = units_of(p, seg, tp, t);
+    const int64_t rows = count * seg.unit_rows;
+    s.runs.push_back({(seg.start + first * seg.unit_rows) * cols, rows * cols, local_rows * cols});
+    local_rows += rows;
+  }
+  s.shape = p.shape;
+  s.shape[0] = local_rows;
+  return s;
+}
+
+// Columns of a (R, K) parameter split evenly: rank t holds columns [t K / tp, (t + 1) K / tp) of
+// every row, K being `units` units (heads) of K / units columns.
+Shard column_shard(const ParamSpec& p, int64_t units, const char* what, int tp, int t) {
+  TANDEM_CHECK(p.shape.ndim() == 2, "weight_sync: {} should be a matrix, got shape {}", p.name,
+               p.shape);
+  TANDEM_CHECK(units % tp == 0,
+               "weight_sync: tensor parallel tp = {} does not divide the {} {} of {} (shape {}): "
+               "choose a tp that divides {}",
+               tp, units, what, p.name, p.shape, units);
+  const int64_t R = p.shape[0], K = p.shape[1], k = K / tp;
+  Shard s;
+  s.shape = {R, k};
+  s.runs.reserve(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) s.runs.push_back({r * K + t * k, k, r * k});
+  return s;
+}
+
+void check_rows(const ParamSpec& p, int64_t rows, const char* formula) {
+  TANDEM_CHECK(p.shape.ndim() >= 1 && p.shape[0] == rows,
+               "weight_sync: {} has shape {}, but the model dimensions give {} = {} rows: build "
+               "the layout with the model's own dimensions",
+               p.name, p.shape, formula, rows);
+}
+
+void check_cols(const ParamSpec& p, int64_t cols, const char* formula) {
+  TANDEM_CHECK(p.shape.ndim() == 2 && p.shape[1] == cols,
+               "weight_sync: {} has shape {}, but the model dimensions give {} = {} columns: build "
+               "the layout with the model's own dimensions",
+               p.name, p.shape, formula, cols);
+}
+
+// Rank t's shard of p under the tensor-parallel split.
+Shard tp_shard(const TpDims& d, const ParamSpec& p, int tp, int t) {
+  const int64_t H = d.heads, Hkv = d.kv_heads, D = d.head_dim, F = d.intermediate, V = d.vocab;
+  const std::string_view n = p.name;
+  if (ends_with(n, "self_attn.qkv_proj.weight") || ends_with(n, "self_attn.qkv_proj.bias")) {
+    check_rows(p, (H + 2 * Hkv) * D, "(H + 2 Hkv) D");
+    const Segment segs[] = {{0, H, D, "query heads", false},
+                            {H * D, Hkv, D, "key/value heads", true},
+                            {(H + Hkv) * D, Hkv, D, "key/value heads", true}};
+    return row_shard(p, segs, tp, t);
+  }
+  if (ends_with(n, "self_attn.q_proj.weight") || ends_with(n, "self_attn.q_proj.bias")) {
+    check_rows(p, H * D, "H D");
+    const Segment segs[] = {{0, H, D, "query heads", false}};
+    return row_shard(p, segs, tp, t);
+  }
+  for (const char* kv : {"self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                         "self_attn.v_proj.weight", "self_attn.v_proj.bias"})
+    if (ends_with(n, kv)) {
+      check_rows(p, Hkv * D, "Hkv D");
+      const Segment segs[] = {{0, Hkv, D, "key/value heads", true}};
+      return row_shard(p, segs, tp, t);
+    }
+  if (ends_with(n, "mlp.gate_up_proj.weight")) {
+    check_rows(p, 2 * F, "2 F");
+    const Segment segs[] = {{0, F, 1, "gate rows", false}, {F, F, 1, "up rows", false}};
+    return row_shard(p, segs, tp, t);
+  }
+  if (ends_with(n, "mlp.gate_proj.weight") || ends_with(n, "mlp.up_proj.weight")) {
+    check_rows(p, F, "F");
+    const Segment segs[] = {{0, F, 1, "rows (intermediate size)", false}};
+    return row_shard(p, segs, tp, t);
+  }
+  if (ends_with(n, "embed_tokens.weight") || ends_with(n, "lm_head.weight")) {
+    check_rows(p, V, "V");
+    const Segment segs[] = {{0, V, 1, "vocabulary rows", false}};
+    return row_shard(p, segs, tp, t);
+  }
+  if (ends_with(n, "self_attn.o_proj.weight")) {
+    check_cols(p, H * D, "H D");
+    return column_shard(p, H, "query heads", tp, t);
+  }
+  if (ends_with(n, "mlp.down_proj.weight")) {
+    check_cols(p, F, "F");
+    return column_shard(p, F, "columns (intermediate size)", tp, t);
+  }
+  return Shard{p.shape, {{0, p.shape.numel(), 0}}};
+}
+
+}  // namespace
+
+int64_t Shard::held() const {
+  int64_t n = 0;
+  for (const Run& r : runs) n += r.length;
+  return n;
+}
+
+Layout::Layout(std::string name, int world, std::vector<ParamSpec> params)
+    : name_(std::move(name)), world_(world), params_(std::move(params)) {
+  TANDEM_CHECK(world >= 1, "weight_sync: layout '{}' needs at least one rank, got {}", name_,
+               world);
+  shards_.resize(params_.size(), std::vector<Shard>(static_cast<size_t>(world)));
+  for (size_t p = 0; p < params_.size(); ++p) {
+    TANDEM_CHECK(params_[p].shape.numel() > 0, "weight_sync: parameter {} has no elements ({})",
+                 params_[p].name, params_[p].shape);
+    for (size_t q = 0; q < p; ++q)
+      TANDEM_CHECK(params_[q].name != params_[p].name,
+                   "weight_sync: parameter {} appears twice in layout '{}'", params_[p].name,
+                   name_);
+  }
+}
+
+Layout Layout::replicated(std::vector<ParamSpec> params, int world) {
+  Layout l("replicated", world, std::move(params));
+  for (size_t p = 0; p < l.params_.size(); ++p)
+    for (int r = 0; r < world; ++r) {
+      const Shape& s = l.params_[p].shape;
+      l.set_shard(p, r, Shard{s, {{0, s.numel(), 0}}});
+    }
+  return l;
+}
+
+Layout Layout::zero(std::vector<ParamSpec> params, int world, int64_t block, bool full_tensors) {
+  TANDEM_CHECK(block >= 1, "weight_sync: ZeRO block size must be positive, got {}", block);
+  Layout l(fmt::format("zero{}", world), world, std::move(params));
+  int64_t total = 0;
+  for (const ParamSpec& p : l.params_) total += p.shape.numel();
+  const int64_t blocks = (total + block - 1) / block;
+  const int64_t S = (blocks + world - 1) / world * block;
+  for (int r = 0; r < world; ++r) {
+    const int64_t lo = std::min(total, r * S), hi = std::min(total, lo + S);
+    int64_t start = 0;
+    for (size_t p = 0; p < l.params_.size(); ++p) {
+      const ParamSpec& spec = l.params_[p];
+      const int64_t n = spec.shape.numel();
+      const int64_t a = std::max(lo, start), b = std::min(hi, start + n);
+      Shard s{full_tensors ? spec.shape : Shape{std::max<int64_t>(0, b - a)}, {}};
+      if (a < b) s.runs.push_back({a - start, b - a, full_tensors ? a - start : 0});
+      l.set_shard(p, r, std::move(s));
+      start += n;
+    }
+  }
+  return l;
+}
+
+Layout Layout::tensor_parallel(const TpDims& dims, std::vector<ParamSpec> params, int tp,
+                               int replicas) {
+  TANDEM_CHECK(tp >= 1 && replicas >= 1,
+               "weight_sync: tensor parallel needs tp >= 1 and replicas >= 1, got {} and {}", tp,
+               replicas);
+  TANDEM_CHECK(dims.heads > 0 && dims.kv_heads > 0 && dims.head_dim > 0 && dims.intermediate > 0 &&
+                   dims.vocab > 0,
+               "weight_sync: tensor parallel needs the model's heads, key/value heads, head size, "
+               "intermediate size and vocabulary, got {}, {}, {}, {}, {}",
+               dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate, dims.vocab);
+  Layout l(fmt::format("tp{}x{}", tp, replicas), tp * replicas, std::move(params));
+  for (size_t p = 0; p < l.params_.size(); ++p)
+    for (int t = 0; t < tp; ++t) {
+      const Shard s = tp_shard(dims, l.params_[p], tp, t);
+      for (int k = 0; k < replicas; ++k) l.set_shard(p, k * tp + t, s);
+    }
+  return l;
+}
+
+Layout Layout::placed(int first, int world) const {
+  TANDEM_CHECK(first >= 0 && first + world_ <= world,
+               "weight_sync: layout '{}' of {} ranks does not fit at rank {} of a world of {}",
+               name_, world_, first, world);
+  Layout l(fmt::format("{}@{}", name_, first), world, params_);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    for (int r = 0; r < world_; ++r) l.shards_[p][static_cast<size_t>(first + r)] = shard(p, r);
+  }
+  return l;
+}
+
+Layout Layout::with_dtype(DType dtype) const {
+  Layout l = *this;
+  for (ParamSpec& p : l.params_) p.dtype = dtype;
+  return l;
+}
+
+void Layout::set_shard(size_t param, int rank, Shard shard) {
+  TANDEM_CHECK(param < params_.size() && rank >= 0 && rank < world_,
+               "weight_sync: layout '{}' has {} parameters and {} ranks, asked for parameter {} of "
+               "rank {}",
+               name_, params_.size(), world_, param, rank);
+  const ParamSpec& p = params_[param];
+  const int64_t n = p.shape.numel(), local_n = shard.shape.numel();
+  int64_t end = 0;
+  for (const Run& r : shard.runs) {
+    TANDEM_CHECK(r.length > 0 && r.global >= end && r.global + r.length <= n && r.local >= 0 &&
+                     r.local + r.length <= local_n,
+                 "weight_sync: layout '{}' gives rank {} the run [{}, {}) of {} ({} elements) at "
+                 "local [{}, {}) of a local tensor of {}: runs must ascend, not overlap and stay "
+                 "inside both",
+                 name_, rank, r.global, r.global + r.length, p.name, n, r.local, r.local + r.length,
+                 shard.shape);
+    end = r.global + r.length;
+  }
+  std::vector<Run> by_local = shard.runs;
+  std::sort(by_local.begin(), by_local.end(),
+            [](const Run& a, const Run& b) { return a.local < b.local; });
+  for (size_t i = 1; i < by_local.size(); ++i)
+    TANDEM_CHECK(by_local[i - 1].local + by_local[i - 1].length <= by_local[i].local,
+                 "weight_sync: layout '{}' puts two runs of {} at overlapping local elements of "
+                 "rank {} ({} and {})",
+                 name_, p.name, rank, by_local[i - 1].local, by_local[i].local);
+  shards_[param][static_cast<size_t>(rank)] = std::move(shard);
+}
+
+const Shard& Layout::shard(size_t param, int rank) const {
+  TANDEM_CHECK(param < params_.size() && rank >= 0 && rank < world_,
+               "weight_sync: layout '{}' has {} parameters and {} ranks, asked for parameter {} of "
+               "rank {}",
+               name_, params_.size(), world_, param, rank);
+  return shards_[param][static_cast<size_t>(rank)];
+}
+
+int64_t Layout::held(int rank) const {
+  int64_t n = 0;
+  for (size_t p = 0; p < params_.size(); ++p) n += shard(p, rank).held();
+  return n;
+}
+
+std::string Layout::describe() const {
+  std::string out = fmt::format("layout {} ({} ranks)\n", name_, world_);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    const ParamSpec& spec = params_[p];
+    out += fmt::format("{} {} {}\n", spec.name, spec.shape, dtype_name(spec.dtype));
+    for (int r = 0; r < world_; ++r) {
+      const Shard& s = shard(p, r);
+      out += fmt::format("  rank {}: local {}, {} runs", r, s.shape, s.runs.size());
+      for (size_t i = 0; i < s.runs.size() && i < 3; ++i)
+        out += fmt::format(" [{}, {})@{}", s.runs[i].global, s.runs[i].global + s.runs[i].length,
+                           s.runs[i].local);
+      out += s.runs.size() > 3 ? " ...\n" : "\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace tandem::weight_sync

@@ -1,0 +1,98 @@
+// Layout: for every parameter (storage name, global shape, dtype), which elements each rank of a
+// group holds and where they sit in that rank's local tensor: replicated, the trainer's ZeRO
+// ranges, or tensor-parallel shards (fused q/k/v and gate/up, row-split o and down, the vocabulary
+// split). A layout is a value: built once from the placement, printed, compared, planned over.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tandem::weight_sync {
+
+// One parameter as both sides of a sync name it: the storage tensors of model::Weights (fused
+// "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight", the rest under their HF names).
+struct ParamSpec {
+  std::string name;
+  Shape shape;  // global
+  DType dtype;
+};
+
+// Elements [global, global + length) of the flattened parameter, at [local, local + length) of the
+// rank's local tensor (flattened).
+struct Run {
+  int64_t global = 0, length = 0, local = 0;
+};
+
+// One rank's part of one parameter. A rank that holds none of it has no runs and numel 0.
+struct Shard {
+  Shape shape{0};         // the rank's local tensor (e.g. (V / tp, C)); numel() elements
+  std::vector<Run> runs;  // ascending `global`, disjoint, inside the parameter and the local tensor
+  int64_t held() const;   // elements the runs cover
+};
+
+// The model dimensions a tensor-parallel split needs (from model::ModelConfig; weight_sync knows
+// nothing of models beyond the storage names).
+struct TpDims {
+  int64_t heads = 0;         // H
+  int64_t kv_heads = 0;      // Hkv
+  int64_t head_dim = 0;      // D
+  int64_t intermediate = 0;  // F
+  int64_t vocab = 0;         // V
+};
+
+class Layout {
+ public:
+  // Every parameter held by no rank yet; fill with set_shard.
+  Layout(std::string name, int world, std::vector<ParamSpec> params);
+
+  // Every rank holds every parameter whole (a data-parallel trainer after its all-gather, or
+  // rollout engines without tensor parallelism).
+  static Layout replicated(std::vector<ParamSpec> params, int world);
+  // The ZeRO ranges of trainer::ShardedAdamW over `world` ranks: the parameters flattened one
+  // after the other in the given (storage) order, rank r owning [r S, min((r + 1) S, P)) with
+  // S = ceil(P / (N block)) block elements (block = ShardedAdamW::kNormBlock). full_tensors: a
+  // rank's local tensor is the whole parameter (ZeRO-1/2: every rank keeps full parameters and
+  // owns a range of them); else the owned range alone, contiguous (ZeRO-3).
+  static Layout zero(std::vector<ParamSpec> params, int world, int64_t block,
+                     bool full_tensors = true);
+  // `replicas` engines of `tp` ranks each, replica k being ranks [k tp, (k + 1) tp), tensor
+  // parallel in the Megatron split: qkv_proj (weight and bias) by heads, rank t holding its H/tp
+  // query heads, then its key heads, then its value heads (a key/value head replicated over
+  // tp/Hkv ranks when Hkv < tp); gate_up_proj by rows, rank t holding its F/tp gate rows then its
+  // up rows; o_proj and down_proj by columns (their input dimension); embed_tokens and lm_head by
+  // vocabulary rows; everything else (norms) replicated. Throws tandem::Error naming the
+  // parameter and the sizes when tp does not divide them.
+  static Layout tensor_parallel(const TpDims& dims, std::vector<ParamSpec> params, int tp,
+                                int replicas);
+
+  // The same layout on ranks [first, first + world()) of a world of `world` ranks (e.g. rollout
+  // engines after the trainer's ranks); the other ranks hold nothing.
+  Layout placed(int first, int world) const;
+  // The same parameters in another dtype (e.g. the engines' bf16 copy of an f32 layout).
+  Layout with_dtype(DType dtype) const;
+
+  // Checks a rank's runs (ascending, disjoint, inside the parameter and the local shape) and sets
+  // them. Throws tandem::Error naming the parameter and the rank.
+  void set_shard(size_t param, int rank, Shard shard);
+
+  const std::string& name() const { return name_; }
+  int world() const { return world_; }
+  std::span<const ParamSpec> params() const { return params_; }
+  const Shard& shard(size_t param, int rank) const;
+  // Elements of all parameters a rank holds.
+  int64_t held(int rank) const;
+  // One line per parameter and rank: the runs (merged where consecutive), for logs and tests.
+  std::string describe() const;
+
+ private:
+  std::string name_;
+  int world_ = 0;
+  std::vector<ParamSpec> params_;
+  std::vector<std::vector<Shard>> shards_;  // [param][rank]
+};
+
+}  // namespace tandem::weight_sync
