@@ -277,10 +277,9 @@ TEST_CASE(
   for (const auto& [victim, stage] : {std::pair{1, "optimizer"}, std::pair{0, "committed"}}) {
     const std::string name = fmt::format("kill{}", victim);
     INFO("rank " << victim << " killed after " << stage);
-    const std::string command = fmt::format(
-        "{} train {} {} checkpoint.every=1 distributed.timeout_s=10 logging.dir={} "
-        "checkpoint.dir={}",
-        tandem_bin(), job, det, tmp.file(name), tmp.file(name + "/ckpt"));
+    const std::string command =
+        fmt::format("{} train {} {} checkpoint.every=1 logging.dir={} checkpoint.dir={}",
+                    tandem_bin(), job, det, tmp.file(name), tmp.file(name + "/ckpt"));
     const std::string log0 = tmp.file(name + "-rank0.log"), log1 = tmp.file(name + "-rank1.log");
     const std::string script = fmt::format(
         "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={} "
