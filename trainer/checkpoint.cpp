@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -585,6 +586,8 @@ Restored restore(const std::string& dir_path, const model::Weights& policy, Flat
   std::vector<FlatRange> ranges;
   for (const SavedRange& r : saved) ranges.push_back(r.range);
   const std::vector<ShardRead> plan = plan_shard_reads(ranges, want);
+  spdlog::debug("{}: parameters [{}, {}) of the optimizer state from\n{}", dir.string(), want.begin,
+                want.end, describe(plan));
   const int64_t n = want.end - want.begin;
   out.m = Tensor::zeros({n}, DType::f32);
   out.v = Tensor::zeros({n}, DType::f32);

@@ -53,7 +53,7 @@ struct FlatRange {
   bool operator==(const FlatRange&) const = default;
 };
 
-// One copy of a read plan: `count` elements from `offset` into saved range `source` go to
+// One copy of a read plan: `count` elements from `source_offset` into saved range `source` go to
 // `offset` into the range read.
 struct ShardRead {
   size_t source = 0;
@@ -68,7 +68,8 @@ struct ShardRead {
 // each saved range, in order. Throws tandem::Error when the saved ranges do not cover `want` or
 // are not in order.
 std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved, FlatRange want);
-// One line per copy, "range 1 [10, 30) -> [0, 20)", for messages and logs.
+// One line per copy, "range 1 [10, 30) -> [0, 20)" (elements of saved range 1 -> of the range
+// read), for messages and logs.
 std::string describe(std::span<const ShardRead> plan);
 
 // The directory of step N under root: <root>/step-<N>.

@@ -152,7 +152,7 @@ TEST_CASE("A failure mid-save leaves the previous checkpoints intact", "[unit]")
   saved_policy.copy_from(job.policy);
   job.step(1);
 
-  for (const char* stage : {"policy", "optimizer", "trainer_state"}) {
+  for (const char* stage : {"policy", "optimizer", "trainer_state", "committed"}) {
     INFO(stage);
     CheckpointOptions o;
     o.keep_last = 1;  // would delete step-1 if step-2 completed
