@@ -1,24 +1,30 @@
-// Checkpoints: saving through a temporary directory, pruning, finding the latest, loading into
-// temporaries and copying only once everything checked out.
+// Checkpoints: saving through a temporary directory (one rank, or every rank its optimizer range
+// and rank 0 the rest and the commit marker), pruning, finding the latest committed one, loading
+// into temporaries (reading the pieces of the saved ranges that overlap this rank's) and copying
+// only once everything checked out.
 #include "trainer/checkpoint.h"
 
 #include <signal.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string_view>
 #include <system_error>
 #include <type_traits>
 #include <vector>
 
+#include "core/crc32c.h"
 #include "core/error.h"
 #include "model/hf.h"
 #include "model/safetensors.h"
@@ -30,10 +36,14 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kFormat = "tandem-checkpoint";
-constexpr int kVersion = 1;
+// Version 2: COMMITTED marker, optimizer state per rank. Version 1 (no marker, one
+// optimizer.safetensors) is still read.
+constexpr int kVersion = 2;
+constexpr int kVersionUnmarked = 1;
 constexpr const char* kPolicyDir = "policy";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
+constexpr const char* kMarkerFile = "COMMITTED";
 
 // The N of a directory named step-<N> (digits only), or -1.
 int64_t step_of(const std::string& name) {
@@ -47,16 +57,36 @@ int64_t step_of(const std::string& name) {
   return std::stoll(digits);
 }
 
-// Complete checkpoints under root, by step.
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  TANDEM_CHECK(in.good(), "{}: cannot open checkpoint file", path.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A checkpoint directory counts once committed: it holds COMMITTED, or it was written before
+// markers existed (trainer_state.json of version 1, renamed into place complete).
+bool committed(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::is_regular_file(dir / kMarkerFile, ec)) return true;
+  if (!fs::is_regular_file(dir / kStateFile, ec)) return false;
+  try {
+    const json j = json::parse(read_text(dir / kStateFile));
+    return j.is_object() && j.value("version", json()) == kVersionUnmarked;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// Committed checkpoints under root, by step.
 std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& root) {
   std::vector<std::pair<int64_t, fs::path>> out;
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return out;
   for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
     const int64_t n = step_of(e.path().filename().string());
-    if (n >= 0 && e.is_directory(ec) && fs::is_regular_file(e.path() / kStateFile, ec)) {
-      out.emplace_back(n, e.path());
-    }
+    if (n >= 0 && e.is_directory(ec) && committed(e.path())) out.emplace_back(n, e.path());
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -71,12 +101,25 @@ void write_text(const fs::path& path, const std::string& text) {
   TANDEM_CHECK(ok && closed, "{}: write failed: {}", path.string(), std::strerror(errno));
 }
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  TANDEM_CHECK(in.good(), "{}: cannot open checkpoint file", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+// A file's size and CRC-32C, as COMMITTED records them.
+struct FileSum {
+  int64_t bytes = 0;
+  uint32_t crc = 0;
+};
+
+FileSum sum_file(const fs::path& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  TANDEM_CHECK(f != nullptr, "{}: cannot open: {}", path.string(), std::strerror(errno));
+  std::vector<char> buf(size_t{1} << 20);
+  FileSum s;
+  for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), f)) > 0;) {
+    s.crc = crc32c(std::string_view(buf.data(), n), s.crc);
+    s.bytes += static_cast<int64_t>(n);
+  }
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  TANDEM_CHECK(!failed, "{}: read failed", path.string());
+  return s;
 }
 
 void require_file(const fs::path& path, const std::string& what) {
@@ -89,6 +132,13 @@ json counters_json(const AdamWCounters& c) {
   return {{"step", c.step},
           {"skipped_total", c.skipped_total},
           {"consecutive_skips", c.consecutive_skips}};
+}
+
+std::map<std::string, std::string> counters_metadata(const AdamWCounters& c) {
+  return {{"format", kFormat},
+          {"step", std::to_string(c.step)},
+          {"skipped_total", std::to_string(c.skipped_total)},
+          {"consecutive_skips", std::to_string(c.consecutive_skips)}};
 }
 
 // The field of j as T, or an error naming the file and field.
@@ -138,15 +188,36 @@ void check_same_config(const model::ModelConfig& want, const model::ModelConfig&
   field("rope_scaling.factor", want.rope.factor, got.rope.factor);
 }
 
-}  // namespace
-
-std::string checkpoint_dir(const std::string& root, int64_t step) {
-  return (fs::path(root) / ("step-" + std::to_string(step))).string();
+// Each storage tensor's flat range (FlatRange's numbering).
+std::vector<FlatRange> storage_ranges(const model::Weights& w) {
+  std::vector<FlatRange> out;
+  int64_t at = 0;
+  for (const model::NamedTensor& s : w.storage()) {
+    out.push_back({at, at + s.tensor.numel()});
+    at += s.tensor.numel();
+  }
+  return out;
 }
 
-std::string save_checkpoint(const std::string& root_path, int64_t step,
-                            const model::Weights& policy, const AdamW& optimizer,
-                            const TrainerState& state, const CheckpointOptions& options) {
+std::string shard_file(int rank, int world) {
+  return fmt::format("optimizer/rank-{:05d}-of-{:05d}.safetensors", rank, world);
+}
+
+// ---- Saving ----
+
+// A save in progress: <root>/.tmp-step-<N>-<pid> until commit() renames it to <root>/step-<N>.
+struct PendingSave {
+  fs::path root, tmp, target;
+  std::string name;  // step-<N>
+  int64_t pid = 0;   // of the process that commits
+  const CheckpointOptions& options;
+  void stage(const char* what) const {
+    if (options.on_stage) options.on_stage(what);
+  }
+};
+
+void check_save_arguments(int64_t step, const model::Weights& policy, const TrainerState& state,
+                          const CheckpointOptions& options) {
   TANDEM_CHECK(step >= 0, "checkpoint: step {} must be 0 or more", step);
   TANDEM_CHECK(options.keep_last >= 0, "checkpoint: keep_last {} must be 0 or more (0 keeps all)",
                options.keep_last);
@@ -154,89 +225,559 @@ std::string save_checkpoint(const std::string& root_path, int64_t step,
                "checkpoint: TrainerState rng_states and extra must be JSON objects");
   TANDEM_CHECK(policy.dtype() == DType::f32,
                "checkpoint: the policy must be the f32 master weights, got {}", policy.dtype());
-  const fs::path root(root_path);
+}
+
+fs::path tmp_dir(const fs::path& root, int64_t step, int64_t pid) {
+  return root / fmt::format(".tmp-step-{}-{}", step, pid);
+}
+
+// Creates root and an empty temporary directory (with optimizer/ for the ranks' files).
+void create_tmp(const PendingSave& p, bool rank_files) {
   std::error_code ec;
-  fs::create_directories(root, ec);
-  TANDEM_CHECK(!ec, "{}: cannot create the checkpoint directory: {}", root.string(), ec.message());
+  fs::create_directories(p.root, ec);
+  TANDEM_CHECK(!ec, "{}: cannot create the checkpoint directory: {}", p.root.string(),
+               ec.message());
+  fs::remove_all(p.tmp, ec);
+  fs::create_directories(rank_files ? p.tmp / "optimizer" : p.tmp, ec);
+  TANDEM_CHECK(!ec, "{}: cannot create directory: {}", p.tmp.string(), ec.message());
+}
 
-  const std::string name = "step-" + std::to_string(step);
-  const fs::path target = root / name;
-  const fs::path tmp = root / (".tmp-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(tmp, ec);
-  fs::create_directory(tmp, ec);
-  TANDEM_CHECK(!ec, "{}: cannot create directory: {}", tmp.string(), ec.message());
-  auto stage = [&](const char* what) {
-    if (options.on_stage) options.on_stage(what);
-  };
-  try {
-    model::SaveOptions hf;
-    hf.dtype = DType::f32;
-    hf.extra_files = options.extra_files;
-    model::save_hf(policy, (tmp / kPolicyDir).string(), hf);
-    stage("policy");
+void write_policy(const PendingSave& p, const model::Weights& policy) {
+  model::SaveOptions hf;
+  hf.dtype = DType::f32;
+  hf.extra_files = p.options.extra_files;
+  model::save_hf(policy, (p.tmp / kPolicyDir).string(), hf);
+  p.stage("policy");
+}
 
-    std::vector<model::NamedTensor> tensors;
-    for (const auto& [prefix, w] :
-         {std::pair{"m.", &optimizer.m()}, std::pair{"v.", &optimizer.v()}}) {
-      for (const model::NamedTensor& s : w->storage())
-        tensors.push_back({prefix + s.name, s.tensor});
-    }
-    const AdamWCounters& c = optimizer.counters();
-    model::write_safetensors((tmp / kOptimizerFile).string(), tensors,
-                             {{"format", kFormat},
-                              {"step", std::to_string(c.step)},
-                              {"skipped_total", std::to_string(c.skipped_total)},
-                              {"consecutive_skips", std::to_string(c.consecutive_skips)}});
-    stage("optimizer");
+void write_state(const PendingSave& p, const TrainerState& state, const AdamWCounters& c,
+                 const AdamWConfig& oc) {
+  json j = {{"format", kFormat},
+            {"version", kVersion},
+            {"step", state.step},
+            {"weight_version", state.weight_version},
+            {"data_epoch", state.data_epoch},
+            {"data_position", state.data_position},
+            {"rng_states", state.rng_states},
+            {"config", state.config},
+            {"extra", state.extra},
+            {"optimizer", counters_json(c)},
+            {"optimizer_config",
+             {{"beta1", oc.beta1},
+              {"beta2", oc.beta2},
+              {"eps", oc.eps},
+              {"weight_decay", oc.weight_decay},
+              {"max_grad_norm", oc.max_grad_norm}}}};
+  write_text(p.tmp / kStateFile, j.dump(2) + "\n");
+  p.stage("trainer_state");
+}
 
-    const AdamWConfig& oc = optimizer.config();
-    json j = {{"format", kFormat},
-              {"version", kVersion},
-              {"step", state.step},
-              {"weight_version", state.weight_version},
-              {"data_epoch", state.data_epoch},
-              {"data_position", state.data_position},
-              {"rng_states", state.rng_states},
-              {"config", state.config},
-              {"extra", state.extra},
-              {"optimizer", counters_json(c)},
-              {"optimizer_config",
-               {{"beta1", oc.beta1},
-                {"beta2", oc.beta2},
-                {"eps", oc.eps},
-                {"weight_decay", oc.weight_decay},
-                {"max_grad_norm", oc.max_grad_norm}}}};
-    write_text(tmp / kStateFile, j.dump(2) + "\n");
-    stage("trainer_state");
+// The whole optimizer state in one file: "m.<storage name>", "v.<storage name>".
+void write_whole_optimizer(const PendingSave& p, std::span<const model::NamedTensor> m,
+                           std::span<const model::NamedTensor> v, const AdamWCounters& c) {
+  std::vector<model::NamedTensor> tensors;
+  for (const auto& [prefix, w] : {std::pair{"m.", m}, std::pair{"v.", v}})
+    for (const model::NamedTensor& s : w) tensors.push_back({prefix + s.name, s.tensor});
+  model::write_safetensors((p.tmp / kOptimizerFile).string(), tensors, counters_metadata(c));
+  p.stage("optimizer");
+}
 
-    // Commit: an existing step-N is moved aside first and deleted only after the rename.
-    const fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
-    const bool replace = fs::exists(target, ec);
-    if (replace) {
-      fs::remove_all(old, ec);
-      fs::rename(target, old, ec);
-      TANDEM_CHECK(!ec, "{}: cannot move the previous checkpoint aside: {}", target.string(),
-                   ec.message());
-    }
-    fs::rename(tmp, target, ec);
-    if (ec) {
-      std::error_code ec2;
-      if (replace) fs::rename(old, target, ec2);
-      TANDEM_FAIL("{}: cannot rename {} into place: {}", target.string(), tmp.string(),
-                  ec.message());
-    }
-    if (replace) fs::remove_all(old, ec);
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
+// Writes COMMITTED, renames the directory into place (an existing step-N is moved aside first and
+// deleted only after the rename), prunes to keep_last. Returns the checkpoint's directory.
+std::string commit(const PendingSave& p, const json& marker) {
+  write_text(p.tmp / kMarkerFile, marker.dump(2) + "\n");
+  p.stage("committed");
+  std::error_code ec;
+  const fs::path old = p.root / fmt::format(".old-{}-{}", p.name, p.pid);
+  const bool replace = fs::exists(p.target, ec);
+  if (replace) {
+    fs::remove_all(old, ec);
+    fs::rename(p.target, old, ec);
+    TANDEM_CHECK(!ec, "{}: cannot move the previous checkpoint aside: {}", p.target.string(),
+                 ec.message());
   }
-
-  if (options.keep_last > 0) {
-    const auto all = list_checkpoints(root);
-    const size_t keep = static_cast<size_t>(options.keep_last);
+  fs::rename(p.tmp, p.target, ec);
+  if (ec) {
+    std::error_code ec2;
+    if (replace) fs::rename(old, p.target, ec2);
+    TANDEM_FAIL("{}: cannot rename {} into place: {}", p.target.string(), p.tmp.string(),
+                ec.message());
+  }
+  if (replace) fs::remove_all(old, ec);
+  if (p.options.keep_last > 0) {
+    const auto all = list_checkpoints(p.root);
+    const size_t keep = static_cast<size_t>(p.options.keep_last);
     for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i].second, ec);
   }
-  return target.string();
+  return p.target.string();
+}
+
+// The marker's head: what it commits, before the files.
+json marker_json(int64_t step, int world, int64_t total, const std::vector<json>& optimizer) {
+  return {{"format", kFormat},      {"version", kVersion}, {"step", step},
+          {"world_size", world},    {"parameters", total}, {"optimizer", optimizer},
+          {"files", json::object()}};
+}
+
+// Every file under the temporary directory with its size and CRC-32C, except those in `known`
+// (relative path -> sum, e.g. reported by the rank that wrote it), whose sizes are checked.
+json list_files(const fs::path& tmp, const std::map<std::string, FileSum>& known) {
+  json files = json::object();
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::recursive_directory_iterator(tmp, ec))
+    if (e.is_regular_file(ec)) names.push_back(e.path().lexically_relative(tmp).generic_string());
+  TANDEM_CHECK(!ec, "{}: cannot list: {}", tmp.string(), ec.message());
+  std::sort(names.begin(), names.end());
+  for (const std::string& n : names) {
+    FileSum s;
+    if (const auto k = known.find(n); k != known.end()) {
+      s = k->second;
+      const auto bytes = static_cast<int64_t>(fs::file_size(tmp / n, ec));
+      TANDEM_CHECK(!ec && bytes == s.bytes,
+                   "{}: {} bytes here, its writer wrote {}: checkpoint.dir must be one file "
+                   "system that every rank sees (on several nodes, a shared one)",
+                   (tmp / n).string(), ec ? -1 : bytes, s.bytes);
+    } else {
+      s = sum_file(tmp / n);
+    }
+    files[n] = {{"bytes", s.bytes}, {"crc32c", s.crc}};
+  }
+  for (const auto& [n, s] : known)
+    TANDEM_CHECK(files.contains(n),
+                 "{}: not there, though its writer wrote it: checkpoint.dir must be one file "
+                 "system that every rank sees (on several nodes, a shared one)",
+                 (tmp / n).string());
+  return files;
+}
+
+// One rank's save: the whole optimizer state (moments in storage tensors m and v) in
+// optimizer.safetensors.
+std::string save_alone(const std::string& root, int64_t step, const model::Weights& policy,
+                       std::span<const model::NamedTensor> m, std::span<const model::NamedTensor> v,
+                       const AdamWCounters& c, const AdamWConfig& oc, const TrainerState& state,
+                       const CheckpointOptions& options) {
+  check_save_arguments(step, policy, state, options);
+  const auto pid = static_cast<int64_t>(::getpid());
+  const std::string name = "step-" + std::to_string(step);
+  const PendingSave p{fs::path(root), tmp_dir(root, step, pid), fs::path(root) / name, name, pid,
+                      options};
+  create_tmp(p, false);
+  try {
+    write_policy(p, policy);
+    write_whole_optimizer(p, m, v, c);
+    write_state(p, state, c, oc);
+    const int64_t total = storage_ranges(policy).empty() ? 0 : storage_ranges(policy).back().end;
+    json marker =
+        marker_json(step, 1, total, {{{"file", kOptimizerFile}, {"begin", 0}, {"end", total}}});
+    marker["files"] = list_files(p.tmp, {});
+    return commit(p, marker);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(p.tmp, ec);
+    throw;
+  }
+}
+
+// ---- Loading ----
+
+// What a checkpoint holds for one rank's range, read and checked, not yet copied anywhere.
+struct Restored {
+  std::unique_ptr<model::Weights> policy;
+  Tensor m, v;  // (want.end - want.begin) f32 moments of the range
+  AdamWCounters counters;
+  TrainerState state;
+};
+
+// One saved range of the optimizer state: its moments are tensors m_name and v_name of file.
+struct SavedRange {
+  FlatRange range;
+  std::string file;  // relative to the checkpoint's directory
+  std::string m_name, v_name;
+  Shape shape;
+};
+
+// trainer_state.json, checked field by field; `version` receives its version.
+TrainerState read_state(const fs::path& dir, int64_t& version, AdamWCounters& counters) {
+  const fs::path state_path = dir / kStateFile;
+  require_file(state_path, "the trainer state");
+  const std::string where = state_path.string();
+  json j;
+  try {
+    j = json::parse(read_text(state_path));
+  } catch (const json::exception& e) {
+    TANDEM_FAIL("{}: not valid JSON (truncated?): {}", where, e.what());
+  }
+  TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+  TANDEM_CHECK(get_field<std::string>(j, "format", where) == kFormat,
+               "{}: field 'format' must be '{}'", where, kFormat);
+  version = get_field<int64_t>(j, "version", where);
+  TANDEM_CHECK(version == kVersion || version == kVersionUnmarked,
+               "{}: field 'version' is {}, this tandem reads versions {} and {}", where, version,
+               kVersionUnmarked, kVersion);
+  TrainerState s;
+  s.step = get_field<int64_t>(j, "step", where);
+  s.weight_version = get_field<int64_t>(j, "weight_version", where);
+  s.data_epoch = get_field<int64_t>(j, "data_epoch", where);
+  s.data_position = get_field<int64_t>(j, "data_position", where);
+  s.rng_states = get_object(j, "rng_states", where);
+  s.config = get_field<std::string>(j, "config", where);
+  s.extra = get_object(j, "extra", where);
+  TANDEM_CHECK(s.step >= 0 && s.weight_version >= 0 && s.data_epoch >= 0 && s.data_position >= 0,
+               "{}: 'step' {}, 'weight_version' {}, 'data_epoch' {} and 'data_position' {} must "
+               "all be 0 or more: the file is damaged; resume from another checkpoint",
+               where, s.step, s.weight_version, s.data_epoch, s.data_position);
+  fs::path named = dir.lexically_normal();
+  if (named.filename().empty()) named = named.parent_path();
+  const int64_t dir_step = step_of(named.filename().string());
+  TANDEM_CHECK(dir_step < 0 || dir_step == s.step,
+               "{}: 'step' is {}, but the checkpoint's directory is {}: the file is damaged or "
+               "was copied from another checkpoint; resume from another checkpoint",
+               where, s.step, named.filename().string());
+
+  const json oj = get_object(j, "optimizer", where);
+  counters.step = get_field<int64_t>(oj, "step", where + " optimizer");
+  counters.skipped_total = get_field<int64_t>(oj, "skipped_total", where + " optimizer");
+  counters.consecutive_skips = get_field<int64_t>(oj, "consecutive_skips", where + " optimizer");
+  TANDEM_CHECK(counters.step >= 0 && counters.skipped_total >= 0 && counters.consecutive_skips >= 0,
+               "{}: optimizer counters must be 0 or more", where);
+  return s;
+}
+
+// COMMITTED, checked against the trainer state, with every file it lists there in its size
+// (trainer_state.json only there: it is checked field by field, and may be edited by hand).
+json read_marker(const fs::path& dir, const TrainerState& s) {
+  const fs::path path = dir / kMarkerFile;
+  const std::string where = path.string();
+  std::error_code ec;
+  TANDEM_CHECK(fs::is_regular_file(path, ec),
+               "{}: missing: this checkpoint's save did not complete (a rank failed or was "
+               "killed before every part was written); resume from another checkpoint "
+               "(checkpoint.resume=auto passes over it)",
+               where);
+  json j;
+  try {
+    j = json::parse(read_text(path));
+  } catch (const json::exception& e) {
+    TANDEM_FAIL("{}: not valid JSON (truncated?): {}", where, e.what());
+  }
+  TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
+  TANDEM_CHECK(get_field<std::string>(j, "format", where) == kFormat,
+               "{}: field 'format' must be '{}'", where, kFormat);
+  const int64_t step = get_field<int64_t>(j, "step", where);
+  TANDEM_CHECK(step == s.step,
+               "{}: 'step' is {}, but {} says {}: files of two checkpoints; resume from another "
+               "checkpoint",
+               where, step, kStateFile, s.step);
+  TANDEM_CHECK(get_field<int64_t>(j, "world_size", where) >= 1,
+               "{}: 'world_size' must be 1 or more", where);
+  for (const auto& [name, f] : get_object(j, "files", where).items()) {
+    const fs::path file = dir / name;
+    TANDEM_CHECK(fs::is_regular_file(file, ec),
+                 "{}: missing, though {} lists it: the checkpoint is damaged or was copied in "
+                 "part; resume from another checkpoint",
+                 file.string(), where);
+    if (name == kStateFile) continue;
+    const int64_t bytes = get_field<int64_t>(f, "bytes", where + " files." + name);
+    const auto size = static_cast<int64_t>(fs::file_size(file, ec));
+    TANDEM_CHECK(!ec && size == bytes,
+                 "{}: {} bytes, {} records {}: the file is truncated or damaged; resume from "
+                 "another checkpoint",
+                 file.string(), size, where, bytes);
+  }
+  return j;
+}
+
+// The saved ranges of the optimizer state: the marker's ranks' files, or (one rank, and
+// checkpoints from before markers) optimizer.safetensors's storage tensors.
+std::vector<SavedRange> saved_ranges(const fs::path& dir, const json* marker,
+                                     const model::Weights& policy) {
+  const std::vector<FlatRange> storage = storage_ranges(policy);
+  const int64_t total = storage.empty() ? 0 : storage.back().end;
+  auto whole_file = [&] {
+    std::vector<SavedRange> out;
+    for (size_t t = 0; t < storage.size(); ++t) {
+      const model::NamedTensor& s = policy.storage()[t];
+      out.push_back({storage[t], kOptimizerFile, "m." + s.name, "v." + s.name, s.tensor.shape()});
+    }
+    return out;
+  };
+  if (marker == nullptr) {
+    require_file(dir / kOptimizerFile, "the optimizer state");
+    return whole_file();
+  }
+  const std::string where = (dir / kMarkerFile).string();
+  const json& list = marker->contains("optimizer") ? marker->at("optimizer") : json();
+  TANDEM_CHECK(list.is_array() && !list.empty(),
+               "{}: field 'optimizer' must be a list of the saved ranges", where);
+  std::vector<SavedRange> out;
+  for (const json& e : list) {
+    const std::string file = get_field<std::string>(e, "file", where + " optimizer");
+    TANDEM_CHECK(marker->at("files").contains(file),
+                 "{}: the optimizer file {} is not among its files", where, file);
+    const FlatRange r{get_field<int64_t>(e, "begin", where + " optimizer"),
+                      get_field<int64_t>(e, "end", where + " optimizer")};
+    out.push_back({r, file, "m", "v", {r.end - r.begin}});
+  }
+  TANDEM_CHECK(out.front().range.begin == 0 && out.back().range.end == total,
+               "{}: the optimizer ranges cover parameters [{}, {}), the model has {}: the file is "
+               "damaged; resume from another checkpoint",
+               where, out.front().range.begin, out.back().range.end, total);
+  if (out.size() == 1 && out.front().file == kOptimizerFile) return whole_file();
+  return out;
+}
+
+// Checks a file of the optimizer state that is read: every tensor of its ranges (and nothing
+// else) in f32 and its shape, the metadata's counters and range.
+void check_optimizer_file(const model::SafetensorsFile& file,
+                          const std::vector<const SavedRange*>& ranges,
+                          const AdamWCounters& counters, const std::string& state_where) {
+  const std::string& where = file.path();
+  for (const SavedRange* r : ranges) {
+    for (const std::string& name : {r->m_name, r->v_name}) {
+      const model::SafetensorsEntry& e = file.at(name);
+      TANDEM_CHECK(e.dtype == DType::f32 && e.shape == r->shape,
+                   "{}: tensor {} is {} {}, expected F32 {}", where, name,
+                   model::safetensors_dtype_name(e.dtype), e.shape, r->shape);
+    }
+  }
+  TANDEM_CHECK(file.tensors().size() == 2 * ranges.size(),
+               "{}: holds {} tensors, expected {} (the moments m and v of {})", where,
+               file.tensors().size(), 2 * ranges.size(),
+               ranges.size() == 1 ? "its range" : "every storage tensor");
+  const auto meta = file.metadata().find("step");
+  TANDEM_CHECK(meta != file.metadata().end() && meta->second == std::to_string(counters.step),
+               "{}: metadata 'step' does not match {}'s optimizer.step {} (files from different "
+               "checkpoints?)",
+               where, state_where, counters.step);
+  if (ranges.size() == 1 && ranges.front()->m_name == "m") {
+    const FlatRange& r = ranges.front()->range;
+    for (const auto& [key, value] : {std::pair{"begin", r.begin}, std::pair{"end", r.end}}) {
+      const auto it = file.metadata().find(key);
+      TANDEM_CHECK(it != file.metadata().end() && it->second == std::to_string(value),
+                   "{}: metadata '{}' is {}, the checkpoint's COMMITTED says {}", where, key,
+                   it == file.metadata().end() ? std::string("missing") : it->second, value);
+    }
+  }
+}
+
+Restored restore(const std::string& dir_path, const model::Weights& policy, FlatRange want) {
+  const fs::path dir(dir_path);
+  std::error_code ec;
+  TANDEM_CHECK(fs::is_directory(dir, ec), "{}: checkpoint directory does not exist", dir.string());
+  TANDEM_CHECK(policy.dtype() == DType::f32,
+               "checkpoint: the policy must be the f32 master weights, got {}", policy.dtype());
+  Restored out;
+  int64_t version = 0;
+  out.state = read_state(dir, version, out.counters);
+  const std::string state_where = (dir / kStateFile).string();
+  std::optional<json> marker;
+  if (version != kVersionUnmarked) marker = read_marker(dir, out.state);
+  const fs::path policy_dir = dir / kPolicyDir;
+  require_file(policy_dir / "config.json", "the policy's config");
+
+  // Policy: the config first, so that another model is named by its field.
+  const model::ModelConfig got = model::config_from_hf_file((policy_dir / "config.json").string());
+  check_same_config(policy.config(), got, (policy_dir / "config.json").string());
+  const std::vector<SavedRange> saved = saved_ranges(dir, marker ? &*marker : nullptr, policy);
+  out.policy = model::load_hf(policy_dir.string(), DType::f32);
+
+  // Optimizer: the pieces of the saved ranges that overlap `want`, file by file.
+  std::vector<FlatRange> ranges;
+  for (const SavedRange& r : saved) ranges.push_back(r.range);
+  const std::vector<ShardRead> plan = plan_shard_reads(ranges, want);
+  spdlog::debug("{}: parameters [{}, {}) of the optimizer state from\n{}", dir.string(), want.begin,
+                want.end, describe(plan));
+  const int64_t n = want.end - want.begin;
+  out.m = Tensor::zeros({n}, DType::f32);
+  out.v = Tensor::zeros({n}, DType::f32);
+  std::map<std::string, std::unique_ptr<model::SafetensorsFile>> files;
+  for (const ShardRead& read : plan) {
+    const SavedRange& r = saved[read.source];
+    std::unique_ptr<model::SafetensorsFile>& file = files[r.file];
+    if (!file) {
+      file = std::make_unique<model::SafetensorsFile>((dir / r.file).string());
+      std::vector<const SavedRange*> in_file;
+      for (const SavedRange& x : saved)
+        if (x.file == r.file) in_file.push_back(&x);
+      check_optimizer_file(*file, in_file, out.counters, state_where);
+    }
+    for (auto [name, into] : {std::pair{&r.m_name, &out.m}, std::pair{&r.v_name, &out.v}}) {
+      const Tensor from = file->view(*name);
+      std::memcpy(into->data_as<float>() + read.offset, from.data_as<float>() + read.source_offset,
+                  static_cast<size_t>(read.count) * sizeof(float));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved, FlatRange want) {
+  TANDEM_CHECK(want.begin <= want.end, "checkpoint: range [{}, {}) to read is empty the wrong way",
+               want.begin, want.end);
+  std::vector<ShardRead> plan;
+  int64_t at = want.begin;  // the next element to find
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const FlatRange& r = saved[i];
+    TANDEM_CHECK(r.begin <= r.end && (i == 0 || saved[i - 1].end == r.begin),
+                 "checkpoint: saved range {} [{}, {}) does not follow range {} [{}, {}): the "
+                 "ranges must be in order, without gaps or overlaps",
+                 i, r.begin, r.end, i == 0 ? 0 : i - 1, i == 0 ? 0 : saved[i - 1].begin,
+                 i == 0 ? 0 : saved[i - 1].end);
+    const int64_t lo = std::max(at, r.begin), hi = std::min(want.end, r.end);
+    if (lo >= hi || lo != at) continue;
+    plan.push_back({i, lo - r.begin, lo - want.begin, hi - lo});
+    at = hi;
+  }
+  TANDEM_CHECK(at == want.end,
+               "checkpoint: the saved ranges ({} of them, [{}, {})) do not hold elements [{}, {}) "
+               "of the parameters",
+               saved.size(), saved.empty() ? 0 : saved.front().begin,
+               saved.empty() ? 0 : saved.back().end, at, want.end);
+  return plan;
+}
+
+std::string describe(std::span<const ShardRead> plan) {
+  std::string out;
+  for (const ShardRead& r : plan)
+    out += fmt::format("range {} [{}, {}) -> [{}, {})\n", r.source, r.source_offset,
+                       r.source_offset + r.count, r.offset, r.offset + r.count);
+  return out;
+}
+
+std::string checkpoint_dir(const std::string& root, int64_t step) {
+  return (fs::path(root) / ("step-" + std::to_string(step))).string();
+}
+
+std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
+                            const AdamW& optimizer, const TrainerState& state,
+                            const CheckpointOptions& options) {
+  return save_alone(root, step, policy, optimizer.m().storage(), optimizer.v().storage(),
+                    optimizer.counters(), optimizer.config(), state, options);
+}
+
+std::string save_checkpoint(const std::string& root_path, int64_t step,
+                            const model::Weights& policy, ShardedAdamW& optimizer,
+                            const TrainerState& state, const CheckpointOptions& options) {
+  const AdamWCounters& c = optimizer.counters();
+  Communicator* comm = optimizer.comm();
+  if (comm == nullptr) {
+    // One range, the whole model: the moments as its storage tensors.
+    std::vector<model::NamedTensor> m, v;
+    const std::vector<FlatRange> ranges = storage_ranges(policy);
+    for (size_t t = 0; t < ranges.size(); ++t) {
+      const model::NamedTensor& s = policy.storage()[t];
+      for (auto [into, from] : {std::pair{&m, &optimizer.m()}, std::pair{&v, &optimizer.v()}})
+        into->push_back({s.name, Tensor::wrap(from->data_as<float>() + ranges[t].begin,
+                                              s.tensor.shape(), DType::f32)});
+    }
+    return save_alone(root_path, step, policy, m, v, c, optimizer.config(), state, options);
+  }
+  check_save_arguments(step, policy, state, options);
+  const int rank = comm->rank(), world = comm->size();
+  const bool writer = rank == 0;
+  const std::string name = "step-" + std::to_string(step);
+  PendingSave p{fs::path(root_path), {}, fs::path(root_path) / name, name, 0, options};
+  // Each rank's outcome of a phase, all-gathered in rank order (bounded by the communicator's
+  // timeout: a dead rank is an error here, not a hang), so that every rank goes on or gives up
+  // together. A rank's own failure is rethrown as it was.
+  std::exception_ptr failed;
+  auto attempt = [&](auto&& fn) {
+    if (failed) return;
+    try {
+      fn();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  };
+  auto agree = [&](const char* phase, std::vector<double> mine) {
+    mine.insert(mine.begin(), failed ? 0.0 : 1.0);
+    std::vector<double> all;
+    try {
+      all = gather_doubles(*comm, mine);
+    } catch (const std::exception& e) {
+      if (writer && !p.tmp.empty()) {
+        std::error_code ec;
+        fs::remove_all(p.tmp, ec);
+      }
+      // Past a commit that went through, the checkpoint is complete all the same.
+      const bool done = writer && !failed && std::string_view(phase) == "commit";
+      TANDEM_FAIL("checkpoint {} {} at the {} phase: {}", p.target.string(),
+                  done ? "is complete, but a rank was lost"
+                       : "abandoned (the previous checkpoints are as they were)",
+                  phase, e.what());
+    }
+    const size_t k = mine.size();
+    std::vector<int> bad;
+    for (int r = 0; r < world; ++r)
+      if (all[static_cast<size_t>(r) * k] == 0) bad.push_back(r);
+    if (!bad.empty()) {
+      if (writer && !p.tmp.empty()) {
+        std::error_code ec;
+        fs::remove_all(p.tmp, ec);
+      }
+      if (failed) std::rethrow_exception(failed);
+      TANDEM_FAIL(
+          "checkpoint {} abandoned at the {} phase: rank {} of {} failed (its own error "
+          "says why); the previous checkpoints are as they were",
+          p.target.string(), phase, bad.front(), world);
+    }
+    return all;
+  };
+
+  // Rank 0 creates the temporary directory, named after its pid, which every rank learns.
+  if (writer) {
+    p.pid = static_cast<int64_t>(::getpid());
+    p.tmp = tmp_dir(p.root, step, p.pid);
+    attempt([&] { create_tmp(p, true); });
+  }
+  const std::vector<double> pids = agree("create", {static_cast<double>(::getpid())});
+  p.pid = static_cast<int64_t>(pids[1]);
+  p.tmp = tmp_dir(p.root, step, p.pid);
+
+  // Every rank its range; rank 0 the policy and trainer state too.
+  const std::string mine = shard_file(rank, world);
+  FileSum sum;
+  attempt([&] {
+    if (writer) write_policy(p, policy);
+    const int64_t n = optimizer.end() - optimizer.begin();
+    std::map<std::string, std::string> meta = counters_metadata(c);
+    meta["begin"] = std::to_string(optimizer.begin());
+    meta["end"] = std::to_string(optimizer.end());
+    meta["parameters"] = std::to_string(optimizer.total());
+    meta["rank"] = std::to_string(rank);
+    meta["world_size"] = std::to_string(world);
+    const model::NamedTensor tensors[] = {{"m", optimizer.m().narrow(0, n)},
+                                          {"v", optimizer.v().narrow(0, n)}};
+    model::write_safetensors((p.tmp / mine).string(), tensors, meta);
+    sum = sum_file(p.tmp / mine);
+    p.stage("optimizer");
+    if (writer) write_state(p, state, c, optimizer.config());
+  });
+  const std::vector<double> parts =
+      agree("write", {static_cast<double>(optimizer.begin()), static_cast<double>(optimizer.end()),
+                      static_cast<double>(sum.bytes), static_cast<double>(sum.crc)});
+
+  // Every part is complete: rank 0 commits.
+  if (writer) {
+    attempt([&] {
+      std::vector<json> ranges;
+      std::map<std::string, FileSum> known;
+      for (int r = 0; r < world; ++r) {
+        const double* x = parts.data() + static_cast<size_t>(r) * 5;  // ok, begin, end, bytes, crc
+        ranges.push_back({{"file", shard_file(r, world)},
+                          {"begin", static_cast<int64_t>(x[1])},
+                          {"end", static_cast<int64_t>(x[2])}});
+        known[shard_file(r, world)] = {static_cast<int64_t>(x[3]), static_cast<uint32_t>(x[4])};
+      }
+      json marker = marker_json(step, world, optimizer.total(), ranges);
+      marker["files"] = list_files(p.tmp, known);
+      commit(p, marker);
+    });
+  }
+  agree("commit", {});
+  return p.target.string();
 }
 
 std::vector<std::string> recover_interrupted_saves(const std::string& root_path) {
@@ -280,105 +821,38 @@ std::vector<std::string> recover_interrupted_saves(const std::string& root_path)
   return done;
 }
 
+void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& optimizer,
+                     TrainerState& state) {
+  const std::vector<FlatRange> storage = storage_ranges(optimizer.params());
+  Restored r = restore(dir, policy, {0, storage.empty() ? 0 : storage.back().end});
+  // Everything read and checked: now overwrite.
+  policy.copy_from(*r.policy);
+  for (size_t t = 0; t < storage.size(); ++t) {
+    const int64_t at = storage[t].begin, len = storage[t].end - at;
+    for (auto [from, into] : {std::pair{&r.m, &optimizer.m()}, std::pair{&r.v, &optimizer.v()}}) {
+      Tensor dst = into->storage()[t].tensor;
+      dst.copy_from(from->narrow(at, len).view(dst.shape()));
+    }
+  }
+  optimizer.set_counters(r.counters);
+  state = std::move(r.state);
+}
+
+void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
+                     TrainerState& state) {
+  Restored r = restore(dir, policy, {optimizer.begin(), optimizer.end()});
+  policy.copy_from(*r.policy);
+  const int64_t n = optimizer.end() - optimizer.begin();
+  optimizer.m().narrow(0, n).copy_from(r.m);
+  optimizer.v().narrow(0, n).copy_from(r.v);
+  optimizer.set_counters(r.counters);
+  state = std::move(r.state);
+}
+
 std::optional<std::string> latest_checkpoint(const std::string& root) {
   const auto all = list_checkpoints(root);
   if (all.empty()) return std::nullopt;
   return all.back().second.string();
-}
-
-void load_checkpoint(const std::string& dir_path, model::Weights& policy, AdamW& optimizer,
-                     TrainerState& state) {
-  const fs::path dir(dir_path);
-  std::error_code ec;
-  TANDEM_CHECK(fs::is_directory(dir, ec), "{}: checkpoint directory does not exist", dir.string());
-  const fs::path policy_dir = dir / kPolicyDir;
-  const fs::path state_path = dir / kStateFile;
-  const fs::path opt_path = dir / kOptimizerFile;
-  require_file(state_path, "the trainer state");
-  require_file(opt_path, "the optimizer state");
-  require_file(policy_dir / "config.json", "the policy's config");
-  TANDEM_CHECK(policy.dtype() == DType::f32,
-               "checkpoint: the policy must be the f32 master weights, got {}", policy.dtype());
-
-  // Trainer state.
-  const std::string where = state_path.string();
-  json j;
-  try {
-    j = json::parse(read_text(state_path));
-  } catch (const json::exception& e) {
-    TANDEM_FAIL("{}: not valid JSON (truncated?): {}", where, e.what());
-  }
-  TANDEM_CHECK(j.is_object(), "{}: expected a JSON object", where);
-  TANDEM_CHECK(get_field<std::string>(j, "format", where) == kFormat,
-               "{}: field 'format' must be '{}'", where, kFormat);
-  const int64_t version = get_field<int64_t>(j, "version", where);
-  TANDEM_CHECK(version == kVersion, "{}: field 'version' is {}, this tandem reads version {}",
-               where, version, kVersion);
-  TrainerState s;
-  s.step = get_field<int64_t>(j, "step", where);
-  s.weight_version = get_field<int64_t>(j, "weight_version", where);
-  s.data_epoch = get_field<int64_t>(j, "data_epoch", where);
-  s.data_position = get_field<int64_t>(j, "data_position", where);
-  s.rng_states = get_object(j, "rng_states", where);
-  s.config = get_field<std::string>(j, "config", where);
-  s.extra = get_object(j, "extra", where);
-  TANDEM_CHECK(s.step >= 0 && s.weight_version >= 0 && s.data_epoch >= 0 && s.data_position >= 0,
-               "{}: 'step' {}, 'weight_version' {}, 'data_epoch' {} and 'data_position' {} must "
-               "all be 0 or more: the file is damaged; resume from another checkpoint",
-               where, s.step, s.weight_version, s.data_epoch, s.data_position);
-  fs::path named = dir.lexically_normal();
-  if (named.filename().empty()) named = named.parent_path();
-  const int64_t dir_step = step_of(named.filename().string());
-  TANDEM_CHECK(dir_step < 0 || dir_step == s.step,
-               "{}: 'step' is {}, but the checkpoint's directory is {}: the file is damaged or "
-               "was copied from another checkpoint; resume from another checkpoint",
-               where, s.step, named.filename().string());
-
-  // Policy: the config first, so that another model is named by its field.
-  const model::ModelConfig got = model::config_from_hf_file((policy_dir / "config.json").string());
-  check_same_config(policy.config(), got, (policy_dir / "config.json").string());
-  std::unique_ptr<model::Weights> new_policy = model::load_hf(policy_dir.string(), DType::f32);
-
-  // Optimizer: both moments of every storage tensor, in f32, and the counters.
-  const std::string opt_where = opt_path.string();
-  model::SafetensorsFile file(opt_where);
-  const model::Weights& params = optimizer.params();
-  model::Weights m(params.config(), DType::f32, params.device(), ArenaClass::optimizer_states);
-  model::Weights v(params.config(), DType::f32, params.device(), ArenaClass::optimizer_states);
-  size_t expected = 0;
-  for (const auto& [prefix, w] : {std::pair{"m.", &m}, std::pair{"v.", &v}}) {
-    for (const model::NamedTensor& t : w->storage()) {
-      const std::string name = prefix + t.name;
-      const model::SafetensorsEntry& e = file.at(name);
-      TANDEM_CHECK(e.dtype == DType::f32 && e.shape == t.tensor.shape(),
-                   "{}: tensor {} is {} {}, expected F32 {}", opt_where, name,
-                   model::safetensors_dtype_name(e.dtype), e.shape, t.tensor.shape());
-      file.read_into(name, t.tensor);
-      ++expected;
-    }
-  }
-  TANDEM_CHECK(file.tensors().size() == expected,
-               "{}: holds {} tensors, expected {} (m. and v. of every storage tensor)", opt_where,
-               file.tensors().size(), expected);
-  const json oj = get_object(j, "optimizer", where);
-  AdamWCounters c;
-  c.step = get_field<int64_t>(oj, "step", where + " optimizer");
-  c.skipped_total = get_field<int64_t>(oj, "skipped_total", where + " optimizer");
-  c.consecutive_skips = get_field<int64_t>(oj, "consecutive_skips", where + " optimizer");
-  TANDEM_CHECK(c.step >= 0 && c.skipped_total >= 0 && c.consecutive_skips >= 0,
-               "{}: optimizer counters must be 0 or more", where);
-  const auto meta = file.metadata().find("step");
-  TANDEM_CHECK(meta != file.metadata().end() && meta->second == std::to_string(c.step),
-               "{}: metadata 'step' does not match {}'s optimizer.step {} (files from different "
-               "checkpoints?)",
-               opt_where, where, c.step);
-
-  // Everything read and checked: now overwrite.
-  policy.copy_from(*new_policy);
-  optimizer.m().copy_from(m);
-  optimizer.v().copy_from(v);
-  optimizer.set_counters(c);
-  state = std::move(s);
 }
 
 }  // namespace tandem::trainer

@@ -1,12 +1,14 @@
 // Training checkpoints: <root>/step-<N>/ holding the policy as a Hugging Face directory, the AdamW
-// state (moments and counters) as safetensors, and the trainer state as JSON; written into a
-// temporary directory and renamed, the last K kept, loaded back bit for bit.
+// state (moments and counters) as safetensors, one file per data-parallel rank that wrote it, the
+// trainer state as JSON and a COMMITTED marker; written into a temporary directory and renamed,
+// the last K kept, loaded back bit for bit on any number of ranks.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -37,20 +39,63 @@ struct CheckpointOptions {
   int keep_last = 0;
   // Files written into the policy's HF directory (name -> contents), e.g. tokenizer.json.
   std::map<std::string, std::string> extra_files;
-  // Called with a stage name ("policy", "optimizer", "trainer_state") after each part is written
-  // into the temporary directory; for tests that simulate a failure mid-save by throwing.
+  // Called with a stage name after each part is written into the temporary directory: "policy"
+  // and "trainer_state" (rank 0), "optimizer" (every rank, its own part), "committed" (rank 0,
+  // the marker written, before the rename); for tests that simulate a failure mid-save by
+  // throwing, or stop a rank there to kill it.
   std::function<void(const std::string& stage)> on_stage;
 };
+
+// A flat range [begin, end) of the parameters: every storage tensor flattened, one after the
+// other in storage order (ShardedAdamW's numbering).
+struct FlatRange {
+  int64_t begin = 0, end = 0;
+  bool operator==(const FlatRange&) const = default;
+};
+
+// One copy of a read plan: `count` elements from `source_offset` into saved range `source` go to
+// `offset` into the range read.
+struct ShardRead {
+  size_t source = 0;
+  int64_t source_offset = 0;
+  int64_t offset = 0;
+  int64_t count = 0;
+  bool operator==(const ShardRead&) const = default;
+};
+
+// How to read `want` from the saved ranges (in the order of the flat parameters, without gaps or
+// overlaps, e.g. the ranges of the ranks that wrote a checkpoint): the intersection of `want` with
+// each saved range, in order. Throws tandem::Error when the saved ranges do not cover `want` or
+// are not in order.
+std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved, FlatRange want);
+// One line per copy, "range 1 [10, 30) -> [0, 20)" (elements of saved range 1 -> of the range
+// read), for messages and logs.
+std::string describe(std::span<const ShardRead> plan);
 
 // The directory of step N under root: <root>/step-<N>.
 std::string checkpoint_dir(const std::string& root, int64_t step);
 
-// Writes <root>/step-<step>/ (policy/, optimizer.safetensors, trainer_state.json) into
+// Writes <root>/step-<step>/ (policy/, optimizer.safetensors, trainer_state.json, COMMITTED) into
 // <root>/.tmp-step-<step>-<pid>, then renames it into place (replacing an existing step-<step>);
 // a failure removes the temporary directory and leaves every existing checkpoint as it was.
 // Returns the checkpoint's directory.
 std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
                             const AdamW& optimizer, const TrainerState& state,
+                            const CheckpointOptions& options = {});
+
+// The same from the ranks of optimizer.comm(), collective: every rank calls it with the same
+// step, state and options. The ranks share <root>/.tmp-step-<step>-<pid of rank 0>, so root must
+// be one file system that every rank sees (on several nodes, a shared one). Each rank writes its
+// range of the optimizer state to optimizer/rank-<r>-of-<N>.safetensors (tensors "m" and "v",
+// the range and counters in the metadata); rank 0 writes the policy and the trainer state. Once
+// every rank's part is written (each rank's outcome all-gathered, bounded by the communicator's
+// timeout), rank 0 writes COMMITTED (world size, step, the ranges, every file with its size and
+// CRC-32C) and renames the directory into place. A rank that fails or dies makes the others
+// throw; the directory is removed (or left as a .tmp-* that the next job removes) and every
+// existing checkpoint stays as it was. Without a communicator (one rank) it writes
+// optimizer.safetensors as the AdamW overload does.
+std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
+                            ShardedAdamW& optimizer, const TrainerState& state,
                             const CheckpointOptions& options = {});
 
 // Cleans up after saves that were killed mid-way: removes every <root>/.tmp-step-<N>-<pid>
@@ -60,15 +105,22 @@ std::string save_checkpoint(const std::string& root, int64_t step, const model::
 // directory removed or restored, naming it and its writer's pid.
 std::vector<std::string> recover_interrupted_saves(const std::string& root);
 
-// The complete checkpoint with the highest step under root (a step-<N> directory with its
-// trainer_state.json), or nullopt when there is none (or root does not exist).
+// The committed checkpoint with the highest step under root (a step-<N> directory with its
+// COMMITTED marker, or one written before markers: trainer_state.json of version 1), or nullopt
+// when there is none (or root does not exist).
 std::optional<std::string> latest_checkpoint(const std::string& root);
 
 // Restores policy (f32 master weights), the optimizer's moments and counters and the trainer
-// state from dir, bitwise. Everything is read and checked into temporaries first: a missing or
-// truncated file, a malformed field or a checkpoint of another model (the differing config field
-// is named) throws tandem::Error naming the file and field, and leaves all three untouched.
+// state from dir, bitwise, whatever the number of ranks that wrote it. Everything is read and
+// checked into temporaries first: a missing marker, a missing or truncated file (the marker lists
+// every file and its size), a malformed field or a checkpoint of another model (the differing
+// config field is named) throws tandem::Error naming the file and field, and leaves all three
+// untouched.
 void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& optimizer,
+                     TrainerState& state);
+// The same into this rank's range of a sharded optimizer: only the pieces of the saved files that
+// overlap it are read (plan_shard_reads). Not collective.
+void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
                      TrainerState& state);
 
 }  // namespace tandem::trainer

@@ -12,8 +12,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
 #include <sys/resource.h>
 
@@ -346,6 +348,30 @@ LrScheduleConfig schedule_config(const JobConfig& job) {
   return sc;
 }
 
+// TANDEM_TEST_STALL_CHECKPOINT=<rank>:<stage>:<step> stops that rank at that stage of that
+// step's save (CheckpointOptions::on_stage): it says so on stderr and sleeps, for a test to kill
+// it there; not killed within 120 s, it fails.
+std::function<void(const std::string&)> stall_for_tests(int rank, int64_t step) {
+  const char* env = std::getenv("TANDEM_TEST_STALL_CHECKPOINT");
+  if (env == nullptr || *env == '\0') return {};
+  const std::string spec = env;
+  const size_t a = spec.find(':'), b = spec.rfind(':');
+  TANDEM_CHECK(a != std::string::npos && b > a,
+               "TANDEM_TEST_STALL_CHECKPOINT='{}': expected <rank>:<stage>:<step>", spec);
+  if (spec.substr(0, a) != std::to_string(rank) || spec.substr(b + 1) != std::to_string(step))
+    return {};
+  return [stage = spec.substr(a + 1, b - a - 1), rank, step](const std::string& at) {
+    if (at != stage) return;
+    std::fprintf(stderr,
+                 "tandem: rank %d stalls at checkpoint stage %s of step %lld "
+                 "(TANDEM_TEST_STALL_CHECKPOINT)\n",
+                 rank, stage.c_str(), static_cast<long long>(step));
+    std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::seconds(120));
+    TANDEM_FAIL("TANDEM_TEST_STALL_CHECKPOINT: rank {} was not killed within 120 s", rank);
+  };
+}
+
 // A running job: the model, data, rewards, rollout engine, trainer and outputs of one process,
 // and the phases of a step.
 class Job {
@@ -374,6 +400,7 @@ class Job {
   void evaluate();
   void checkpoint();
   void resume();
+  std::string agreed_latest_checkpoint();
   void write_metrics(const nlohmann::ordered_json& line);
 
   const JobConfig& job_;
@@ -496,23 +523,32 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
 
 void Job::resume() {
   std::string from = job_.checkpoint.resume;
-  if (from == "auto") from = latest_checkpoint(job_.checkpoint.dir).value_or("");
+  if (from == "auto") from = agreed_latest_checkpoint();
   if (from == "none") from.clear();
   if (from.empty()) return;
-  if (sharded_) {
-    // Any number of ranks wrote it: this rank takes its range of the whole state.
-    AdamW full(policy_, job_.trainer.optimizer);
-    load_checkpoint(from, policy_, full, state_);
-    sharded_->import_from(full);
-  } else {
+  // Any number of ranks wrote it: this rank reads the pieces that overlap its range.
+  if (sharded_)
+    load_checkpoint(from, policy_, *sharded_, state_);
+  else
     load_checkpoint(from, policy_, *adamw_, state_);
-  }
   state_.config = to_toml(job_);  // the config this run trains with, not the checkpoint's
   if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
   trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
   publish();
   std::fprintf(stderr, "tandem: resumed from %s at step %lld\n", from.c_str(),
                static_cast<long long>(state_.step));
+}
+
+// Rank 0's latest checkpoint, on every rank: rank 0 has recovered interrupted saves under the
+// directory's lock before the others may look, so their own look could find another.
+std::string Job::agreed_latest_checkpoint() {
+  const std::optional<std::string> latest = latest_checkpoint(job_.checkpoint.dir);
+  if (comm_ == nullptr) return latest.value_or("");
+  int64_t step = -1;
+  if (role_ == Role::writer && latest)
+    step = std::stoll(fs::path(*latest).filename().string().substr(5));  // step-<N>
+  comm_->broadcast(Tensor::wrap(&step, {1}, DType::i64), 0);  // world: 8 bytes from rank 0
+  return step < 0 ? "" : checkpoint_dir(job_.checkpoint.dir, step);
 }
 
 // The next `count` prompts of the stream, rendered. A prompt longer than data.max_prompt_tokens
@@ -671,22 +707,19 @@ void Job::write_metrics(const nlohmann::ordered_json& line) {
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
 }
 
-// Collective on several ranks: they send their optimizer state to rank 0, which writes it.
+// Collective on several ranks: each writes its range of the optimizer state, rank 0 the policy,
+// the trainer state and, once every part is written, the commit marker.
 void Job::checkpoint() {
-  std::unique_ptr<AdamW> gathered;
-  if (sharded_) {
-    if (role_ == Role::writer) gathered = std::make_unique<AdamW>(policy_, job_.trainer.optimizer);
-    sharded_->export_to(gathered.get());
-  }
-  if (role_ != Role::writer) return;
   state_.extra["stream"] = stream_.state();
   state_.extra["optimizer_steps"] = trainer_->steps_done();
   CheckpointOptions co;
   co.keep_last = static_cast<int>(job_.checkpoint.keep_last);
   co.extra_files = tokenizer_files_;
-  const std::string dir = save_checkpoint(job_.checkpoint.dir, state_.step, policy_,
-                                          sharded_ ? *gathered : *adamw_, state_, co);
-  std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
+  co.on_stage = stall_for_tests(rank_, state_.step);
+  const std::string dir =
+      sharded_ ? save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *sharded_, state_, co)
+               : save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *adamw_, state_, co);
+  if (role_ == Role::writer) std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
 }
 
 // The record phase: the step's metrics line, the report, the progress line and a sample.

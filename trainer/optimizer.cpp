@@ -320,41 +320,4 @@ StepResult ShardedAdamW::update(float norm, float lr) {
   return r;
 }
 
-void ShardedAdamW::export_to(AdamW* full) {
-  TANDEM_CHECK((full != nullptr) == (rank_ == 0),
-               "optimizer: rank 0, and only rank 0, gathers the whole state");
-  if (rank_ != 0) {
-    const P2POp ops[] = {send_to(0, m_), send_to(0, v_)};
-    comm_->send_recv(ops);
-    return;
-  }
-  Tensor m = Tensor::empty({world_ * shard_}, DType::f32);
-  Tensor v = Tensor::empty({world_ * shard_}, DType::f32);
-  m.narrow(0, shard_).copy_from(m_);
-  v.narrow(0, shard_).copy_from(v_);
-  std::vector<P2POp> ops;
-  for (int r = 1; r < world_; ++r) {
-    ops.push_back(recv_from(r, m.narrow(r * shard_, shard_)));
-    ops.push_back(recv_from(r, v.narrow(r * shard_, shard_)));
-  }
-  if (!ops.empty()) comm_->send_recv(ops);
-  for (auto [all, into] : {std::pair{&m, &full->m()}, std::pair{&v, &full->v()}}) {
-    for_each_piece(0, total_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
-      std::memcpy(into->storage()[t].tensor.data_as<float>() + off, all->data_as<float>() + at,
-                  static_cast<size_t>(count) * sizeof(float));
-    });
-  }
-  full->set_counters(counters_);
-}
-
-void ShardedAdamW::import_from(const AdamW& full) {
-  for (auto [from, into] : {std::pair{&full.m(), &m_}, std::pair{&full.v(), &v_}}) {
-    for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
-      std::memcpy(into->data_as<float>() + at, from->storage()[t].tensor.data_as<float>() + off,
-                  static_cast<size_t>(count) * sizeof(float));
-    });
-  }
-  counters_ = full.counters();
-}
-
 }  // namespace tandem::trainer

@@ -137,14 +137,6 @@ class ShardedAdamW {
   int64_t step_count() const { return counters_.step; }
   Communicator* comm() { return comm_; }
 
-  // The whole optimizer state into rank 0's `full` (the same parameters' replicated AdamW, e.g.
-  // for a checkpoint; null on the other ranks): every rank sends its moments to rank 0, which
-  // alone holds the whole state for the while. Collective.
-  void export_to(AdamW* full);
-  // This rank's range of `full`'s moments, and its counters (e.g. from a checkpoint written by
-  // any number of ranks).
-  void import_from(const AdamW& full);
-
  private:
   // Calls fn(tensor index, offset in the tensor, offset in [lo, hi), length) for each piece of
   // the flat range [lo, hi) that lies in one storage tensor.

@@ -1,7 +1,7 @@
 // The data-parallel GRPO job over real processes (tandem launch, Gloo on loopback): the weights
 // after three steps on 2 ranks (and 4, deterministic) against 1, rank 0 alone writing the outputs;
 // the start-up refusals of a world the batch does not allow; a rank killed mid-job; a checkpoint
-// of 2 ranks resumed on 1.
+// of 2 ranks resumed on 1 and on 4; a rank killed mid-save.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -223,8 +223,10 @@ TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", 
   CHECK(std::stoi(r.out.substr(at + 8)) <= 12);  // within distributed.timeout_s
 }
 
-TEST_CASE("a checkpoint written by 2 ranks resumes on 1 rank bitwise as if it had run alone",
-          "[multiproc]") {
+TEST_CASE(
+    "a checkpoint written by 2 ranks resumes on 1 and on 4 ranks bitwise as if it had run "
+    "alone",
+    "[multiproc]") {
   const tandem::test::TempDir tmp("dp-resume");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
@@ -235,15 +237,90 @@ TEST_CASE("a checkpoint written by 2 ranks resumes on 1 rank bitwise as if it ha
   const auto first = train(tmp, job, 2, "run", det + " trainer.steps=2");
   INFO(first.out);
   REQUIRE(first.status == 0);
-  REQUIRE(fs::exists(tmp.file("run/ckpt/step-2")));
-  // The same job (trainer.steps = 3) resumed on one rank: the optimizer state gathered from 2
-  // ranks is this rank's whole range; the prompt stream continues where it was.
-  const auto rest = train(tmp, job, 1, "run", det);
-  INFO(rest.out);
-  REQUIRE(rest.status == 0);
-  CHECK(rest.out.find("resumed from") != std::string::npos);
-  CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("run/ckpt/step-3/policy")) ==
-        0);
+  // Each rank wrote its range of the optimizer state; rank 0 the marker naming both.
+  const fs::path step2 = tmp.file("run/ckpt/step-2");
+  REQUIRE(fs::exists(step2 / "COMMITTED"));
+  const auto marker = nlohmann::json::parse(read_bytes(step2 / "COMMITTED"));
+  CHECK(marker["world_size"] == 2);
+  CHECK(fs::exists(step2 / "optimizer/rank-00000-of-00002.safetensors"));
+  CHECK(fs::exists(step2 / "optimizer/rank-00001-of-00002.safetensors"));
+  CHECK(!fs::exists(step2 / "optimizer.safetensors"));
+  fs::copy(tmp.file("run"), tmp.file("run4"), fs::copy_options::recursive);
+  // The same job (trainer.steps = 3) resumed on one rank and on four: each rank reads the pieces
+  // of the two ranks' files that overlap its range; the prompt stream continues where it was.
+  for (const auto& [n, name] : {std::pair{1, "run"}, std::pair{4, "run4"}}) {
+    INFO(n << " ranks");
+    const auto rest = train(tmp, job, n, name, det);
+    INFO(rest.out);
+    REQUIRE(rest.status == 0);
+    CHECK(rest.out.find("resumed from " + tmp.file(std::string(name) + "/ckpt/step-2")) !=
+          std::string::npos);
+    const fs::path step3 = tmp.file(std::string(name) + "/ckpt/step-3");
+    CHECK(nlohmann::json::parse(read_bytes(step3 / "COMMITTED"))["world_size"] == n);
+    CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), (step3 / "policy").string()) == 0);
+  }
+}
+
+TEST_CASE(
+    "a rank killed mid-save leaves the previous checkpoint the latest and a restart resumes "
+    "from it",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-kill-save");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const std::string det = "trainer.deterministic=true";
+  const auto straight = train(tmp, job, 1, "one", det);
+  INFO(straight.out);
+  REQUIRE(straight.status == 0);
+  // Rank 1 stopped after writing its range of step 2's save (rank 0 waits for every rank's part);
+  // rank 0 stopped after writing the marker, before the rename. Each is killed there.
+  for (const auto& [victim, stage] : {std::pair{1, "optimizer"}, std::pair{0, "committed"}}) {
+    const std::string name = fmt::format("kill{}", victim);
+    INFO("rank " << victim << " killed after " << stage);
+    const std::string command =
+        fmt::format("{} train {} {} checkpoint.every=1 logging.dir={} checkpoint.dir={}",
+                    tandem_bin(), job, det, tmp.file(name), tmp.file(name + "/ckpt"));
+    const std::string log0 = tmp.file(name + "-rank0.log"), log1 = tmp.file(name + "-rank1.log");
+    const std::string script = fmt::format(
+        "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={} "
+        "TANDEM_TEST_STALL_CHECKPOINT={}:{}:2; "
+        "RANK=1 LOCAL_RANK=1 {} >{} 2>&1 & p1=$!; "
+        "RANK=0 LOCAL_RANK=0 {} >{} 2>&1 & p0=$!; "
+        "for i in $(seq 600); do grep -q \"stalls at checkpoint\" {} && break; sleep 0.1; done; "
+        "kill -9 $p{}; wait $p0; s0=$?; wait $p1; echo status $s0 $?",
+        tandem::test::free_port(), victim, stage, command, log1, command, log0,
+        victim == 0 ? log0 : log1, victim);
+    const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
+    const std::string out0 = read_bytes(log0), out1 = read_bytes(log1);
+    INFO(r.out << "\nrank 0:\n" << out0 << "\nrank 1:\n" << out1);
+    CHECK((victim == 0 ? out0 : out1).find("stalls at checkpoint stage") != std::string::npos);
+    CHECK(r.out.find("status 0") == std::string::npos);
+    CHECK(r.out.find(" 0\n") == std::string::npos);
+    // Step 1's checkpoint is the latest; step 2's save left at most a temporary directory.
+    const fs::path ckpt = tmp.file(name + "/ckpt");
+    CHECK(fs::exists(ckpt / "step-1" / "COMMITTED"));
+    CHECK(!fs::exists(ckpt / "step-2"));
+    std::vector<std::string> leftovers;
+    for (const auto& e : fs::directory_iterator(ckpt))
+      if (e.path().filename().string().starts_with(".tmp-step-2-"))
+        leftovers.push_back(e.path().string());
+    if (victim == 1) {
+      // The survivor, rank 0, saw rank 1 go and removed the temporary directory itself.
+      CHECK(out0.find("abandoned") != std::string::npos);
+      CHECK(leftovers.empty());
+    } else {
+      REQUIRE(leftovers.size() == 1);
+      CHECK(fs::exists(fs::path(leftovers[0]) / "COMMITTED"));  // written, never renamed
+    }
+
+    const auto rest = train(tmp, job, 2, name, det);
+    INFO(rest.out);
+    REQUIRE(rest.status == 0);
+    CHECK(rest.out.find("resumed from " + (ckpt / "step-1").string()) != std::string::npos);
+    if (victim == 0) CHECK(rest.out.find("removed " + leftovers[0]) != std::string::npos);
+    CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), (ckpt / "step-3/policy").string()) ==
+          0);
+  }
 }
 
 TEST_CASE("tandem train deterministic with dynamic sampling and batch-std on 2 ranks",

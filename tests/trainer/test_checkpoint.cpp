@@ -152,7 +152,7 @@ TEST_CASE("A failure mid-save leaves the previous checkpoints intact", "[unit]")
   saved_policy.copy_from(job.policy);
   job.step(1);
 
-  for (const char* stage : {"policy", "optimizer", "trainer_state"}) {
+  for (const char* stage : {"policy", "optimizer", "trainer_state", "committed"}) {
     INFO(stage);
     CheckpointOptions o;
     o.keep_last = 1;  // would delete step-1 if step-2 completed
@@ -269,6 +269,11 @@ TEST_CASE("A negative or inconsistent step in trainer_state.json is refused nami
     nlohmann::json j = nlohmann::json::parse(in);
     j["step"] = step;
     std::ofstream(p / "trainer_state.json") << j.dump();
+    // The marker vouches for the step too: a checkpoint moved to another step is remade whole.
+    std::ifstream marker_in(p / "COMMITTED");
+    nlohmann::json marker = nlohmann::json::parse(marker_in);
+    marker["step"] = step;
+    std::ofstream(p / "COMMITTED") << marker.dump();
     return p;
   };
   Job target(c, 9);

@@ -1,6 +1,7 @@
 // ShardedAdamW against AdamW on the summed gradients: ranks as threads of one process meeting in
-// a file store (Gloo over loopback), 1 to 3 of them, ranges that cross storage tensors; the state
-// exported and imported at another world size; the fixed-point step bitwise on any world size.
+// a file store (Gloo over loopback), 1 to 3 of them, ranges that cross storage tensors; the
+// fixed-point step bitwise on any world size. (Its state saved and loaded at another world size:
+// test_checkpoint_shards.cpp.)
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include "model/weights.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
+#include "tests/trainer/on_ranks.h"
 #include "trainer/optimizer.h"
 
 namespace tandem::trainer {
@@ -29,33 +31,7 @@ void fill_random(Weights& w, uint64_t seed) {
   }
 }
 
-// Runs fn(rank, comm) on `world` threads joined in a file store under dir.
-template <class Fn>
-void on_ranks(int world, const std::string& dir, Fn fn) {
-  std::filesystem::create_directories(dir);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        rendezvous::RankInfo info;
-        info.rank = r;
-        info.world_size = world;
-        info.master_addr = "127.0.0.1";
-        info.launcher = "test";
-        CommOptions o;
-        o.timeout_s = 30;
-        o.store = "file:" + dir;
-        std::unique_ptr<Communicator> comm = Communicator::create(info, o);
-        fn(r, *comm);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (const std::string& e : errors) CHECK(e.empty());
-}
+using test::on_ranks;
 
 }  // namespace
 
@@ -117,64 +93,6 @@ TEST_CASE("ShardedAdamW on 1 2 and 3 ranks takes the steps of AdamW on the summe
       }
     }
   }
-}
-
-TEST_CASE("ShardedAdamW state exported on 2 ranks and imported on 3 continues as AdamW", "[unit]") {
-  const model::ModelConfig c = test::micro_model_config(false);
-  AdamWConfig cfg;
-  Weights ref(c, DType::f32), g(c, DType::f32);
-  fill_random(ref, 1);
-  fill_random(g, 7);
-  AdamW adamw(ref, cfg);
-  adamw.step(g, 1e-2f);
-
-  const test::TempDir tmp("sharded-adamw-export");
-  Weights p2a(c, DType::f32), p2b(c, DType::f32), full_params(c, DType::f32);
-  fill_random(p2a, 1);
-  fill_random(p2b, 1);
-  fill_random(full_params, 1);
-  AdamW full(full_params, cfg);
-  Weights half(c, DType::f32);  // each of 2 ranks gives g / 2
-  half.copy_from(g);
-  for (const NamedTensor& s : half.storage()) {
-    float* x = s.tensor.data_as<float>();
-    for (int64_t i = 0; i < s.tensor.numel(); ++i) x[i] *= 0.5f;
-  }
-  Weights* p2[] = {&p2a, &p2b};
-  on_ranks(2, tmp.file("two"), [&](int r, Communicator& comm) {
-    ShardedAdamW sharded(*p2[r], &comm, cfg);
-    sharded.step(half, 1e-2f);
-    sharded.export_to(r == 0 ? &full : nullptr);
-  });
-  for (size_t t = 0; t < ref.storage().size(); ++t) {
-    INFO(ref.storage()[t].name);
-    CHECK(test::max_abs_diff(test::to_f64(full.m().storage()[t].tensor),
-                             test::to_f64(adamw.m().storage()[t].tensor)) < 1e-7);
-  }
-  CHECK(full.step_count() == 1);
-
-  // Three ranks take their ranges of it and step on; AdamW steps on too.
-  adamw.step(g, 1e-2f);
-  std::vector<std::unique_ptr<Weights>> p3;
-  for (int r = 0; r < 3; ++r) {
-    p3.push_back(std::make_unique<Weights>(c, DType::f32));
-    p3.back()->copy_from(p2a);
-  }
-  Weights third(c, DType::f32), zero(c, DType::f32);
-  third.copy_from(g);
-  zero.zero();
-  on_ranks(3, tmp.file("three"), [&](int r, Communicator& comm) {
-    ShardedAdamW sharded(*p3[static_cast<size_t>(r)], &comm, cfg);
-    sharded.import_from(full);
-    sharded.step(r == 0 ? third : zero, 1e-2f);  // the sum is g
-    CHECK(sharded.step_count() == 2);
-  });
-  for (int r = 0; r < 3; ++r)
-    for (size_t t = 0; t < ref.storage().size(); ++t) {
-      INFO(ref.storage()[t].name << " on rank " << r);
-      CHECK(test::max_abs_diff(test::to_f64(p3[static_cast<size_t>(r)]->storage()[t].tensor),
-                               test::to_f64(ref.storage()[t].tensor)) < 1e-6);
-    }
 }
 
 TEST_CASE("ShardedAdamW step_fixed gives the same weights bitwise on 1 2 and 3 ranks", "[unit]") {
