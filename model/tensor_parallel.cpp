@@ -81,38 +81,46 @@ ModelConfig tp_shard_config(const ModelConfig& full, int size) {
   return c;
 }
 
+TpSlice tp_slice(const ModelConfig& full, const TpSplit& split, std::string_view name) {
+  const int64_t D = full.head_dim;
+  auto ends_with = [&](std::string_view suffix) { return name.ends_with(suffix); };
+  const bool layer = name.starts_with("model.layers.");
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight")
+    return {0, split.vocab0, split.num_vocab};
+  if (name == "model.norm.weight") return {-1, 0, full.hidden_size};
+  if (layer &&
+      (ends_with(".input_layernorm.weight") || ends_with(".post_attention_layernorm.weight")))
+    return {-1, 0, full.hidden_size};
+  if (layer && (ends_with(".self_attn.q_norm.weight") || ends_with(".self_attn.k_norm.weight")))
+    return {-1, 0, D};
+  if (layer && (ends_with(".self_attn.q_proj.weight") || ends_with(".self_attn.q_proj.bias")))
+    return {0, split.q_head0 * D, split.num_q_heads * D};
+  if (layer && (ends_with(".self_attn.k_proj.weight") || ends_with(".self_attn.k_proj.bias") ||
+                ends_with(".self_attn.v_proj.weight") || ends_with(".self_attn.v_proj.bias")))
+    return {0, split.kv_head0 * D, split.num_kv_heads * D};
+  if (layer && ends_with(".self_attn.o_proj.weight"))
+    return {1, split.q_head0 * D, split.num_q_heads * D};
+  if (layer && (ends_with(".mlp.gate_proj.weight") || ends_with(".mlp.up_proj.weight")))
+    return {0, split.f0, split.num_f};
+  if (layer && ends_with(".mlp.down_proj.weight")) return {1, split.f0, split.num_f};
+  TANDEM_FAIL("tensor parallel: '{}' is not a parameter of a {} model, so it has no split", name,
+              architecture_name(full.arch));
+}
+
 std::unique_ptr<Weights> cut_tp_shard(const Weights& full, int rank, int size) {
   const ModelConfig& fc = full.config();
-  const TpSplit s = tp_split(fc, rank, size);
+  const TpSplit split = tp_split(fc, rank, size);
   auto out = std::make_unique<Weights>(tp_shard_config(fc, size), full.dtype(), full.device());
-  Weights& w = *out;
-  const int64_t D = fc.head_dim, F = fc.intermediate_size;
-  const int64_t q0 = s.q_head0 * D, nq = s.num_q_heads * D;
-  const int64_t kv0 = s.kv_head0 * D, nkv = s.num_kv_heads * D;
-  w.embed.copy_from(full.embed.narrow(s.vocab0, s.num_vocab));
-  if (!fc.tie_word_embeddings) w.lm_head.copy_from(full.lm_head.narrow(s.vocab0, s.num_vocab));
-  w.final_norm.copy_from(full.final_norm);
-  for (size_t l = 0; l < w.layers.size(); ++l) {
-    const LayerWeights& src = full.layers[l];
-    LayerWeights& dst = w.layers[l];
-    dst.input_norm.copy_from(src.input_norm);
-    dst.post_norm.copy_from(src.post_norm);
-    dst.q.copy_from(src.q.narrow(q0, nq));
-    dst.k.copy_from(src.k.narrow(kv0, nkv));
-    dst.v.copy_from(src.v.narrow(kv0, nkv));
-    if (fc.attention_bias) {
-      dst.q_bias.copy_from(src.q_bias.narrow(q0, nq));
-      dst.k_bias.copy_from(src.k_bias.narrow(kv0, nkv));
-      dst.v_bias.copy_from(src.v_bias.narrow(kv0, nkv));
-    }
-    if (fc.qk_norm) {
-      dst.q_norm.copy_from(src.q_norm);
-      dst.k_norm.copy_from(src.k_norm);
-    }
-    copy_columns(src.o, q0, dst.o);
-    dst.gate.copy_from(src.gate.narrow(s.f0, s.num_f));
-    dst.up.copy_from(src.up.narrow(s.f0, s.num_f));
-    copy_columns(src.down.view({fc.hidden_size, F}), s.f0, dst.down);
+  for (const NamedTensor& n : out->named()) {
+    const TpSlice s = tp_slice(fc, split, n.name);
+    const Tensor& src = full.at(n.name);
+    Tensor dst = n.tensor;
+    if (s.dim == -1)
+      dst.copy_from(src);
+    else if (s.dim == 0)
+      dst.copy_from(src.narrow(s.begin, s.length));
+    else
+      copy_columns(src, s.begin, dst);
   }
   return out;
 }

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 
 #include "model/config.h"
 #include "model/weights.h"
@@ -36,7 +37,20 @@ TpSplit tp_split(const ModelConfig& full, int rank, int size);
 // the rest as in full (head_dim and hidden_size unchanged).
 ModelConfig tp_shard_config(const ModelConfig& full, int size);
 
-// New Weights holding rank `rank` of `size`'s shard of `full` (same dtype and device), copied.
+// Where a parameter of the full model is cut for one rank (what a weight-sync Layout of a
+// tensor-parallel engine says per HF name): the whole tensor (dim -1: replicated), or elements
+// [begin, begin + length) along dim 0 (rows) or dim 1 (columns) of the full tensor. The rank's
+// tensor of that name (in a Weights of tp_shard_config) is exactly that block.
+struct TpSlice {
+  int dim = -1;
+  int64_t begin = 0, length = 0;  // along dim; replicated: 0 and the full size of dim 0
+};
+// The slice of the parameter with HF name `name` (a name of Weights::named()) for split's rank.
+// Throws naming the parameter when the name is not one of the model's.
+TpSlice tp_slice(const ModelConfig& full, const TpSplit& split, std::string_view name);
+
+// New Weights holding rank `rank` of `size`'s shard of `full` (same dtype and device), copied
+// slice by slice (tp_slice).
 std::unique_ptr<Weights> cut_tp_shard(const Weights& full, int rank, int size);
 
 }  // namespace tandem::model

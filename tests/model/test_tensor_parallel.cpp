@@ -125,6 +125,40 @@ TEST_CASE("tensor-parallel shards hold their heads MLP columns and vocabulary ro
   }
 }
 
+TEST_CASE("tensor-parallel slices describe each rank's tensor of every parameter", "[unit]") {
+  for (const bool tied : {false, true}) {
+    ModelConfig c = config_with(4, 2, 24, 40, tied, true, true);
+    Weights full(c, DType::f32);
+    for (const int size : {2, 4}) {
+      for (int rank = 0; rank < size; ++rank) {
+        const TpSplit split = tp_split(c, rank, size);
+        Weights shard(tp_shard_config(c, size), DType::f32);
+        REQUIRE(shard.named().size() == full.named().size());
+        for (size_t i = 0; i < full.named().size(); ++i) {
+          const NamedTensor &f = full.named()[i], &w = shard.named()[i];
+          INFO(f.name << " rank " << rank << " of " << size);
+          CHECK(w.name == f.name);
+          const TpSlice s = tp_slice(c, split, f.name);
+          if (s.dim == -1) {
+            CHECK(w.tensor.shape() == f.tensor.shape());
+            CHECK(s.length == f.tensor.size(0));
+          } else {
+            CHECK(w.tensor.size(s.dim) == s.length);
+            CHECK(s.begin + s.length <= f.tensor.size(s.dim));
+            CHECK(w.tensor.ndim() == f.tensor.ndim());
+            if (f.tensor.ndim() == 2) CHECK(w.tensor.size(1 - s.dim) == f.tensor.size(1 - s.dim));
+          }
+        }
+      }
+    }
+  }
+  CHECK_THROWS_WITH(tp_slice(config_with(4, 2, 24, 40, false, false, false),
+                             tp_split(config_with(4, 2, 24, 40, false, false, false), 0, 2),
+                             "model.layers.0.self_attn.qkv_proj.weight"),
+                    Catch::Contains("'model.layers.0.self_attn.qkv_proj.weight' is not a "
+                                    "parameter"));
+}
+
 TEST_CASE("tensor-parallel split names the parameter and sizes that do not divide", "[unit]") {
   // SmolLM2-135M: 9 query heads and 3 KV heads; 3 ranks divide it, 2 do not.
   const ModelConfig smol = smollm2_shape();
