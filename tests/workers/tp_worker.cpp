@@ -61,7 +61,8 @@ double uniform(uint64_t& state, double lo, double hi) {
   return lo + (hi - lo) * static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
-// Norms near 1, biases small, matrices scaled by 1.7 / sqrt(fan-in), embeddings in [-1, 1).
+// Norms near 1, biases small, matrices scaled by 1.7 / sqrt(fan-in), embeddings in [-1, 1)
+// (untied) or [-0.3, 0.3) (tied).
 void fill(model::Weights& w, uint64_t seed) {
   for (const model::NamedTensor& s : w.storage()) {
     double lo = -1.0, hi = 1.0;
@@ -69,7 +70,11 @@ void fill(model::Weights& w, uint64_t seed) {
       lo = 0.7, hi = 1.3;
     } else if (s.name.find("bias") != std::string::npos) {
       lo = -0.3, hi = 0.3;
-    } else if (s.name.find("embed") == std::string::npos) {
+    } else if (s.name.find("embed") != std::string::npos) {
+      // Tied to the head, embeddings of [-1, 1) give a token a logit of ~C / 3 for itself: such a
+      // model repeats its input. Smaller ones keep the samples varied.
+      if (w.config().tie_word_embeddings) lo = -0.3, hi = 0.3;
+    } else {
       const double a = 1.7 / std::sqrt(static_cast<double>(s.tensor.size(1)));
       lo = -a, hi = a;
     }
@@ -175,11 +180,12 @@ int scenario_logits(const model::ModelConfig& c, const model::Weights& full,
 }
 
 // Seeded requests (sampled with top-k, top-p and min-p, greedy, n > 1, top logprobs) through an
-// engine of small blocks and a small token budget (chunked prefill, forks, paging): one line per
-// sample with its tokens and logprobs.
+// engine of small blocks and a small token budget (chunked prefill, forks, paging), then its
+// memory released, the weights swapped for `second` (version 2) and the requests run again: one
+// line per sample with its tokens and logprobs.
 // diverge: this rank changes one prompt token (the group must refuse the step).
-int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard, Communicator* tp,
-                     bool diverge) {
+int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
+                     const model::Weights& second, Communicator* tp, bool diverge) {
   rollout::EngineOptions o;
   o.block_size = 4;
   o.num_blocks = 96;
@@ -189,7 +195,6 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard, C
   rollout::Engine engine(shard, o, nullptr, tp);
   uint64_t state = 7;
   std::vector<rollout::Request> requests(4);
-  requests[0].prompt = prompt(state, 21, c.vocab_size);
   auto params = [](int n, float temperature, uint64_t seed) {
     rollout::SamplingParams p;
     p.n = n;
@@ -214,21 +219,29 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard, C
     requests[2].prompt[5] = (requests[2].prompt[5] + 1) % static_cast<int32_t>(c.vocab_size);
   for (size_t i = 0; i < requests.size(); ++i) {
     requests[i].id = fmt::format("r{}", i);
-    requests[i].params.max_tokens = 14;
+    requests[i].params.max_tokens = 10;
   }
-  for (const rollout::RequestOutput& r : engine.generate(requests)) {
-    for (const rollout::SampleOutput& s : r.samples) {
-      std::string line = fmt::format("sample {} {} {} |", r.id, s.index,
-                                     rollout::finish_reason_name(s.finish_reason));
-      for (int32_t t : s.tokens) line += fmt::format(" {}", t);
-      line += " |";
-      for (float lp : s.logprobs) line += fmt::format(" {:.9g}", lp);
-      for (const auto& top : s.top_logprobs)
-        for (const rollout::TokenLogprob& t : top)
-          line += fmt::format(" {}:{:.9g}", t.token, t.logprob);
-      std::printf("%s\n", line.c_str());
+  auto print = [](const std::vector<rollout::RequestOutput>& outputs) {
+    for (const rollout::RequestOutput& r : outputs) {
+      for (const rollout::SampleOutput& s : r.samples) {
+        std::string line =
+            fmt::format("sample {} {} {} v{} |", r.id, s.index,
+                        rollout::finish_reason_name(s.finish_reason), s.weight_version);
+        for (int32_t t : s.tokens) line += fmt::format(" {}", t);
+        line += " |";
+        for (float lp : s.logprobs) line += fmt::format(" {:.9g}", lp);
+        for (const auto& top : s.top_logprobs)
+          for (const rollout::TokenLogprob& t : top)
+            line += fmt::format(" {}:{:.9g}", t.token, t.logprob);
+        std::printf("%s\n", line.c_str());
+      }
     }
-  }
+  };
+  engine.set_weights(shard, 1);
+  print(engine.generate(requests));
+  engine.release_memory();
+  engine.set_weights(second, 2);
+  print(engine.generate(requests));
   std::printf("steps %lld\n", static_cast<long long>(engine.stats().steps));
   return 0;
 }
@@ -246,12 +259,13 @@ int main(int argc, char** argv) {
   const int size = world != nullptr ? std::atoi(world) : 1;
   try {
     const model::ModelConfig c = config_of(argv[2]);
-    model::Weights full(c, DType::f32);
+    model::Weights full(c, DType::f32), full2(c, DType::f32);
     fill(full, 17);
+    fill(full2, 18);
     // The world, and the tensor-parallel group of this rank: the world, or with TP < world one of
     // world / TP replicas of TP consecutive ranks.
     std::unique_ptr<Communicator> world_comm, group;
-    std::unique_ptr<model::Weights> shard;
+    std::unique_ptr<model::Weights> shard, shard2;
     const bool diverge = argc > 4 && std::string(argv[3]) == "diverge";
     const int tp = argc > 3 && !diverge ? std::atoi(argv[3]) : size;
     if (size > 1) {
@@ -266,14 +280,17 @@ int main(int argc, char** argv) {
       }
     }
     Communicator* comm = group ? group.get() : world_comm.get();
-    if (comm != nullptr && comm->size() > 1)
+    if (comm != nullptr && comm->size() > 1) {
       shard = model::cut_tp_shard(full, comm->rank(), comm->size());
+      shard2 = model::cut_tp_shard(full2, comm->rank(), comm->size());
+    }
     const model::Weights& mine = shard ? *shard : full;
+    const model::Weights& mine2 = shard2 ? *shard2 : full2;
     Communicator* tp_group = shard ? comm : nullptr;
     const bool this_diverges = diverge && world_comm && world_comm->rank() == std::atoi(argv[4]);
     int rc = 2;
     if (what == "logits") rc = scenario_logits(c, full, mine, tp_group);
-    if (what == "rollout") rc = scenario_rollout(c, mine, tp_group, this_diverges);
+    if (what == "rollout") rc = scenario_rollout(c, mine, mine2, tp_group, this_diverges);
     if (rc == 2) std::fprintf(stderr, "unknown scenario %s\n", what.c_str());
     if (rc == 0) std::printf("ok rank %d of %d\n", world_comm ? world_comm->rank() : 0, size);
     std::fflush(stdout);
