@@ -192,7 +192,8 @@ int scenario_logits(const model::ModelConfig& c, const model::Weights& full,
 }
 
 // Seeded requests (sampled with top-k, top-p and min-p, greedy, n > 1, top logprobs) through an
-// engine of small blocks and a small token budget (chunked prefill, forks, paging), then its
+// engine of few small blocks and a small token budget (chunked prefill, forks, paging,
+// preemption), then its
 // memory released, the weights swapped for `second` (version 2) and the requests run again: one
 // line per sample with its tokens and logprobs.
 // diverge: this rank changes one prompt token (the group must refuse the step).
@@ -200,7 +201,7 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
                      const model::Weights& second, Communicator* tp, bool diverge) {
   rollout::EngineOptions o;
   o.block_size = 4;
-  o.num_blocks = 96;
+  o.num_blocks = 24;  // fewer than the requests need at once: preemptions
   o.max_batch_tokens = 16;
   o.max_seqs = 8;
   o.max_context = 128;
@@ -254,7 +255,8 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
   engine.release_memory();
   engine.set_weights(second, 2);
   print(engine.generate(requests));
-  std::printf("steps %lld\n", static_cast<long long>(engine.stats().steps));
+  std::printf("steps %lld preemptions %lld\n", static_cast<long long>(engine.stats().steps),
+              static_cast<long long>(engine.stats().preemptions));
   return 0;
 }
 
