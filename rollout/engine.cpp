@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -70,6 +71,25 @@ Tensor grown_rows(Tensor& buf, int64_t rows, int64_t cols, DType dtype, Device d
   if (!buf.defined() || buf.size(0) < rows) buf = Tensor::empty({rows, cols}, dtype, device);
   return buf.narrow(0, rows);
 }
+
+// FNV-1a, 64 bits: the tensor-parallel check's fingerprint of calls and steps.
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  void add(uint64_t x) { h = (h ^ x) * 1099511628211ull; }
+  void add(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    add(static_cast<uint64_t>(bits));
+  }
+  void add(std::string_view text) {
+    for (char c : text) add(static_cast<uint64_t>(static_cast<unsigned char>(c)));
+    add(static_cast<uint64_t>(text.size()));
+  }
+  void add(const std::vector<int32_t>& v) {
+    for (int32_t x : v) add(static_cast<uint64_t>(static_cast<uint32_t>(x)));
+    add(static_cast<uint64_t>(v.size()));
+  }
+};
 
 bool same_shapes(const model::ModelConfig& a, const model::ModelConfig& b) {
   return a.arch == b.arch && a.vocab_size == b.vocab_size && a.hidden_size == b.hidden_size &&
@@ -206,6 +226,7 @@ struct Engine::Impl {
   }
 
   uint64_t submit(Request r) {
+    if (tp != nullptr) add_call(r);
     const uint64_t handle = next_handle++;
     const std::string why = validate(r);
     if (!why.empty()) {
@@ -642,25 +663,37 @@ struct Engine::Impl {
   // divergence (a rank given other requests, or an abort on one rank only) an error naming the
   // ranks before the decoder's collectives would mismatch: a hash of the step's decoder inputs,
   // all-gathered (8 bytes per rank per step).
+  // The fingerprint also covers every call made since (calls: submitted requests with their
+  // settings, aborts, weight versions), so settings that differ (a seed) are caught at the next
+  // step, not only once they changed a token.
+  Fnv calls;
   Tensor plan_hash, plan_hashes;  // (1), (tp) i64
+  void add_call(const Request& r) {
+    calls.add(r.id);
+    calls.add(r.prompt);
+    const SamplingParams& p = r.params;
+    for (int64_t x : {int64_t{p.n}, int64_t{p.top_k}, int64_t{p.max_tokens}, int64_t{p.logprobs},
+                      int64_t{p.top_logprobs}})
+      calls.add(static_cast<uint64_t>(x));
+    for (float x : {p.temperature, p.top_p, p.min_p}) calls.add(x);
+    calls.add(p.seed);
+    calls.add(p.stop_token_ids);
+    for (const std::string& stop : p.stop) calls.add(stop);
+  }
   void check_same_plan() {
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the calls' inputs and cache slots
-    auto mix = [&h](const std::vector<int32_t>& v) {
-      for (int32_t x : v) h = (h ^ static_cast<uint32_t>(x)) * 1099511628211ull;
-      h = (h ^ v.size()) * 1099511628211ull;
-    };
+    Fnv h = calls;
     for (const Call* call : {&decodes, &prefills}) {
-      mix(call->tokens);
-      mix(call->positions);
-      mix(call->cu_seqlens);
-      mix(call->indices);
-      mix(call->slots);
+      h.add(call->tokens);
+      h.add(call->positions);
+      h.add(call->cu_seqlens);
+      h.add(call->indices);
+      h.add(call->slots);
     }
     if (!plan_hash.defined()) {
       plan_hash = Tensor::empty({1}, DType::i64);
       plan_hashes = Tensor::empty({tp->size()}, DType::i64);
     }
-    plan_hash.data_as<int64_t>()[0] = static_cast<int64_t>(h);
+    plan_hash.data_as<int64_t>()[0] = static_cast<int64_t>(h.h);
     tp->all_gather(plan_hash, plan_hashes);  // tp x 8 bytes
     const int64_t* all = plan_hashes.data_as<int64_t>();
     for (int r = 1; r < tp->size(); ++r)
@@ -697,6 +730,7 @@ struct Engine::Impl {
   }
 
   bool abort(const std::string& id) {
+    if (tp != nullptr) calls.add(std::string_view(id));
     auto it = ids.find(id);
     if (it == ids.end()) return false;
     Group* g = groups.at(it->second).get();
@@ -778,6 +812,7 @@ void Engine::set_weights(const model::Weights& weights, uint64_t version) {
   // packed copies. A released engine has no decoder: its next step() makes one.
   if (m.decoder) m.decoder->set_weights(weights);
   m.version = version;
+  if (m.tp != nullptr) m.calls.add(version);
 }
 
 void Engine::release_memory() {

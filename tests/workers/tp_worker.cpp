@@ -196,7 +196,7 @@ int scenario_logits(const model::ModelConfig& c, const model::Weights& full,
 // preemption), then its
 // memory released, the weights swapped for `second` (version 2) and the requests run again: one
 // line per sample with its tokens and logprobs.
-// diverge: this rank changes one prompt token (the group must refuse the step).
+// diverge: this rank gives one request another seed (the group must refuse the first step).
 int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
                      const model::Weights& second, Communicator* tp, bool diverge) {
   rollout::EngineOptions o;
@@ -228,8 +228,7 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
   requests[3].prompt = requests[0].prompt;  // a prefix-cache hit
   requests[3].params = params(2, 1.3f, 3);
   requests[3].params.top_logprobs = 2;
-  if (diverge)
-    requests[2].prompt[5] = (requests[2].prompt[5] + 1) % static_cast<int32_t>(c.vocab_size);
+  if (diverge) requests[2].params.seed += 1;
   for (size_t i = 0; i < requests.size(); ++i) {
     requests[i].id = fmt::format("r{}", i);
     requests[i].params.max_tokens = 10;
