@@ -15,6 +15,7 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "model/decoder.h"
+#include "model/loader.h"
 #include "model/tensor_parallel.h"
 #include "model/weights.h"
 #include "rollout/engine.h"
@@ -264,17 +265,29 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
 int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(stderr,
-                 "usage: tandem_tp_worker logits|rollout llama|qwen2|qwen3 [TP|diverge RANK]\n");
+                 "usage: tandem_tp_worker logits|rollout llama|qwen2|qwen3|MODEL_PATH "
+                 "[TP|diverge RANK]\n");
     return 2;
   }
   const std::string what = argv[1];
   const char* world = std::getenv("WORLD_SIZE");
   const int size = world != nullptr ? std::atoi(world) : 1;
   try {
-    const model::ModelConfig c = config_of(argv[2]);
-    model::Weights full(c, DType::f32), full2(c, DType::f32);
-    fill(full, 17);
-    fill(full2, 18);
+    // A test model, or a real one from a path (its weights twice: no swap to other values).
+    const std::string kind = argv[2];
+    const bool real = kind.find('/') != std::string::npos;
+    model::LoadedModel loaded;
+    if (real) loaded = model::load_model(kind, DType::f32);
+    const model::ModelConfig c = real ? loaded.config() : config_of(kind);
+    std::unique_ptr<model::Weights> made, made2;
+    if (!real) {
+      made = std::make_unique<model::Weights>(c, DType::f32);
+      made2 = std::make_unique<model::Weights>(c, DType::f32);
+      fill(*made, 17);
+      fill(*made2, 18);
+    }
+    const model::Weights& full = real ? *loaded.weights : *made;
+    const model::Weights& full2 = real ? *loaded.weights : *made2;
     // The world, and the tensor-parallel group of this rank: the world, or with TP < world one of
     // world / TP replicas of TP consecutive ranks.
     std::unique_ptr<Communicator> world_comm, group;
@@ -282,6 +295,8 @@ int main(int argc, char** argv) {
     const bool diverge = argc > 4 && std::string(argv[3]) == "diverge";
     const int tp = argc > 3 && !diverge ? std::atoi(argv[3]) : size;
     if (size > 1) {
+      // A size that does not fit the model is refused before any connection, as a job checks it.
+      model::tp_shard_config(c, tp);
       CommOptions options;
       options.timeout_s = 30;
       world_comm = Communicator::from_environment(options);
