@@ -68,6 +68,12 @@ struct Buffers {
   Tensor head_ids, head_in, dhead_in;
   int64_t head_rows = 0;
   LayerGrads grads;  // (training)
+  // Tensor parallelism (inference): the tokens whose embedding rows this rank holds (emb_ids:
+  // their ids in its vocabulary shard; emb_rows: their rows in T), the head's logits of its
+  // shard, every rank's gathered, and the rows that interleave those into (B, V).
+  Tensor emb_ids, emb_rows;          // (T), (T) i32
+  Tensor shard_logits, rank_logits;  // (B, V/tp), (tp, B, V/tp)
+  Tensor logit_rows;                 // (B tp) i32
 };
 
 LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
@@ -99,7 +105,8 @@ LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
 // B sequences, T tokens (T rows of logits in training; in inference the head reads B rows), into
 // b: every tensor of a previous plan dropped, its vectors' memory kept (a decode step allocates
 // nothing once the batch shape has been seen).
-void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute,
+// tp: the tensor-parallel group's size (c is then a shard's config; inference only).
+void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute, int tp,
           Buffers& b) {
   const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
   const int64_t F = c.intermediate_size, V = c.vocab_size, L = c.num_layers;
@@ -124,6 +131,13 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
   const int64_t R = mode == Mode::inference ? B : T;  // rows of the head
   b.xf = p.take({R, C});
   b.rstdf = p.take({R});
+  if (tp > 1) {
+    b.emb_ids = p.take({T}, DType::i32);
+    b.emb_rows = p.take({T}, DType::i32);
+    b.shard_logits = p.take({B, V});
+    b.rank_logits = p.take({tp, B, V});
+    b.logit_rows = p.take({B * tp}, DType::i32);
+  }
   if (mode == Mode::training) {
     b.logits = p.take({T, V});
     b.lse = p.take({T});
@@ -165,7 +179,8 @@ struct PackedLayer {
 
 class Net {
  public:
-  explicit Net(const Weights& w) : w_(&w), c_(&w.config()), s_{w.device(), nullptr} {}
+  Net(const Weights& w, Communicator* tp)
+      : w_(&w), c_(&w.config()), s_{w.device(), nullptr}, tp_(tp) {}
 
   // Points at new weights of the same shapes (the caller checked them).
   void set_weights(const Weights& w) {
@@ -235,11 +250,20 @@ class Net {
       ops::attention(a.q, a.k, a.v, in.cu_seqlens, in.prefix, a.att, a.lse, scale(), s_);
     }
     linear(a.att.view({T, H * D}), w.o, p ? &p->o : nullptr, a.o_out, false);
+    if (tp_ != nullptr) tp_->all_reduce(a.o_out);  // the TP group's heads: (T, C) f32 summed
     ops::add_rmsnorm(h_in, a.o_out, w.post_norm, a.h_mid, a.x2, a.rstd2, eps, s_);
     linear(a.x2, w.gate_up, p ? &p->gate_up : nullptr, a.gate_up, false);
     ops::swiglu(a.gate_up, a.act, s_);
-    Tensor(h_out).copy_from(a.h_mid);
-    linear(a.act, w.down, p ? &p->down : nullptr, h_out, true);
+    if (tp_ == nullptr) {
+      Tensor(h_out).copy_from(a.h_mid);
+      linear(a.act, w.down, p ? &p->down : nullptr, h_out, true);
+      return;
+    }
+    // The group's MLP columns summed into o_out (free again), then h_out = h_mid + it; the norm
+    // add_rmsnorm also computes (into x2, read by nobody now: inference only) is not used.
+    linear(a.act, w.down, p ? &p->down : nullptr, a.o_out, false);
+    tp_->all_reduce(a.o_out);  // (T, C) f32
+    ops::add_rmsnorm(a.h_mid, a.o_out, w.post_norm, h_out, a.x2, a.rstd2, eps, s_);
   }
 
   // On entry g.dh = dL/dh_out; on exit g.dh = dL/dh_in. Parameter gradients accumulate into gw.
@@ -295,6 +319,7 @@ class Net {
 
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_->head_dim)); }
   const Stream& stream() const { return s_; }
+  Communicator* tp() const { return tp_; }
 
  private:
   // y [+]= x · w^T, from w's packed copy when there is one and matmuls still run on AMX (the
@@ -312,6 +337,7 @@ class Net {
   Stream s_;
   std::vector<PackedLayer> packed_;  // empty: not packed
   ops::PackedWeight packed_head_;
+  Communicator* tp_;  // the tensor-parallel group, or null
 };
 
 void upload(Tensor dst, std::span<const int32_t> src) {
@@ -384,6 +410,13 @@ void check_prefix(const PackedBatch& batch, const char* what) {
                  "{}: sequence {} starts at position {} but its prefix (sequence {}) ends at {}",
                  what, b, first, p, last);
   }
+}
+
+void check_not_tensor_parallel(const Communicator* tp, const char* what) {
+  TANDEM_CHECK(tp == nullptr,
+               "decoder {}: a tensor-parallel decoder (DecoderOptions::tp_group) serves prefill "
+               "and decode only; train with the whole model",
+               what);
 }
 
 // Uploads the batch's prefixes into buf (or leaves it undefined: no prefixes).
@@ -476,7 +509,7 @@ int64_t PackedBatch::rows_added(const PromptCompletion& pair, const PromptComple
 }
 
 struct Decoder::Impl {
-  Impl(const Weights& w, const DecoderOptions& o) : net(w), options(o) {}
+  Impl(const Weights& w, const DecoderOptions& o) : net(w, o.tp_group), options(o) {}
   Net net;
   DecoderOptions options;
   std::unique_ptr<Arena> arena;
@@ -485,6 +518,8 @@ struct Decoder::Impl {
   // Host scratch of the inference calls, grown to the largest batch seen.
   std::vector<int32_t> decode_cu;  // (B + 1)
   std::vector<float> ones_host;    // (T) (biases only)
+  // Tensor parallelism: Buffers::emb_ids, emb_rows and logit_rows on the host.
+  std::vector<int32_t> emb_ids_host, emb_rows_host, logit_rows_host;
   bool have_forward = false;
   float temperature = 1.0f;
 
@@ -492,31 +527,101 @@ struct Decoder::Impl {
   Buffers& begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
     have_forward = false;
     Planner count(nullptr);
-    plan(count, c, T, B, mode, options.recompute, counted);
+    plan(count, c, T, B, mode, options.recompute, tp_size(), counted);
     if (count.bytes() > arena->capacity()) {
       TANDEM_CHECK(options.grow,
                    "decoder: a call of {} tokens needs {} bytes of activations, the arena planned "
                    "for max_tokens = {} holds {}: raise DecoderOptions::max_tokens",
                    T, count.bytes(), options.max_tokens, arena->capacity());
       arena.reset();  // give the old memory back first
-      arena = std::make_unique<Arena>(
-          ArenaClass::activations, device,
-          std::max(count.bytes(), Decoder::plan_bytes(c, T, options.recompute)));
+      arena = std::make_unique<Arena>(ArenaClass::activations, device,
+                                      std::max(count.bytes(), bytes_for(c, T)));
       options.max_tokens = std::max(options.max_tokens, T);
     }
     arena->reserve();  // after release_activations()
     arena->reset();
     Planner p(arena.get());
-    plan(p, c, T, B, mode, options.recompute, bufs);
+    plan(p, c, T, B, mode, options.recompute, tp_size(), bufs);
     return bufs;
+  }
+
+  int tp_size() const { return options.tp_group ? options.tp_group->size() : 1; }
+
+  // The arena for calls of up to T tokens.
+  size_t bytes_for(const ModelConfig& c, int64_t T) const {
+    if (tp_size() == 1) return Decoder::plan_bytes(c, T, options.recompute);
+    Planner infer(nullptr);
+    Buffers b;
+    plan(infer, c, T, T, Mode::inference, options.recompute, tp_size(), b);
+    return infer.bytes();
+  }
+
+  // resid[0] = the embedding rows of the call's tokens. Tensor parallel: each rank gathers the
+  // rows its vocabulary shard holds (into resid[1], free until layer 0 writes it) and scatters
+  // them over zeros; the all-reduce then adds one row and zeros: the same bits as the full table.
+  void embed(const Weights& w, std::span<const int32_t> tokens) {
+    Buffers& b = bufs;
+    const Stream& s = net.stream();
+    Communicator* tp = net.tp();
+    if (tp == nullptr) {
+      ops::embedding(b.tokens, w.embed, b.resid[0], s);
+      return;
+    }
+    const int64_t Vs = w.config().vocab_size, v0 = tp->rank() * Vs;
+    emb_ids_host.clear();
+    emb_rows_host.clear();
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      if (tokens[t] < v0 || tokens[t] >= v0 + Vs) continue;
+      emb_ids_host.push_back(static_cast<int32_t>(tokens[t] - v0));
+      emb_rows_host.push_back(static_cast<int32_t>(t));
+    }
+    const int64_t n = static_cast<int64_t>(emb_ids_host.size());
+    if (n == 0) {
+      b.resid[0].zero();
+    } else {
+      const Tensor ids = b.emb_ids.narrow(0, n), rows = b.emb_rows.narrow(0, n);
+      const Tensor gathered = b.resid[1].narrow(0, n);
+      upload(ids, emb_ids_host);
+      upload(rows, emb_rows_host);
+      ops::embedding(ids, w.embed, gathered, s);
+      ops::embedding_backward(rows, gathered, b.resid[0], false, s);
+    }
+    tp->all_reduce(b.resid[0]);  // (T, C) f32
+  }
+
+  // logits_out (B, V) = the head of h (B, C). Tensor parallel: each rank's (B, V/tp) logits are
+  // all-gathered ((tp, B, V/tp) f32 on every rank) and interleaved into (B, V) by a row gather
+  // (row b tp + r of (B tp, V/tp) is row r B + b of the gathered).
+  void logits(const Tensor& h, const Tensor& logits_out) {
+    Buffers& b = bufs;
+    const int64_t B = h.size(0);
+    const Tensor xf = b.xf.narrow(0, B), rstdf = b.rstdf.narrow(0, B);
+    Communicator* tp = net.tp();
+    if (tp == nullptr) {
+      net.head(h, xf, rstdf, logits_out);
+      return;
+    }
+    const int64_t n = tp->size(), Vs = b.shard_logits.size(1);
+    const Tensor shard = b.shard_logits.narrow(0, B);
+    const Tensor gathered =
+        b.rank_logits.view({n * b.shard_logits.size(0) * Vs}).narrow(0, n * B * Vs);
+    net.head(h, xf, rstdf, shard);
+    tp->all_gather(shard.view({B * Vs}), gathered);
+    logit_rows_host.resize(static_cast<size_t>(B * n));
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t k = 0; k < n; ++k)
+        logit_rows_host[static_cast<size_t>(r * n + k)] = static_cast<int32_t>(k * B + r);
+    const Tensor rows = b.logit_rows.narrow(0, B * n);
+    upload(rows, logit_rows_host);
+    ops::embedding(rows, gathered.view({n * B, Vs}), logits_out.view({B * n, Vs}), net.stream());
   }
 };
 
 size_t Decoder::plan_bytes(const ModelConfig& config, int64_t T, bool recompute) {
   Planner train(nullptr), infer(nullptr);
   Buffers b;
-  plan(train, config, T, T, Mode::training, recompute, b);
-  plan(infer, config, T, T, Mode::inference, recompute, b);
+  plan(train, config, T, T, Mode::training, recompute, 1, b);
+  plan(infer, config, T, T, Mode::inference, recompute, 1, b);
   return std::max(train.bytes(), infer.bytes());
 }
 
@@ -524,9 +629,8 @@ Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
     : weights_(&weights), impl_(std::make_unique<Impl>(weights, options)) {
   TANDEM_CHECK(options.max_tokens > 0,
                "decoder: DecoderOptions::max_tokens must be positive, got {}", options.max_tokens);
-  impl_->arena =
-      std::make_unique<Arena>(ArenaClass::activations, weights.device(),
-                              plan_bytes(config(), options.max_tokens, options.recompute));
+  impl_->arena = std::make_unique<Arena>(ArenaClass::activations, weights.device(),
+                                         impl_->bytes_for(config(), options.max_tokens));
   if (options.pack_weights) impl_->net.pack_weights();
 }
 
@@ -550,6 +654,10 @@ void Decoder::set_weights(const Weights& weights) {
   if (impl_->options.pack_weights) impl_->net.pack_weights();
 }
 
+int64_t Decoder::vocab_size() const {
+  return config().vocab_size * (impl_->options.tp_group ? impl_->options.tp_group->size() : 1);
+}
+
 size_t Decoder::activation_bytes() const { return impl_->arena->capacity(); }
 
 void Decoder::release_activations() {
@@ -561,6 +669,7 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
                       const Tensor& entropy_out, float temperature) {
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens(), L = c.num_layers;
+  check_not_tensor_parallel(impl_->options.tp_group, "forward");
   check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size, "decoder forward");
   check_prefix(batch, "decoder forward");
   TANDEM_CHECK(static_cast<int64_t>(batch.targets.size()) == T,
@@ -636,6 +745,7 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
 void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out) {
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens();
+  check_not_tensor_parallel(impl_->options.tp_group, "forward_logits");
   check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size,
                "decoder forward_logits");
   check_prefix(batch, "decoder forward_logits");
@@ -657,6 +767,7 @@ void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out)
 
 void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads) {
   Impl& m = *impl_;
+  check_not_tensor_parallel(impl_->options.tp_group, "backward");
   TANDEM_CHECK(m.have_forward,
                "decoder backward: no training forward to differentiate (call forward first; "
                "backward consumes it, and any other call discards it)");
@@ -725,10 +836,11 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
                       std::span<const int32_t> cu_seqlens, const KvCacheView& kv,
                       const Tensor& logits_out) {
   const ModelConfig& c = config();
-  check_packed(tokens, positions, cu_seqlens, c.vocab_size, "decoder prefill");
+  const int64_t V = vocab_size();
+  check_packed(tokens, positions, cu_seqlens, V, "decoder prefill");
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
-  check_output(logits_out, {B, c.vocab_size}, device(), "prefill's logits_out");
+  check_output(logits_out, {B, V}, device(), "prefill's logits_out");
   TANDEM_CHECK(static_cast<int64_t>(kv.k_cache.size()) == c.num_layers &&
                    static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
                "decoder prefill: the kv cache view has {} k and {} v tensors, the model {} layers",
@@ -796,7 +908,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
     in.last_len = to_device(row_last);
   }
   const Stream& s = m.net.stream();
-  ops::embedding(buf.tokens, weights_->embed, buf.resid[0], s);
+  m.embed(*weights_, tokens);
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],
                         buf.resid[static_cast<size_t>((l + 1) % 2)], in);
@@ -808,7 +920,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
   upload(last_ids, last);
   const Tensor rows = buf.resid[static_cast<size_t>(c.num_layers % 2 == 0 ? 1 : 0)].narrow(0, B);
   ops::embedding(last_ids, buf.resid[static_cast<size_t>(c.num_layers % 2)], rows, s);
-  m.net.head(rows, buf.xf, buf.rstdf, logits_out);
+  m.logits(rows, logits_out);
 }
 
 void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> positions,
@@ -819,8 +931,8 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
   std::vector<int32_t>& cu = m.decode_cu;
   cu.resize(static_cast<size_t>(B) + 1);
   for (int64_t b = 0; b <= B; ++b) cu[static_cast<size_t>(b)] = static_cast<int32_t>(b);
-  check_packed(tokens, positions, cu, c.vocab_size, "decoder decode");
-  check_output(logits_out, {B, c.vocab_size}, device(), "decode's logits_out");
+  check_packed(tokens, positions, cu, vocab_size(), "decoder decode");
+  check_output(logits_out, {B, vocab_size()}, device(), "decode's logits_out");
   TANDEM_CHECK(static_cast<int64_t>(kv.k_cache.size()) == c.num_layers &&
                    static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
                "decoder decode: the kv cache view has {} k and {} v tensors, the model {} layers",
@@ -831,12 +943,11 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
   if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
   const AttentionInputs in{buf.positions,  {},       &kv, kv.kv_indptr, kv.kv_indices,
                            kv.kv_last_len, buf.ones, {}};
-  const Stream& s = m.net.stream();
-  ops::embedding(buf.tokens, weights_->embed, buf.resid[0], s);
+  m.embed(*weights_, tokens);
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],
                         buf.resid[static_cast<size_t>((l + 1) % 2)], in);
-  m.net.head(buf.resid[static_cast<size_t>(c.num_layers % 2)], buf.xf, buf.rstdf, logits_out);
+  m.logits(buf.resid[static_cast<size_t>(c.num_layers % 2)], logits_out);
 }
 
 }  // namespace tandem::model

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/comm.h"
 #include "core/device.h"
 #include "core/tensor.h"
 #include "model/weights.h"
@@ -79,6 +80,13 @@ struct DecoderOptions {
   // than in every matmul: for callers whose weights change only through set_weights (the
   // rollout engine), which packs them again in place. Same bits either way.
   bool pack_weights = false;
+  // Tensor parallelism (inference only): the weights are rank tp_group->rank()'s shard of
+  // tp_group->size() (model/tensor_parallel.h). Every rank of the group makes the same prefill
+  // and decode calls; each runs its heads, MLP columns and vocabulary rows, and the partial
+  // outputs meet in all-reduces (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32)
+  // and one all-gather of the (B, V/tp) logits, so every rank returns the same full (B, V)
+  // logits. Null: the whole model on one rank, no collective.
+  Communicator* tp_group = nullptr;
 };
 
 // The paged KV cache of one step, in kernels/ops.h's conventions (FlashInfer's CSR layout).
@@ -100,8 +108,11 @@ class Decoder {
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 
+  // The weights' config: a shard's under tensor parallelism (DecoderOptions::tp_group).
   const ModelConfig& config() const { return weights_->config(); }
   Device device() const { return weights_->device(); }
+  // V of the whole model: the width of the logits and the range of the token ids.
+  int64_t vocab_size() const;
   // Points the decoder at new weights of the same config and device (a weight sync; they
   // must outlive the decoder): the activation arena stays, and packed copies
   // (DecoderOptions::pack_weights) are packed again into the memory they hold. Drops a pending
@@ -115,9 +126,9 @@ class Decoder {
   // Bytes a training forward of T tokens needs under these options.
   static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute);
 
-  // Training forward: logprob_out (T) f32 = log softmax(logits / temperature)[target],
-  // entropy_out (T) f32 (or undefined: skipped) = the entropy of that distribution. Keeps what
-  // backward needs until the next call of any method.
+  // Training forward (not under tensor parallelism): logprob_out (T) f32 = log softmax(logits /
+  // temperature)[target], entropy_out (T) f32 (or undefined: skipped) = the entropy of that
+  // distribution. Keeps what backward needs until the next call of any method.
   void forward(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
                float temperature = 1.0f);
   // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -71,6 +72,25 @@ Tensor grown_rows(Tensor& buf, int64_t rows, int64_t cols, DType dtype, Device d
   return buf.narrow(0, rows);
 }
 
+// FNV-1a, 64 bits: the tensor-parallel check's fingerprint of calls and steps.
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  void add(uint64_t x) { h = (h ^ x) * 1099511628211ull; }
+  void add(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    add(static_cast<uint64_t>(bits));
+  }
+  void add(std::string_view text) {
+    for (char c : text) add(static_cast<uint64_t>(static_cast<unsigned char>(c)));
+    add(static_cast<uint64_t>(text.size()));
+  }
+  void add(const std::vector<int32_t>& v) {
+    for (int32_t x : v) add(static_cast<uint64_t>(static_cast<uint32_t>(x)));
+    add(static_cast<uint64_t>(v.size()));
+  }
+};
+
 bool same_shapes(const model::ModelConfig& a, const model::ModelConfig& b) {
   return a.arch == b.arch && a.vocab_size == b.vocab_size && a.hidden_size == b.hidden_size &&
          a.intermediate_size == b.intermediate_size && a.num_layers == b.num_layers &&
@@ -104,6 +124,8 @@ struct Engine::Impl {
 
   const model::Weights* weights;
   EngineOptions opt;
+  Communicator* tp;  // the tensor-parallel group, or null
+  int64_t V;         // the whole model's vocabulary (the weights hold V / tp rows of it)
   const model::Tokenizer* tokenizer;
   std::unique_ptr<model::Decoder> decoder;
   BlockManager bm;
@@ -118,8 +140,14 @@ struct Engine::Impl {
   std::deque<Sample*> waiting;                                  // holds no blocks; oldest first
   std::vector<RequestOutput> finished;
 
-  Impl(const model::Weights& w, const EngineOptions& o, const model::Tokenizer* t)
-      : weights(&w), opt(o), tokenizer(t), bm(w.config(), o.block_size, o.num_blocks, w.device()) {
+  Impl(const model::Weights& w, const EngineOptions& o, const model::Tokenizer* t,
+       Communicator* tp_group)
+      : weights(&w),
+        opt(o),
+        tp(tp_group),
+        V(w.config().vocab_size * (tp_group ? tp_group->size() : 1)),
+        tokenizer(t),
+        bm(w.config(), o.block_size, o.num_blocks, w.device()) {
     const int64_t positions = w.config().max_position_embeddings;
     TANDEM_CHECK(o.max_batch_tokens > 0 && o.max_seqs > 0 && o.max_waiting > 0,
                  "engine: max_batch_tokens, max_seqs and max_waiting must be positive, got {}, "
@@ -140,7 +168,8 @@ struct Engine::Impl {
   std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const {
     // The weights stay as they are until the next set_weights, which refreshes the decoder.
     return std::make_unique<model::Decoder>(
-        w, model::DecoderOptions{.max_tokens = opt.max_batch_tokens, .pack_weights = true});
+        w, model::DecoderOptions{
+               .max_tokens = opt.max_batch_tokens, .pack_weights = true, .tp_group = tp});
   }
 
   static bool older(const Sample* a, const Sample* b) {
@@ -157,7 +186,7 @@ struct Engine::Impl {
   // Why the request cannot be served, or "" when it can.
   std::string validate(const Request& r) const {
     const SamplingParams& p = r.params;
-    const int64_t V = weights->config().vocab_size, n = static_cast<int64_t>(r.prompt.size());
+    const int64_t n = static_cast<int64_t>(r.prompt.size());
     if (ids.count(r.id)) return fmt::format("the id '{}' is already in flight", r.id);
     if (static_cast<int64_t>(waiting.size()) >= opt.max_waiting)
       return fmt::format("the queue is full ({} waiting; max_waiting)", opt.max_waiting);
@@ -197,6 +226,7 @@ struct Engine::Impl {
   }
 
   uint64_t submit(Request r) {
+    if (tp != nullptr) add_call(r);
     const uint64_t handle = next_handle++;
     const std::string why = validate(r);
     if (!why.empty()) {
@@ -568,20 +598,20 @@ struct Engine::Impl {
                  "waiting and {} of {} blocks free (a bug in the engine)",
                  running.size(), waiting.size(), bm.num_free_blocks(), bm.num_blocks());
     ++stats.steps;
-    const int64_t V = weights->config().vocab_size;
     const Device d = weights->device();
 
     // The decoder: one call for the decodes, one for the prefill chunks.
+    if (!decodes.items.empty()) build_inputs(decodes);
+    if (!prefills.items.empty()) build_inputs(prefills);
+    if (tp != nullptr) check_same_plan();
     Tensor decode_logits, prefill_logits;
     if (!decodes.items.empty()) {
-      build_inputs(decodes);
       decode_logits =
           grown_rows(decodes.logits, static_cast<int64_t>(decodes.items.size()), V, DType::f32, d);
       decoder->decode(decodes.tokens, decodes.positions, decodes.kv, decode_logits);
       stats.decode_tokens += static_cast<int64_t>(decodes.items.size());
     }
     if (!prefills.items.empty()) {
-      build_inputs(prefills);
       prefill_logits = grown_rows(prefills.logits, static_cast<int64_t>(prefills.items.size()), V,
                                   DType::f32, d);
       decoder->prefill(prefills.tokens, prefills.positions, prefills.cu_seqlens, prefills.kv,
@@ -628,6 +658,52 @@ struct Engine::Impl {
     }
   }
 
+  // Tensor parallelism: every rank of the group runs its own scheduler on the same requests, which
+  // is deterministic, so the ranks form the same steps without exchanging them. This check makes a
+  // divergence (a rank given other requests, or an abort on one rank only) an error naming the
+  // ranks before the decoder's collectives would mismatch: a hash of the step's decoder inputs,
+  // all-gathered (8 bytes per rank per step).
+  // The fingerprint also covers every call made since (calls: submitted requests with their
+  // settings, aborts, weight versions), so settings that differ (a seed) are caught at the next
+  // step, not only once they changed a token.
+  Fnv calls;
+  Tensor plan_hash, plan_hashes;  // (1), (tp) i64
+  void add_call(const Request& r) {
+    calls.add(r.id);
+    calls.add(r.prompt);
+    const SamplingParams& p = r.params;
+    for (int64_t x : {int64_t{p.n}, int64_t{p.top_k}, int64_t{p.max_tokens}, int64_t{p.logprobs},
+                      int64_t{p.top_logprobs}})
+      calls.add(static_cast<uint64_t>(x));
+    for (float x : {p.temperature, p.top_p, p.min_p}) calls.add(x);
+    calls.add(p.seed);
+    calls.add(p.stop_token_ids);
+    for (const std::string& stop : p.stop) calls.add(stop);
+  }
+  void check_same_plan() {
+    Fnv h = calls;
+    for (const Call* call : {&decodes, &prefills}) {
+      h.add(call->tokens);
+      h.add(call->positions);
+      h.add(call->cu_seqlens);
+      h.add(call->indices);
+      h.add(call->slots);
+    }
+    if (!plan_hash.defined()) {
+      plan_hash = Tensor::empty({1}, DType::i64);
+      plan_hashes = Tensor::empty({tp->size()}, DType::i64);
+    }
+    plan_hash.data_as<int64_t>()[0] = static_cast<int64_t>(h.h);
+    tp->all_gather(plan_hash, plan_hashes);  // tp x 8 bytes
+    const int64_t* all = plan_hashes.data_as<int64_t>();
+    for (int r = 1; r < tp->size(); ++r)
+      TANDEM_CHECK(all[r] == all[0],
+                   "engine: the ranks of tensor-parallel group '{}' formed different steps (step "
+                   "{}: rank {} differs from rank 0): every rank of the group must submit the same "
+                   "requests in the same order, abort the same ones and swap weights together",
+                   tp->name(), stats.steps, r);
+  }
+
   // The k most likely tokens of one logits row (1, V), their logprobs computed by the trainer's
   // op (logprob_gather) under the sampling temperature (1 when greedy).
   std::vector<TokenLogprob> top_logprobs(const Tensor& row, int k, float temperature) const {
@@ -654,6 +730,7 @@ struct Engine::Impl {
   }
 
   bool abort(const std::string& id) {
+    if (tp != nullptr) calls.add(std::string_view(id));
     auto it = ids.find(id);
     if (it == ids.end()) return false;
     Group* g = groups.at(it->second).get();
@@ -678,8 +755,8 @@ struct Engine::Impl {
 };
 
 Engine::Engine(const model::Weights& weights, const EngineOptions& options,
-               const model::Tokenizer* tokenizer)
-    : impl_(std::make_unique<Impl>(weights, options, tokenizer)) {}
+               const model::Tokenizer* tokenizer, Communicator* tp_group)
+    : impl_(std::make_unique<Impl>(weights, options, tokenizer, tp_group)) {}
 
 Engine::~Engine() = default;
 
@@ -735,6 +812,7 @@ void Engine::set_weights(const model::Weights& weights, uint64_t version) {
   // packed copies. A released engine has no decoder: its next step() makes one.
   if (m.decoder) m.decoder->set_weights(weights);
   m.version = version;
+  if (m.tp != nullptr) m.calls.add(version);
 }
 
 void Engine::release_memory() {

@@ -105,8 +105,15 @@ class Engine {
  public:
   // Keeps references to weights and tokenizer (both must outlive the engine, or until
   // set_weights). Without a tokenizer, samples have no text and stop strings are refused.
+  //
+  // Tensor parallelism: with tp_group (kept; it must outlive the engine), the weights are rank
+  // tp_group->rank()'s shard of tp_group->size() (model::cut_tp_shard, or a weight sync into
+  // tp_shard_config's layout), and the group's ranks together are one engine: each rank makes
+  // the same calls (submit, step, abort, set_weights, release_memory) in the same order with
+  // the same arguments, its deterministic scheduler forms the same steps (checked every step),
+  // and every rank returns the same outputs. See docs/rollout.md, "Tensor parallelism".
   Engine(const model::Weights& weights, const EngineOptions& options = {},
-         const model::Tokenizer* tokenizer = nullptr);
+         const model::Tokenizer* tokenizer = nullptr, Communicator* tp_group = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
