@@ -135,8 +135,10 @@ int run_serve_bench(const Options& opt, const std::string& model_path) {
       model_path.empty() ? (repo_root() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string()
                          : model_path;
   const int64_t prompt_len = 32;
-  const int new_tokens = opt.quick ? 8 : 32, n = 2;
-  const double seconds = opt.quick ? 1.0 : std::max(3.0, 10 * opt.min_seconds);
+  const int new_tokens = opt.quick ? 8 : 16, n = 2;
+  // Long enough for a few requests per client on a small CPU; requests started before the end
+  // finish.
+  const double seconds = opt.quick ? 1.0 : std::max(6.0, 20 * opt.min_seconds);
   const std::vector<int> client_counts =
       opt.quick ? std::vector<int>{2} : std::vector<int>{1, 4, 8};
   const std::string model_name = std::filesystem::path(path).stem().string();

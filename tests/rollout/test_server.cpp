@@ -666,3 +666,42 @@ TEST_CASE("bounded framed connections carry a bigger message after a smaller one
 }
 
 }  // namespace tandem::rollout
+
+namespace tandem::rollout {
+
+TEST_CASE("rollout server aborts one request or all and answers their calls", "[unit]") {
+  auto server = start_server();
+  const int port = server->port();
+  RolloutClient control = client_of(port);
+  control.pause();  // the calls wait in the engine's queue until aborted
+  std::vector<rpc::GenerateResponse> answers(3);
+  std::vector<std::thread> calls;
+  for (int i = 0; i < 3; ++i)
+    calls.emplace_back([&, i] {
+      RolloutClient c = client_of(port);
+      answers[static_cast<size_t>(i)] =
+          c.generate(token_request(i == 0 ? "one" : "other", {1, 2, 3}, 2, i, 8));
+    });
+  for (int tries = 0; tries < 500 && control.stats().queue_depth < 3; ++tries)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(control.stats().queue_depth == 3);
+  CHECK(control.abort("nobody") == 0);
+  CHECK(control.abort("one") == 1);
+  calls[0].join();
+  CHECK(answers[0].request_id == "one");
+  CHECK(answers[0].aborted);
+  REQUIRE(answers[0].samples.size() == 2);
+  CHECK(answers[0].samples[0].finish_reason == rpc::FinishReason::ABORT);
+  CHECK(answers[0].samples[0].tokens.empty());
+  CHECK(control.abort() == 2);  // every request in flight, two of the same client id
+  calls[1].join();
+  calls[2].join();
+  CHECK(answers[1].aborted);
+  CHECK(answers[2].aborted);
+  control.resume();
+  CHECK(control.stats().in_flight == 0);
+  CHECK(control.stats().free_kv_blocks == control.stats().total_kv_blocks);
+  CHECK_FALSE(control.generate(token_request("after", {1, 2, 3}, 1, 0, 4)).aborted);
+}
+
+}  // namespace tandem::rollout
