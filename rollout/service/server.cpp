@@ -20,6 +20,7 @@
 
 #include "core/build_info.h"
 #include "core/error.h"
+#include "core/utf8.h"
 #include "rewards/bounded_thrift.h"
 #include "rollout/service/client.h"
 #include "rollout/service/rpc/RolloutService.h"
@@ -335,7 +336,20 @@ class RolloutHandler : public rpc::RolloutServiceIf {
  public:
   explicit RolloutHandler(Impl& m) : m_(m) {}
 
+  // Every failure reaches the client as a typed exception: what is not one already is Internal.
   void generate(rpc::GenerateResponse& out, const rpc::GenerateRequest& request) override {
+    try {
+      answer(out, request);
+    } catch (const apache::thrift::TException&) {
+      throw;
+    } catch (const std::exception& e) {
+      spdlog::error("rollout server '{}': request '{}': {}", m_.options.name, request.request_id,
+                    e.what());
+      internal(fmt::format("request '{}': {}", request.request_id, e.what()));
+    }
+  }
+
+  void answer(rpc::GenerateResponse& out, const rpc::GenerateRequest& request) {
     authorize(request.token);
     if (m_.draining) {
       ++m_.overloaded;
@@ -386,7 +400,9 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     }
     out.request_id = call->client_id;
     out.prompt_tokens = std::move(o.prompt);
-    out.prompt_text = std::move(prompt_text_);
+    // Thrift strings are UTF-8 (a Python client decodes them as such); a completion cut inside a
+    // character is not.
+    out.prompt_text = to_valid_utf8(prompt_text_);
     out.aborted = o.status == RequestStatus::aborted;
     out.cached_prompt_tokens = o.num_cached_prompt_tokens;
     out.samples.resize(o.samples.size());
@@ -394,10 +410,10 @@ class RolloutHandler : public rpc::RolloutServiceIf {
       SampleOutput& s = o.samples[i];
       rpc::Sample& r = out.samples[i];
       r.tokens = std::move(s.tokens);
-      r.text = std::move(s.text);
+      r.text = to_valid_utf8(s.text);
       r.logprobs.assign(s.logprobs.begin(), s.logprobs.end());
       r.finish_reason = to_rpc(s.finish_reason);
-      r.stop_string = std::move(s.stop_string);
+      r.stop_string = to_valid_utf8(s.stop_string);
       r.weight_version = static_cast<int64_t>(s.weight_version);
       r.first_weight_version = static_cast<int64_t>(s.first_weight_version);
     }
@@ -587,8 +603,12 @@ class RolloutHandler : public rpc::RolloutServiceIf {
         format.chat = false;
         format.system_prompt.clear();
       }
-      model::RenderedPrompt rendered =
-          model::render_prompt(*m_.tokenizer, r.prompt_text, messages, format);
+      model::RenderedPrompt rendered;
+      try {
+        rendered = model::render_prompt(*m_.tokenizer, r.prompt_text, messages, format);
+      } catch (const std::exception& e) {
+        invalid(fmt::format("request '{}': cannot render the prompt: {}", r.request_id, e.what()));
+      }
       tokens = std::move(rendered.tokens);
       prompt_text_ = std::move(rendered.text);
     }
