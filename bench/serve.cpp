@@ -1,6 +1,7 @@
 // `tandem bench serve`: N concurrent clients of a rollout server on loopback for a bounded time,
 // against the in-process engine on the same requests with the same N in flight: throughput
-// (completion tokens/s, ratio served / in-process) and the p50 and p99 latency of a request.
+// (completion tokens/s, ratio served / in-process) and the p50 and p99 latency of a request; and
+// a weight update of the worker from a checkpoint beside the in-process publish.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -191,6 +192,29 @@ int run_serve_bench(const Options& opt, const std::string& model_path) {
                        {"peer_value", peer},
                        {"ratio", peer / ours}});
     }
+  }
+
+  // A weight update: the worker reads the checkpoint and swaps it in between two steps, against
+  // the in-process publish of weights already in memory (Engine::set_weights).
+  {
+    rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", server.port())});
+    const Clock::time_point t0 = Clock::now();
+    c.begin_weight_update(1);
+    c.commit_weight_update(1, path);
+    const double remote = seconds_since(t0);
+    rollout::Engine engine(*local.weights, eo, &local.tok());
+    const Clock::time_point t1 = Clock::now();
+    engine.set_weights(*local.weights, 1);
+    const double in_process = seconds_since(t1);
+    print_line(opt,
+               {{"bench", "service"},
+                {"case", fmt::format("{} weight update from a checkpoint, loopback", model_name)},
+                {"metric", "weight_update_s"},
+                {"unit", "s"},
+                {"value", remote},
+                {"peer", "in-process set_weights"},
+                {"peer_value", in_process},
+                {"ratio", in_process / remote}});
   }
   server.stop();
   return 0;
