@@ -1,6 +1,7 @@
 // RolloutServer: a TThreadedServer whose handlers hand requests to the engine thread and wait.
 #include "rollout/service/server.h"
 
+#include <arpa/inet.h>
 #include <spdlog/spdlog.h>
 #include <thrift/TProcessor.h>
 #include <thrift/Thrift.h>
@@ -92,7 +93,12 @@ class ReadySignal : public at::server::TServerEventHandler {
 }  // namespace
 
 bool is_loopback_host(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+  // An address, not a name that merely starts like one ("127.0.0.1.example.com").
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return host == "localhost";
 }
 
 void check_server_options(const ServerOptions& o) {

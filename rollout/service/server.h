@@ -29,7 +29,7 @@ struct ServerOptions {
   int64_t log_interval_s = 60;           // one log line per interval that saw work
 };
 
-// 127.0.0.1 (or another 127.x.y.z), localhost or ::1.
+// An IPv4 address in 127.0.0.0/8, ::1 or "localhost".
 bool is_loopback_host(const std::string& host);
 
 // Throws tandem::Error naming the option when one is out of range, or when a non-loopback

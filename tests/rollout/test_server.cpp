@@ -418,6 +418,10 @@ TEST_CASE("serve config refuses a public address without a token and names the k
   CHECK_THROWS_WITH(parse_serve_config(base + "[server]\nprot = 1\n", "serve.toml"),
                     Contains("server.port"));
   CHECK_NOTHROW(load_serve_config((kRepo / "configs/serve.toml").string()));
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "::1", "localhost"})
+    CHECK(is_loopback_host(host));
+  for (const char* host : {"0.0.0.0", "10.0.0.1", "127.0.0.1.example.com", "::", "128.0.0.1"})
+    CHECK_FALSE(is_loopback_host(host));
 }
 
 TEST_CASE("docs serve.md documents every key of the serve schema", "[unit]") {
