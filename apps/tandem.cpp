@@ -1,5 +1,5 @@
-// The tandem command: the train, launch, generate, score, convert and bench subcommands, and
-// --version.
+// The tandem command: the train, serve, launch, generate, score, convert and bench subcommands,
+// and --version.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -7,6 +7,7 @@
 
 #include "apps/launch.h"
 #include "apps/model_commands.h"
+#include "apps/serve_command.h"
 #include "apps/train_command.h"
 #include "bench/bench.h"
 #include "core/build_info.h"
@@ -42,11 +43,12 @@ int main(int argc, char** argv) {
   std::string bench_model;
   bench
       ->add_option("what", bench_what,
-                   "what to measure: kernels, generate, rollout, train, step, comm, sync")
+                   "what to measure: kernels, generate, rollout, train, step, comm, sync, serve")
       ->required()
-      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm", "sync"}));
+      ->check(CLI::IsMember(
+          {"kernels", "generate", "rollout", "train", "step", "comm", "sync", "serve"}));
   bench->add_option("--model", bench_model,
-                    "generate, rollout, train, step: the model (default: bundled SmolLM2)");
+                    "generate, rollout, train, step, serve: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
   bench->add_flag("--quick", bench_opt.quick, "small sizes and few repetitions (smoke test)");
   bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
@@ -60,6 +62,7 @@ int main(int argc, char** argv) {
 
   tandem::apps::add_model_commands(app);
   tandem::apps::add_train_command(app);
+  tandem::apps::add_serve_command(app);
   tandem::apps::add_launch_command(app);
 
   CLI11_PARSE(app, argc, argv);
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
     }
     if (const int rc = tandem::apps::run_model_commands(); rc >= 0) return rc;
     if (const int rc = tandem::apps::run_train_command(); rc >= 0) return rc;
+    if (const int rc = tandem::apps::run_serve_command(); rc >= 0) return rc;
     if (const int rc = tandem::apps::run_launch_command(); rc >= 0) return rc;
     if (bench->parsed()) {
       if (bench_device.rfind("cuda", 0) == 0) {
@@ -89,6 +93,7 @@ int main(int argc, char** argv) {
                                                               : tandem::ops::MatmulPrecision::f32);
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "sync") return tandem::bench::run_sync_bench(bench_opt);
+      if (bench_what == "serve") return tandem::bench::run_serve_bench(bench_opt, bench_model);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);

@@ -104,6 +104,11 @@ int run_train_bench(const Options& opt, const std::string& model_path);
 // GRPOTrainer on the same model, prompts and lengths.
 int run_step_bench(const Options& opt, const std::string& model_path);
 
+// `tandem bench serve`: N concurrent clients of a rollout server on loopback for a bounded time
+// beside the in-process engine on the same requests (tokens/s, p50 and p99 latency); returns
+// the exit code.
+int run_serve_bench(const Options& opt, const std::string& model_path);
+
 // `tandem bench comm`: all-reduce and all-gather bandwidth over Gloo on loopback (2 ranks),
 // beside memcpy of the same bytes; returns the exit code.
 int run_comm_bench(const Options& opt);

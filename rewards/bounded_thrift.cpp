@@ -57,6 +57,10 @@ class BoundedFramedTransport : public at::transport::TFramedTransport {
     }
     transport_->readAll(rBuf_.get(), static_cast<uint32_t>(size));
     setReadBuffer(rBuf_.get(), static_cast<uint32_t>(size));
+    // Each frame is a message of its own: back to the configured maximum, then down to this
+    // frame. Shrinking alone would refuse a frame bigger than the connection's previous one as
+    // "MaxMessageSize reached" (END_OF_FILE: the connection closed without a word).
+    resetConsumedMessageSize();
     resetConsumedMessageSize(size);
     return true;
   }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -34,6 +35,20 @@ const char* request_status_name(RequestStatus s) {
       return "aborted";
     case RequestStatus::error:
       return "error";
+  }
+  return "?";
+}
+
+const char* refusal_name(Refusal r) {
+  switch (r) {
+    case Refusal::none:
+      return "none";
+    case Refusal::invalid:
+      return "invalid";
+    case Refusal::queue_full:
+      return "queue_full";
+    case Refusal::duplicate_id:
+      return "duplicate_id";
   }
   return "?";
 }
@@ -183,13 +198,21 @@ struct Engine::Impl {
     return w;
   }
 
-  // Why the request cannot be served, or "" when it can.
+  // Why the request cannot be served and the kind of refusal; kind none when it can.
+  std::pair<Refusal, std::string> refusal_of(const Request& r) const {
+    if (ids.count(r.id))
+      return {Refusal::duplicate_id, fmt::format("the id '{}' is already in flight", r.id)};
+    if (static_cast<int64_t>(waiting.size()) >= opt.max_waiting)
+      return {Refusal::queue_full,
+              fmt::format("the queue is full ({} waiting; max_waiting)", opt.max_waiting)};
+    std::string why = validate(r);
+    return {why.empty() ? Refusal::none : Refusal::invalid, std::move(why)};
+  }
+
+  // Why the request itself cannot be served, or "" when it can.
   std::string validate(const Request& r) const {
     const SamplingParams& p = r.params;
     const int64_t n = static_cast<int64_t>(r.prompt.size());
-    if (ids.count(r.id)) return fmt::format("the id '{}' is already in flight", r.id);
-    if (static_cast<int64_t>(waiting.size()) >= opt.max_waiting)
-      return fmt::format("the queue is full ({} waiting; max_waiting)", opt.max_waiting);
     if (r.prompt.empty()) return "the prompt is empty";
     for (size_t i = 0; i < r.prompt.size(); ++i)
       if (r.prompt[i] < 0 || r.prompt[i] >= V)
@@ -228,11 +251,12 @@ struct Engine::Impl {
   uint64_t submit(Request r) {
     if (tp != nullptr) add_call(r);
     const uint64_t handle = next_handle++;
-    const std::string why = validate(r);
-    if (!why.empty()) {
+    auto [refusal, why] = refusal_of(r);
+    if (refusal != Refusal::none) {
       RequestOutput out;
       out.handle = handle;
       out.status = RequestStatus::error;
+      out.refusal = refusal;
       out.error = fmt::format("request '{}': {}", r.id, why);
       out.id = std::move(r.id);
       out.prompt = std::move(r.prompt);
@@ -773,6 +797,10 @@ std::vector<RequestOutput> Engine::poll() {
 bool Engine::abort(const std::string& id) { return impl_->abort(id); }
 
 bool Engine::has_work() const { return !impl_->running.empty() || !impl_->waiting.empty(); }
+
+int64_t Engine::num_waiting() const { return static_cast<int64_t>(impl_->waiting.size()); }
+
+int64_t Engine::num_running() const { return static_cast<int64_t>(impl_->running.size()); }
 
 std::vector<RequestOutput> Engine::generate(std::vector<Request> requests) {
   std::unordered_map<uint64_t, size_t> slot;

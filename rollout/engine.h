@@ -48,6 +48,12 @@ const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort"
 enum class RequestStatus { done, aborted, error };
 const char* request_status_name(RequestStatus s);  // "done", "aborted", "error"
 
+// Why submit() refused a request (status error): the request itself is bad and will never be
+// served as it is (invalid), the engine's queue is full and a later try may succeed (queue_full),
+// or another request with the same id is in flight (duplicate_id).
+enum class Refusal { none, invalid, queue_full, duplicate_id };
+const char* refusal_name(Refusal r);  // "none", "invalid", "queue_full", "duplicate_id"
+
 struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0;  // the same definition as the sampled token's (see docs/rollout.md)
@@ -74,6 +80,7 @@ struct RequestOutput {
   std::vector<SampleOutput> samples;  // n of them (none when the request was refused)
   RequestStatus status = RequestStatus::done;
   std::string error;  // why the request was refused (status error); samples is then empty
+  Refusal refusal = Refusal::none;       // the kind of refusal (status error)
   int64_t num_cached_prompt_tokens = 0;  // prompt tokens found in the prefix cache
 };
 
@@ -121,7 +128,8 @@ class Engine {
   // Queues a request and returns its handle. A bad request (empty prompt, token out of the
   // vocabulary, prompt + max_tokens beyond the context, n outside [1, max_seqs], top_p outside
   // (0, 1], temperature < 0, ...) or a full queue or an id already in flight is not queued: its
-  // RequestOutput, finish_reason error with the reason, is ready at the next poll().
+  // RequestOutput, status error with the reason (error) and its kind (refusal), is ready at the
+  // next poll().
   uint64_t submit(Request request);
   // One scheduler iteration: forms a batch, runs the decoder once for its decodes and once for
   // its prefill chunks, samples, and retires finished samples. Does nothing without work.
@@ -133,6 +141,9 @@ class Engine {
   bool abort(const std::string& id);
   // Whether any request is queued or running (poll() may still hold results when false).
   bool has_work() const;
+  // Sequences waiting for blocks (new groups, and preempted samples), and sequences holding them.
+  int64_t num_waiting() const;
+  int64_t num_running() const;
   // Submits every request, steps until all are done and returns their outputs in the order of
   // `requests` (refused ones included, with finish_reason error).
   std::vector<RequestOutput> generate(std::vector<Request> requests);

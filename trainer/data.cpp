@@ -370,58 +370,9 @@ void PromptStream::restore(const json& s) {
   index_ = index;
 }
 
-PromptFormat prompt_format(const model::Tokenizer& tok, const std::string& chat_template,
-                           const std::string& system_prompt) {
-  PromptFormat f;
-  f.system_prompt = system_prompt;
-  if (chat_template == "auto") {
-    f.style = model::chat_style(tok.data());
-  } else if (chat_template == "none") {
-    f.chat = false;
-  } else if (chat_template == "chatml") {
-    f.style.format = model::ChatFormat::chatml;
-  } else if (chat_template == "llama3") {
-    f.style.format = model::ChatFormat::llama3;
-  } else if (chat_template == "plain") {
-    f.style.format = model::ChatFormat::plain;
-  } else {
-    std::ifstream in(chat_template, std::ios::binary);
-    TANDEM_CHECK(in.good(),
-                 "model.chat_template '{}' is not \"auto\", \"none\", \"chatml\", \"llama3\", "
-                 "\"plain\" nor a readable template file",
-                 chat_template);
-    const std::string jinja((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    f.style.format = model::detect_chat_format(jinja);
-    TANDEM_CHECK(f.style.format != model::ChatFormat::plain,
-                 "model.chat_template '{}': the template is neither ChatML (<|im_start|>) nor "
-                 "Llama 3 (<|start_header_id|>), the formats tandem renders without Jinja; set "
-                 "\"plain\" or \"none\" instead",
-                 chat_template);
-    f.style.default_system = model::default_system_prompt(jinja);
-  }
-  return f;
-}
-
 RenderedPrompt render_prompt(const model::Tokenizer& tok, const Example& ex,
                              const PromptFormat& format) {
-  std::vector<model::ChatMessage> messages = ex.conversation();
-  const std::string& system = format.system_prompt;
-  if (!system.empty() && messages.front().role != "system") {
-    messages.insert(messages.begin(), model::ChatMessage{"system", system});
-  }
-  RenderedPrompt p;
-  if (format.chat) {
-    p.text = model::apply_chat_template(format.style.format, messages, true,
-                                        format.style.default_system);
-  } else if (ex.messages.empty()) {
-    p.text = system.empty() ? ex.prompt : system + "\n\n" + ex.prompt;
-  } else {
-    p.text = model::apply_chat_template(model::ChatFormat::plain, messages, true);
-  }
-  p.tokens = tok.encode(p.text, /*parse_special=*/format.chat);
-  if (tok.add_bos() && tok.bos_id() >= 0 && (p.tokens.empty() || p.tokens.front() != tok.bos_id()))
-    p.tokens.insert(p.tokens.begin(), tok.bos_id());
-  return p;
+  return model::render_prompt(tok, ex.prompt, ex.messages, format);
 }
 
 std::vector<int32_t> render_prompt(const model::Tokenizer& tok, const Example& ex, bool chat,

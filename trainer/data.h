@@ -11,6 +11,7 @@
 
 #include "model/chat_template.h"
 #include "model/loader.h"
+#include "model/prompt.h"
 #include "model/tokenizer.h"
 
 namespace tandem::trainer {
@@ -118,40 +119,13 @@ class PromptStream {
   std::vector<int64_t> order_;
 };
 
-// How the job turns an example into the model's input: model.chat_template resolved against the
-// tokenizer, and data.system_prompt.
-struct PromptFormat {
-  bool chat = true;           // false: the prompt text as it is ("none")
-  model::ChatStyle style{};   // the chat format and its default system prompt, when chat
-  std::string system_prompt;  // inserted as the first message when the conversation has none
-};
+// How the job turns an example into the model's input, and the prompt it renders
+// (model/prompt.h).
+using model::prompt_format;
+using model::PromptFormat;
+using model::RenderedPrompt;
 
-// model.chat_template:
-//  "auto"    the model's own template (model::chat_style of the tokenizer)
-//  "none"    no template: the prompt text as it is (see render_prompt)
-//  "chatml" | "llama3" | "plain"   that format, without a default system prompt
-//  a path    a Jinja template file, recognised by its markers as ChatML or Llama 3 (tandem renders
-//            those formats without Jinja), with the default system prompt it holds.
-// Throws naming the value when a file is missing or is neither format.
-PromptFormat prompt_format(const model::Tokenizer& tok, const std::string& chat_template,
-                           const std::string& system_prompt = "");
-
-// A prompt ready for the engine: the text the model sees (what reward functions get as the
-// prompt) and its token ids.
-struct RenderedPrompt {
-  std::string text;
-  std::vector<int32_t> tokens;  // (T)
-};
-
-// The prompt of an example.
-//  format.chat: the conversation (with the system prompt first when it is not empty and the
-//    conversation has none; else the format's default system prompt) rendered in format.style
-//    with the assistant generation prompt, special tokens parsed. For a text prompt and no system
-//    prompt under "auto" the tokens equal model::encode_prompt(tok, prompt, true).
-//  otherwise: the prompt text as it is (prefixed by the system prompt and a blank line when
-//    given); chat messages (with the system prompt as above) are rendered in the plain
-//    "role: content" format. Special tokens are not parsed.
-// bos first when the tokenizer asks for it.
+// The prompt of an example (its text or its messages; model::render_prompt says how).
 RenderedPrompt render_prompt(const model::Tokenizer& tok, const Example& ex,
                              const PromptFormat& format);
 

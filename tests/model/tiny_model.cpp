@@ -99,13 +99,13 @@ void fill_random_weights(model::Weights& w, uint64_t seed) {
   }
 }
 
-int64_t write_tiny_smollm2_hf(const std::string& dir) {
+int64_t write_tiny_smollm2_hf(const std::string& dir, uint64_t seed) {
   model::ModelConfig c = tiny_model_config(TinyKind::llama_tied);
   c.vocab_size = 49152;
   c.bos_token_id = 1;
   c.eos_token_ids = {2};
   model::Weights w(c, DType::f32);
-  fill_random_weights(w, 17);
+  fill_random_weights(w, seed);
   model::SaveOptions o;
   for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
     std::ifstream in(std::filesystem::path(TANDEM_SOURCE_DIR) / "tests/golden/smollm2" / f,

@@ -18,9 +18,9 @@ model::ModelConfig tiny_model_config(TinyKind kind);
 model::ModelConfig micro_model_config(bool qwen3);
 // Norm weights near 1, biases small, matrices scaled by 1.7/sqrt(fan-in), embeddings in [-1, 1).
 void fill_random_weights(model::Weights& w, uint64_t seed);
-// A tiny random Llama (C=64, 2 layers, seed 17) with SmolLM2's tokenizer and chat template (its
-// vocabulary), as a Hugging Face directory `dir` that `tandem train` loads; returns the bytes its
-// parameters take in bf16.
-int64_t write_tiny_smollm2_hf(const std::string& dir);
+// A tiny random Llama (C=64, 2 layers, weights of `seed`) with SmolLM2's tokenizer and chat
+// template (its vocabulary), as a Hugging Face directory `dir` that `tandem train` loads; returns
+// the bytes its parameters take in bf16.
+int64_t write_tiny_smollm2_hf(const std::string& dir, uint64_t seed = 17);
 
 }  // namespace tandem::test

@@ -458,6 +458,7 @@ TEST_CASE("engine refuses bad requests with an error for that request only", "[u
     const std::string& what = bad[next_bad++].second;
     INFO(o.error);
     CHECK(o.status == RequestStatus::error);
+    CHECK(o.refusal == Refusal::invalid);
     CHECK(o.samples.empty());
     CHECK(o.error.find(what) != std::string::npos);
     CHECK(o.error.find(o.id) != std::string::npos);
@@ -465,7 +466,35 @@ TEST_CASE("engine refuses bad requests with an error for that request only", "[u
   CHECK(next_bad == bad.size());
   CHECK(outs.back().status == RequestStatus::error);
   CHECK(outs.back().error.find("already in flight") != std::string::npos);
+  CHECK(outs.back().refusal == Refusal::duplicate_id);
   CHECK(e.blocks().num_free_blocks() == small_options().num_blocks);
+}
+
+TEST_CASE("engine tells a full queue from a bad request by the kind of refusal", "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  model::Weights w(c, DType::f32);
+  fill_random(w, 807);
+  EngineOptions o = small_options();
+  o.max_waiting = 2;
+  Engine e(w, o);
+  e.submit(make_request("q0", random_prompt(4, c.vocab_size, 1), 1, 0, 3));
+  e.submit(make_request("q1", random_prompt(4, c.vocab_size, 2), 1, 0, 3));
+  e.submit(make_request("q2", random_prompt(4, c.vocab_size, 3), 1, 0, 3));
+  Request bad = make_request("q3", random_prompt(4, c.vocab_size, 4), 1, 0, 3);
+  bad.params.top_p = 2.0f;
+  e.submit(bad);
+  std::vector<RequestOutput> refused = e.poll();
+  REQUIRE(refused.size() == 2);
+  CHECK(refused[0].id == "q2");
+  CHECK(refused[0].refusal == Refusal::queue_full);
+  CHECK(refused[1].refusal == Refusal::queue_full);  // a full queue is told before the request
+  while (e.has_work()) e.step();
+  for (const RequestOutput& r : e.poll()) CHECK(r.refusal == Refusal::none);
+  e.submit(bad);
+  refused = e.poll();
+  REQUIRE(refused.size() == 1);
+  CHECK(refused[0].refusal == Refusal::invalid);
+  CHECK(std::string(refusal_name(refused[0].refusal)) == "invalid");
 }
 
 TEST_CASE("engine weight swap flushes the prefix cache and stamps the new version", "[unit]") {

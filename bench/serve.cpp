@@ -1,0 +1,223 @@
+// `tandem bench serve`: N concurrent clients of a rollout server on loopback for a bounded time,
+// against the in-process engine on the same requests with the same N in flight: throughput
+// (completion tokens/s, ratio served / in-process) and the p50 and p99 latency of a request; and
+// a weight update of the worker from a checkpoint beside the in-process publish.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "bench/bench.h"
+#include "bench/peers.h"
+#include "model/loader.h"
+#include "model/prompt.h"
+#include "rollout/engine.h"
+#include "rollout/service/client.h"
+#include "rollout/service/server.h"
+
+namespace tandem::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Request i of the endless sequence both sides serve: a distinct prompt of `len` tokens.
+rollout::Request request_of(const model::Tokenizer& tok, int64_t i, int64_t len, int n,
+                            int new_tokens) {
+  std::string text;
+  std::vector<int32_t> ids;
+  for (int k = 0; static_cast<int64_t>(ids.size()) < len; ++k) {
+    text += fmt::format("Task {}-{}: compute {} times {} and explain. ", i, k, 13 + i, 7 + k);
+    ids = tok.encode(text, false);
+  }
+  ids.resize(static_cast<size_t>(len));
+  rollout::Request r{fmt::format("b{}", i), std::move(ids), {}};
+  r.params.n = n;
+  r.params.temperature = 1.0f;
+  r.params.max_tokens = new_tokens;
+  r.params.seed = static_cast<uint64_t>(i);
+  return r;
+}
+
+struct Run {
+  int64_t requests = 0;
+  int64_t tokens = 0;  // completion tokens
+  double seconds = 0;
+  std::vector<double> latencies;  // seconds per request
+
+  double tokens_per_s() const { return static_cast<double>(tokens) / seconds; }
+  double quantile(double q) {
+    if (latencies.empty()) return 0;
+    std::sort(latencies.begin(), latencies.end());
+    const size_t k = std::min(latencies.size() - 1,
+                              static_cast<size_t>(q * static_cast<double>(latencies.size())));
+    return latencies[k];
+  }
+};
+
+// `clients` threads, each calling generate() on the server one request after another, until
+// `seconds` have passed (requests started before then finish).
+Run run_served(int port, const std::vector<rollout::Request>& requests, int clients,
+               double seconds) {
+  std::atomic<size_t> next{0};
+  std::mutex mutex;
+  Run run;
+  const Clock::time_point t0 = Clock::now();
+  auto client = [&] {
+    rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", port)});
+    for (size_t i = next++; i < requests.size() && seconds_since(t0) < seconds; i = next++) {
+      const rollout::Request& q = requests[i];
+      rollout::rpc::GenerateRequest r;
+      r.request_id = q.id;
+      r.prompt_tokens = q.prompt;
+      r.params.n = q.params.n;
+      r.params.temperature = q.params.temperature;
+      r.params.max_tokens = q.params.max_tokens;
+      r.params.seed = static_cast<int64_t>(q.params.seed);
+      r.params.stop_at_eos = false;
+      const Clock::time_point start = Clock::now();
+      const rollout::rpc::GenerateResponse out = c.generate(r);
+      const double latency = seconds_since(start);
+      int64_t tokens = 0;
+      for (const auto& s : out.samples) tokens += static_cast<int64_t>(s.tokens.size());
+      std::lock_guard lock(mutex);
+      ++run.requests;
+      run.tokens += tokens;
+      run.latencies.push_back(latency);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int k = 0; k < clients; ++k) threads.emplace_back(client);
+  for (auto& t : threads) t.join();
+  run.seconds = seconds_since(t0);
+  return run;
+}
+
+// The same requests on an engine in this process, `in_flight` at a time (a new one submitted as
+// soon as one finishes), as the clients keep them.
+Run run_in_process(const model::Weights& w, const model::Tokenizer& tok,
+                   const rollout::EngineOptions& eo, const std::vector<rollout::Request>& requests,
+                   int in_flight) {
+  rollout::Engine engine(w, eo, &tok);
+  Run run;
+  std::unordered_map<std::string, Clock::time_point> started;
+  size_t next = 0;
+  const Clock::time_point t0 = Clock::now();
+  auto submit = [&] {
+    started[requests[next].id] = Clock::now();
+    engine.submit(requests[next++]);
+  };
+  while (next < requests.size() && static_cast<int>(started.size()) < in_flight) submit();
+  while (!started.empty()) {
+    engine.step();
+    for (const rollout::RequestOutput& o : engine.poll()) {
+      run.latencies.push_back(std::chrono::duration<double>(Clock::now() - started[o.id]).count());
+      started.erase(o.id);
+      ++run.requests;
+      for (const auto& s : o.samples) run.tokens += static_cast<int64_t>(s.tokens.size());
+      if (next < requests.size()) submit();
+    }
+  }
+  run.seconds = seconds_since(t0);
+  return run;
+}
+
+}  // namespace
+
+int run_serve_bench(const Options& opt, const std::string& model_path) {
+  const std::string path =
+      model_path.empty() ? (repo_root() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").string()
+                         : model_path;
+  const int64_t prompt_len = 32;
+  const int new_tokens = opt.quick ? 8 : 16, n = 2;
+  // Long enough for a few requests per client on a small CPU; requests started before the end
+  // finish.
+  const double seconds = opt.quick ? 1.0 : std::max(6.0, 20 * opt.min_seconds);
+  const std::vector<int> client_counts =
+      opt.quick ? std::vector<int>{2} : std::vector<int>{1, 4, 8};
+  const std::string model_name = std::filesystem::path(path).stem().string();
+
+  model::LoadedModel served = model::load_model(path);
+  model::LoadedModel local = model::load_model(path);
+  rollout::EngineOptions eo;
+  eo.max_context = prompt_len + new_tokens + 1;
+  eo.num_blocks = 4096;
+  eo.max_seqs = 256;
+  std::vector<rollout::Request> requests;
+  for (int64_t i = 0; i < 4098; ++i)
+    requests.push_back(request_of(local.tok(), i, prompt_len, n, new_tokens));
+
+  const model::PromptFormat format = model::prompt_format(served.tok(), "auto");
+  rollout::ServerOptions so;
+  so.max_in_flight = 256;
+  so.max_new_tokens = new_tokens;
+  so.max_prompt_tokens = prompt_len;
+  rollout::RolloutServer server(std::move(served), format, eo, so);
+  // Both sides warm up (first steps allocate and pack) on requests of their own.
+  const std::vector<rollout::Request> warm_up(requests.end() - 2, requests.end());
+  run_served(server.port(), warm_up, 2, 1e9);
+  run_in_process(*local.weights, local.tok(), eo, warm_up, 2);
+
+  for (int clients : client_counts) {
+    const std::vector<rollout::Request> timed(requests.begin(), requests.end() - 2);
+    Run remote = run_served(server.port(), timed, clients, seconds);
+    const std::vector<rollout::Request> same(requests.begin(), requests.begin() + remote.requests);
+    Run in_process = run_in_process(*local.weights, local.tok(), eo, same, clients);
+    const std::string c = fmt::format("{} {} clients, prompt {}, n {}, {} new, loopback",
+                                      model_name, clients, prompt_len, n, new_tokens);
+    print_line(opt, {{"bench", "service"},
+                     {"case", c},
+                     {"metric", "tokens_per_s"},
+                     {"unit", "tokens/s"},
+                     {"value", remote.tokens_per_s()},
+                     {"peer", "in-process engine"},
+                     {"peer_value", in_process.tokens_per_s()},
+                     {"ratio", remote.tokens_per_s() / in_process.tokens_per_s()},
+                     {"requests", remote.requests}});
+    for (const auto& [name, q] : {std::pair{"p50_latency", 0.5}, std::pair{"p99_latency", 0.99}}) {
+      const double ours = remote.quantile(q) * 1e3, peer = in_process.quantile(q) * 1e3;
+      print_line(opt, {{"bench", "service"},
+                       {"case", c},
+                       {"metric", name},
+                       {"unit", "ms"},
+                       {"value", ours},
+                       {"peer", "in-process engine"},
+                       {"peer_value", peer},
+                       {"ratio", peer / ours}});
+    }
+  }
+
+  // A weight update: the worker reads the checkpoint and swaps it in between two steps, against
+  // the in-process publish of weights already in memory (Engine::set_weights).
+  {
+    rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", server.port())});
+    const Clock::time_point t0 = Clock::now();
+    c.begin_weight_update(1);
+    c.commit_weight_update(1, path);
+    const double remote = seconds_since(t0);
+    rollout::Engine engine(*local.weights, eo, &local.tok());
+    const Clock::time_point t1 = Clock::now();
+    engine.set_weights(*local.weights, 1);
+    const double in_process = seconds_since(t1);
+    print_line(opt,
+               {{"bench", "service"},
+                {"case", fmt::format("{} weight update from a checkpoint, loopback", model_name)},
+                {"metric", "weight_update_s"},
+                {"unit", "s"},
+                {"value", remote},
+                {"peer", "in-process set_weights"},
+                {"peer_value", in_process},
+                {"ratio", in_process / remote}});
+  }
+  server.stop();
+  return 0;
+}
+
+}  // namespace tandem::bench

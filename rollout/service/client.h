@@ -1,0 +1,90 @@
+// RolloutClient: a C++ client of a rollout worker (rollout/service/rollout.thrift) with a
+// deadline per call, retries with backoff, and a pool of connections shared by threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "rollout/service/rpc/RolloutService.h"
+
+namespace tandem::rollout {
+
+struct ClientOptions {
+  std::string address{};       // host:port of the worker
+  int64_t timeout_ms = 60000;  // the deadline of one call, all its tries together
+  int64_t connect_timeout_ms = 2000;
+  int64_t retries = 2;       // further tries after a transport error or Overloaded
+  int64_t backoff_ms = 100;  // pause before the first retry; doubled each time, at most 5 s
+  std::string token{};       // put in every call
+};
+
+// Why a call failed, for callers that act on it (a pool sends overloaded and transport failures
+// to another worker, waits on stale_weights, and gives up on the others).
+enum class CallFailure {
+  invalid,        // InvalidRequest: retrying will not help
+  overloaded,     // Overloaded after every retry
+  stale_weights,  // StaleWeights: the worker's weights are older than the request wants
+  unauthorized,   // Unauthorized: the token is wrong or missing
+  internal,       // Internal, or the worker's own Thrift exception
+  transport,      // cannot connect, connection lost, or the deadline passed
+  protocol,       // the peer does not speak framed binary RolloutService
+};
+const char* call_failure_name(CallFailure f);
+
+// A failed call: what() names the worker, the call and the cause.
+class CallError : public Error {
+ public:
+  CallError(CallFailure failure, const std::string& what) : Error(what), failure_(failure) {}
+  CallFailure failure() const { return failure_; }
+
+ private:
+  CallFailure failure_;
+};
+
+// Sends Thrift's own diagnostics (printed to stderr by default) to the log at debug level: the
+// client's and server's errors already say what failed. RolloutClient and RolloutServer call it.
+void route_thrift_output_to_log();
+
+class RolloutClient {
+ public:
+  // Checks the options (tandem::Error naming the option); connects lazily, at the first call.
+  explicit RolloutClient(ClientOptions options);
+  ~RolloutClient();
+  RolloutClient(const RolloutClient&) = delete;
+  RolloutClient& operator=(const RolloutClient&) = delete;
+
+  // Every call throws CallError when it fails; each may be called from any thread.
+  // The request's token is set from the options.
+  rpc::GenerateResponse generate(rpc::GenerateRequest request);
+  int32_t abort(const std::string& request_id = "");  // "": every request in flight
+  void pause();
+  void resume();
+  void begin_weight_update(int64_t version);
+  int64_t commit_weight_update(int64_t version, const std::string& checkpoint_path);
+  int64_t weight_version();
+  bool health();
+  rpc::Stats stats();
+  rpc::ServerInfo info();
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  struct Connection;
+  std::unique_ptr<Connection> take_connection(bool& reused, int64_t timeout_ms);
+  void give_back(std::unique_ptr<Connection> c);
+  void drop_pool();
+  template <typename Call>
+  auto with_retries(const char* what, Call&& call);
+
+  ClientOptions options_;
+  std::string host_;
+  int port_ = 0;
+  std::mutex pool_mutex_;
+  std::vector<std::unique_ptr<Connection>> pool_;  // idle, connected
+};
+
+}  // namespace tandem::rollout

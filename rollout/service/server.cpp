@@ -1,0 +1,791 @@
+// RolloutServer: a TThreadedServer whose handlers hand requests to the engine thread and wait.
+#include "rollout/service/server.h"
+
+#include <arpa/inet.h>
+#include <spdlog/spdlog.h>
+#include <thrift/TProcessor.h>
+#include <thrift/Thrift.h>
+#include <thrift/server/TThreadedServer.h>
+#include <thrift/transport/TServerSocket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "core/build_info.h"
+#include "core/error.h"
+#include "core/utf8.h"
+#include "rewards/bounded_thrift.h"
+#include "rollout/service/client.h"
+#include "rollout/service/rpc/RolloutService.h"
+#include "rollout/service/rpc/rollout_constants.h"
+
+namespace tandem::rollout {
+namespace {
+
+namespace at = apache::thrift;
+using Clock = std::chrono::steady_clock;
+
+// Equal strings, in a time that does not depend on where they first differ.
+bool same_token(const std::string& given, const std::string& expected) {
+  if (given.size() != expected.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < given.size(); ++i) diff |= given[i] ^ expected[i];
+  return diff == 0;
+}
+
+[[noreturn]] void invalid(std::string message) {
+  rpc::InvalidRequest e;
+  e.message = std::move(message);
+  throw e;
+}
+
+[[noreturn]] void internal(std::string message) {
+  rpc::Internal e;
+  e.message = std::move(message);
+  throw e;
+}
+
+rpc::FinishReason::type to_rpc(FinishReason r) {
+  switch (r) {
+    case FinishReason::stop:
+      return rpc::FinishReason::STOP;
+    case FinishReason::length:
+      return rpc::FinishReason::LENGTH;
+    case FinishReason::abort:
+      return rpc::FinishReason::ABORT;
+  }
+  return rpc::FinishReason::ABORT;
+}
+
+// Counts the calls being processed (from the read of a message to the write of its answer), so
+// that drain() knows when every answer has left.
+class ActiveCalls : public at::TProcessorEventHandler {
+ public:
+  explicit ActiveCalls(std::atomic<int64_t>& count) : count_(count) {}
+  void* getContext(const char*, void*) override {
+    ++count_;
+    return nullptr;
+  }
+  void freeContext(void*, const char*) override { --count_; }
+
+ private:
+  std::atomic<int64_t>& count_;
+};
+
+// Tells the constructor that the server listens.
+class ReadySignal : public at::server::TServerEventHandler {
+ public:
+  explicit ReadySignal(std::promise<void>& ready) : ready_(ready) {}
+  void preServe() override { ready_.set_value(); }
+
+ private:
+  std::promise<void>& ready_;
+};
+
+}  // namespace
+
+bool is_loopback_host(const std::string& host) {
+  // An address, not a name that merely starts like one ("127.0.0.1.example.com").
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return host == "localhost";
+}
+
+void check_server_options(const ServerOptions& o) {
+  auto in_range = [](const char* key, int64_t v, int64_t lo, int64_t hi) {
+    TANDEM_CHECK(v >= lo && v <= hi, "rollout server: {} is {}, expected {}..{}", key, v, lo, hi);
+  };
+  in_range("port", o.port, 0, 65535);
+  in_range("max_in_flight", o.max_in_flight, 1, 1 << 20);
+  in_range("max_prompt_tokens", o.max_prompt_tokens, 1, 1 << 24);
+  in_range("max_new_tokens", o.max_new_tokens, 1, 1 << 24);
+  in_range("max_n", o.max_n, 1, 1 << 16);
+  in_range("max_stop", o.max_stop, 0, 1 << 10);
+  in_range("max_message_bytes", o.max_message_bytes, 1024, (1ll << 31) - 1);
+  in_range("max_connections", o.max_connections, 1, 1 << 16);
+  in_range("idle_timeout_ms", o.idle_timeout_ms, 1, (1ll << 31) - 1);
+  in_range("log_interval_s", o.log_interval_s, 1, 1 << 24);
+  TANDEM_CHECK(!o.host.empty(), "rollout server: the host is empty; use 127.0.0.1");
+  TANDEM_CHECK(is_loopback_host(o.host) || !o.token.empty(),
+               "rollout server: host '{}' is not a loopback address, and no token is set: a "
+               "worker reachable from other machines requires a token (set server.token_env to "
+               "an environment variable holding it), or bind 127.0.0.1",
+               o.host);
+}
+
+struct RolloutServer::Impl {
+  // One generate call, from its admission to its answer.
+  struct Call {
+    Request request;        // request.id: unique in the engine ("<serial>:<client id>")
+    std::string client_id;  // what the client named it
+    uint64_t min_version = 0;
+    std::promise<void> done;
+    RequestOutput out;
+    bool stale = false;  // refused: the weights are older than min_version
+    uint64_t version = 0;
+    std::string engine_error;  // the engine thread failed (Internal)
+  };
+
+  ServerOptions options;
+  model::PromptFormat format;
+  std::string model_path;
+  std::unique_ptr<model::Tokenizer> tokenizer;
+  std::vector<int32_t> eos_ids;
+  int64_t vocab_size = 0;
+  std::unique_ptr<model::Weights> weights;  // the engine's; replaced by commit_weight_update
+  DType dtype = DType::f32;                 // of the weights, for the checkpoints to load
+  std::unique_ptr<Engine> engine;           // touched by the engine thread only, once started
+
+  // The engine thread's inbox.
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<std::function<void()>> tasks;
+  bool stopping = false;
+  std::thread engine_thread;
+
+  // Engine-thread state.
+  std::unordered_map<std::string, std::shared_ptr<Call>> calls;  // by engine id
+  bool user_paused = false, updating = false;
+  uint64_t serial = 0;
+
+  // Published by the engine thread for any thread to read.
+  std::atomic<uint64_t> version{0};
+  std::atomic<int64_t> waiting{0}, running{0}, free_blocks{0}, total_blocks{0};
+  std::atomic<double> tokens_per_s{0};
+  std::atomic<bool> paused{false};
+
+  // Counted by the RPC threads.
+  std::atomic<int64_t> in_flight{0}, accepted{0}, generated{0}, overloaded{0}, refused{0};
+  std::atomic<int64_t> active_calls{0};
+  std::atomic<bool> draining{false};
+
+  std::shared_ptr<at::transport::TServerSocket> socket;
+  std::shared_ptr<at::server::TThreadedServer> server;
+  std::promise<void> ready;
+  std::thread serve_thread;
+
+  // Queues a task for the engine thread; false when it has stopped (the task is dropped).
+  bool post(std::function<void()> task) {
+    {
+      std::lock_guard lock(mutex);
+      if (stopping) return false;
+      tasks.push_back(std::move(task));
+    }
+    wake.notify_one();
+    return true;
+  }
+
+  // Runs `fn` on the engine thread and returns its result (or rethrows what it threw).
+  template <typename Fn>
+  auto on_engine(Fn fn) -> decltype(fn()) {
+    using R = decltype(fn());
+    auto promise = std::make_shared<std::promise<R>>();
+    std::future<R> result = promise->get_future();
+    const bool posted = post([promise, fn = std::move(fn)]() mutable {
+      try {
+        if constexpr (std::is_void_v<R>) {
+          fn();
+          promise->set_value();
+        } else {
+          promise->set_value(fn());
+        }
+      } catch (...) {
+        promise->set_exception(std::current_exception());
+      }
+    });
+    if (!posted) internal("the worker is stopping");
+    return result.get();
+  }
+
+  // --- the engine thread ---------------------------------------------------------------------
+
+  void submit(const std::shared_ptr<Call>& call) {
+    const uint64_t have = engine->weight_version();
+    if (call->min_version > have) {
+      call->stale = true;
+      call->version = have;
+      call->done.set_value();
+      return;
+    }
+    call->request.id = fmt::format("{}:{}", serial++, call->client_id);
+    calls.emplace(call->request.id, call);
+    engine->submit(call->request);
+  }
+
+  void deliver(std::vector<RequestOutput> outs) {
+    for (RequestOutput& o : outs) {
+      auto it = calls.find(o.id);
+      if (it == calls.end()) continue;
+      std::shared_ptr<Call> call = std::move(it->second);
+      calls.erase(it);
+      call->out = std::move(o);
+      call->done.set_value();
+    }
+  }
+
+  int abort_calls(const std::string& client_id) {
+    std::vector<std::string> ids;
+    for (const auto& [id, call] : calls)
+      if (client_id.empty() || call->client_id == client_id) ids.push_back(id);
+    int n = 0;
+    for (const std::string& id : ids) n += engine->abort(id) ? 1 : 0;
+    return n;
+  }
+
+  // A failed step leaves the engine in an unknown state: every call in flight is answered with
+  // Internal and the requests are ended.
+  void fail_all(const std::string& why) {
+    for (auto& [id, call] : calls) {
+      engine->abort(id);
+      call->engine_error = why;
+      call->done.set_value();
+    }
+    calls.clear();
+    engine->poll();
+  }
+
+  void publish() {
+    version = engine->weight_version();
+    waiting = engine->num_waiting();
+    running = engine->num_running();
+    free_blocks = engine->blocks().num_free_blocks();
+    total_blocks = engine->blocks().num_blocks();
+    paused = user_paused || updating;
+  }
+
+  void engine_loop() {
+    const Clock::time_point start = Clock::now();
+    Clock::time_point rate_mark = start, log_mark = start;
+    int64_t rate_tokens = 0, log_tokens = 0, log_generated = 0;
+    auto tokens_done = [&] {
+      const EngineStats& s = engine->stats();
+      return s.prefill_tokens + s.decode_tokens;
+    };
+    publish();
+    for (;;) {
+      std::deque<std::function<void()>> todo;
+      {
+        std::unique_lock lock(mutex);
+        wake.wait_for(lock, std::chrono::seconds(1), [&] {
+          return stopping || !tasks.empty() || (!(user_paused || updating) && engine->has_work());
+        });
+        if (stopping) break;
+        todo.swap(tasks);
+      }
+      for (auto& task : todo) task();
+      try {
+        if (!(user_paused || updating) && engine->has_work()) engine->step();
+        deliver(engine->poll());
+      } catch (const std::exception& e) {
+        spdlog::error("rollout server '{}': the engine failed: {}", options.name, e.what());
+        fail_all(fmt::format("the engine failed: {}", e.what()));
+      }
+      publish();
+
+      const Clock::time_point now = Clock::now();
+      const double since_rate = std::chrono::duration<double>(now - rate_mark).count();
+      if (since_rate >= 2.0) {
+        const int64_t t = tokens_done();
+        tokens_per_s = static_cast<double>(t - rate_tokens) / since_rate;
+        rate_tokens = t;
+        rate_mark = now;
+      }
+      const double since_log = std::chrono::duration<double>(now - log_mark).count();
+      if (since_log >= static_cast<double>(options.log_interval_s)) {
+        const int64_t t = tokens_done(), g = generated.load();
+        if (t > log_tokens || g > log_generated)
+          spdlog::info(
+              "rollout server '{}': {:.0f} tokens/s over {:.0f} s, {} calls answered, {} in "
+              "flight, {} waiting, {} running, {} of {} KV blocks free, {} overloaded, weights "
+              "v{}",
+              options.name, static_cast<double>(t - log_tokens) / since_log, since_log,
+              g - log_generated, in_flight.load(), waiting.load(), running.load(),
+              free_blocks.load(), total_blocks.load(), overloaded.load(), version.load());
+        log_tokens = t;
+        log_generated = g;
+        log_mark = now;
+      }
+    }
+    // Stopped: the tasks queued before run (their callers wait for them), then whoever still
+    // waits is answered with what it has (aborted).
+    std::deque<std::function<void()>> left;
+    {
+      std::lock_guard lock(mutex);
+      left.swap(tasks);
+    }
+    for (auto& task : left) task();
+    for (auto& [id, call] : calls) engine->abort(id);
+    deliver(engine->poll());
+    for (auto& [id, call] : calls) {
+      call->engine_error = "the worker stopped";
+      call->done.set_value();
+    }
+    calls.clear();
+  }
+};
+
+namespace {
+
+using Impl = RolloutServer::Impl;
+
+class RolloutHandler : public rpc::RolloutServiceIf {
+ public:
+  explicit RolloutHandler(Impl& m) : m_(m) {}
+
+  // Every failure reaches the client as a typed exception: what is not one already is Internal.
+  void generate(rpc::GenerateResponse& out, const rpc::GenerateRequest& request) override {
+    try {
+      answer(out, request);
+    } catch (const apache::thrift::TException&) {
+      throw;
+    } catch (const std::exception& e) {
+      spdlog::error("rollout server '{}': request '{}': {}", m_.options.name, request.request_id,
+                    e.what());
+      internal(fmt::format("request '{}': {}", request.request_id, e.what()));
+    }
+  }
+
+  void answer(rpc::GenerateResponse& out, const rpc::GenerateRequest& request) {
+    authorize(request.token);
+    if (m_.draining) {
+      ++m_.overloaded;
+      rpc::Overloaded e;
+      e.message = "the worker is shutting down; send the request to another worker";
+      throw e;
+    }
+    auto call = std::make_shared<Impl::Call>();
+    render(*call, request);
+    if (request.min_weight_version < 0)
+      invalid(fmt::format("min_weight_version is {}, expected >= 0", request.min_weight_version));
+    call->min_version = static_cast<uint64_t>(request.min_weight_version);
+    if (call->min_version > m_.version) stale(m_.version, call->min_version);
+    // Admitted calls wait for the engine; past the bound the client is told to come back later
+    // (or go to another worker) rather than join an ever longer queue.
+    if (m_.in_flight.fetch_add(1) >= m_.options.max_in_flight) {
+      --m_.in_flight;
+      ++m_.overloaded;
+      rpc::Overloaded e;
+      e.message = fmt::format("busy: already {} generate calls in flight (max_in_flight)",
+                              m_.options.max_in_flight);
+      throw e;
+    }
+    struct Leave {
+      std::atomic<int64_t>& count;
+      ~Leave() { --count; }
+    } leave{m_.in_flight};
+    ++m_.accepted;
+    std::future<void> done = call->done.get_future();
+    if (!m_.post([&m = m_, call] { m.submit(call); })) internal("the worker is stopping");
+    done.wait();
+
+    if (call->stale) stale(call->version, call->min_version);
+    if (!call->engine_error.empty()) internal(call->engine_error);
+    RequestOutput& o = call->out;
+    if (o.status == RequestStatus::error) {
+      // The engine's message names its own id; the client knows its request by its own.
+      const std::string why = o.error.substr(std::min(o.error.find(": "), o.error.size()) + 2);
+      if (o.refusal == Refusal::queue_full) {
+        ++m_.overloaded;
+        rpc::Overloaded e;
+        e.message = fmt::format("busy: {}", why);
+        throw e;
+      }
+      if (o.refusal == Refusal::invalid)
+        invalid(fmt::format("request '{}': {}", call->client_id, why));
+      internal(fmt::format("request '{}': {}", call->client_id, why));
+    }
+    out.request_id = call->client_id;
+    out.prompt_tokens = std::move(o.prompt);
+    // Thrift strings are UTF-8 (a Python client decodes them as such); a completion cut inside a
+    // character is not.
+    out.prompt_text = to_valid_utf8(prompt_text_);
+    out.aborted = o.status == RequestStatus::aborted;
+    out.cached_prompt_tokens = o.num_cached_prompt_tokens;
+    out.samples.resize(o.samples.size());
+    for (size_t i = 0; i < o.samples.size(); ++i) {
+      SampleOutput& s = o.samples[i];
+      rpc::Sample& r = out.samples[i];
+      r.tokens = std::move(s.tokens);
+      r.text = to_valid_utf8(s.text);
+      r.logprobs.assign(s.logprobs.begin(), s.logprobs.end());
+      r.finish_reason = to_rpc(s.finish_reason);
+      r.stop_string = to_valid_utf8(s.stop_string);
+      r.weight_version = static_cast<int64_t>(s.weight_version);
+      r.first_weight_version = static_cast<int64_t>(s.first_weight_version);
+    }
+    ++m_.generated;
+  }
+
+  int32_t abort(const rpc::AbortRequest& request) override {
+    authorize(request.token);
+    return m_.on_engine([&m = m_, id = request.request_id] { return m.abort_calls(id); });
+  }
+
+  void pause(const std::string& token) override {
+    authorize(token);
+    m_.on_engine([&m = m_] {
+      m.user_paused = true;
+      m.publish();
+    });
+  }
+
+  void resume(const std::string& token) override {
+    authorize(token);
+    m_.on_engine([&m = m_] {
+      m.user_paused = false;
+      m.publish();
+    });
+  }
+
+  void begin_weight_update(const rpc::WeightUpdate& update) override {
+    authorize(update.token);
+    m_.on_engine([&m = m_] {
+      m.updating = true;
+      m.publish();
+    });
+    spdlog::info("rollout server '{}': weight update to v{} begun; generation paused",
+                 m_.options.name, update.version);
+  }
+
+  int64_t commit_weight_update(const rpc::WeightUpdate& update) override {
+    authorize(update.token);
+    if (update.version <= static_cast<int64_t>(m_.version.load()))
+      invalid(fmt::format("weight version {} is not newer than the worker's {}", update.version,
+                          m_.version.load()));
+    if (update.checkpoint_path.empty())
+      invalid("checkpoint_path is empty: a CPU worker loads the new weights from a checkpoint");
+    // The checkpoint is read here, off the engine thread, which generates meanwhile unless
+    // begin_weight_update paused it.
+    std::unique_ptr<model::Weights> next;
+    try {
+      next = std::move(model::load_model(update.checkpoint_path, m_.dtype).weights);
+    } catch (const std::exception& e) {
+      invalid(fmt::format("cannot load '{}': {}", update.checkpoint_path, e.what()));
+    }
+    const auto version = static_cast<uint64_t>(update.version);
+    try {
+      m_.on_engine([&m = m_, &next, version] {
+        TANDEM_CHECK(version > m.engine->weight_version(),
+                     "weight version {} is not newer than the worker's {}", version,
+                     m.engine->weight_version());
+        m.engine->set_weights(*next, version);
+        std::swap(m.weights, next);  // the old weights go once the engine no longer reads them
+        m.updating = false;
+        m.publish();
+      });
+    } catch (const std::exception& e) {
+      invalid(fmt::format("cannot take the weights of '{}': {}", update.checkpoint_path, e.what()));
+    }
+    spdlog::info("rollout server '{}': weights v{} from {}", m_.options.name, version,
+                 update.checkpoint_path);
+    return update.version;
+  }
+
+  int64_t weight_version(const std::string& token) override {
+    authorize(token);
+    return static_cast<int64_t>(m_.version.load());
+  }
+
+  bool health(const std::string& token) override {
+    authorize(token);
+    if (m_.paused || m_.draining) return false;
+    auto call = std::make_shared<Impl::Call>();
+    call->client_id = "health";
+    call->request.prompt = {m_.tokenizer->bos_id() >= 0 ? m_.tokenizer->bos_id() : 0};
+    call->request.params.temperature = 0.0f;
+    call->request.params.max_tokens = 1;
+    std::future<void> done = call->done.get_future();
+    if (!m_.post([&m = m_, call] { m.submit(call); })) return false;
+    if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) return false;
+    return call->engine_error.empty() && call->out.status == RequestStatus::done &&
+           call->out.samples.size() == 1 && call->out.samples[0].tokens.size() == 1;
+  }
+
+  void stats(rpc::Stats& out, const std::string& token) override {
+    authorize(token);
+    out.queue_depth = m_.waiting;
+    out.running_sequences = m_.running;
+    out.free_kv_blocks = m_.free_blocks;
+    out.total_kv_blocks = m_.total_blocks;
+    out.tokens_per_s = m_.tokens_per_s;
+    out.in_flight = m_.in_flight;
+    out.generated = m_.generated;
+    out.overloaded = m_.overloaded;
+    out.weight_version = static_cast<int64_t>(m_.version.load());
+    out.paused = m_.paused;
+  }
+
+  void info(rpc::ServerInfo& out, const std::string& token) override {
+    authorize(token);
+    const ServerOptions& o = m_.options;
+    out.name = o.name;
+    out.version = version_string();
+    out.protocol_version = rpc::g_rollout_constants.PROTOCOL_VERSION;
+    out.model = m_.model_path;
+    out.tp_size = 1;
+    out.vocab_size = static_cast<int32_t>(m_.vocab_size);
+    out.eos_token_ids = m_.eos_ids;
+    out.max_in_flight = static_cast<int32_t>(o.max_in_flight);
+    out.max_prompt_tokens = static_cast<int32_t>(o.max_prompt_tokens);
+    out.max_new_tokens = static_cast<int32_t>(o.max_new_tokens);
+    out.max_n = static_cast<int32_t>(o.max_n);
+    out.max_message_bytes = o.max_message_bytes;
+  }
+
+ private:
+  void authorize(const std::string& token) const {
+    if (m_.options.token.empty() || same_token(token, m_.options.token)) return;
+    rpc::Unauthorized e;
+    e.message = token.empty() ? "this worker requires a token" : "wrong token";
+    throw e;
+  }
+
+  [[noreturn]] static void stale(uint64_t have, uint64_t want) {
+    rpc::StaleWeights e;
+    e.message = fmt::format(
+        "the worker's weights are version {}, the request wants at least {}; retry after the "
+        "worker's next weight update, or on another worker",
+        have, want);
+    e.have_version = static_cast<int64_t>(have);
+    e.want_version = static_cast<int64_t>(want);
+    throw e;
+  }
+
+  // The request's prompt and sampling parameters into call.request, within the bounds.
+  void render(Impl::Call& call, const rpc::GenerateRequest& r) {
+    const ServerOptions& o = m_.options;
+    call.client_id = r.request_id;
+    const int forms = !r.prompt_tokens.empty() + !r.prompt_text.empty() + !r.messages.empty();
+    if (forms != 1)
+      invalid(fmt::format(
+          "request '{}': give the prompt as exactly one of prompt_tokens, prompt_text and "
+          "messages ({} given)",
+          r.request_id, forms));
+    const rpc::SamplingParams& p = r.params;
+    if (p.n < 1 || p.n > o.max_n)
+      invalid(
+          fmt::format("request '{}': n is {}, expected 1..{} (max_n)", r.request_id, p.n, o.max_n));
+    if (p.max_tokens < 1 || p.max_tokens > o.max_new_tokens)
+      invalid(fmt::format("request '{}': max_tokens is {}, expected 1..{} (max_new_tokens)",
+                          r.request_id, p.max_tokens, o.max_new_tokens));
+    if (static_cast<int64_t>(p.stop.size()) > o.max_stop ||
+        static_cast<int64_t>(p.stop_token_ids.size()) > o.max_stop)
+      invalid(fmt::format("request '{}': {} stop strings and {} stop ids, at most {} each",
+                          r.request_id, p.stop.size(), p.stop_token_ids.size(), o.max_stop));
+    for (const std::string& s : p.stop)
+      if (s.size() > 1024)
+        invalid(fmt::format("request '{}': a stop string of {} bytes, at most 1024", r.request_id,
+                            s.size()));
+    // Text longer than this many bytes per allowed token cannot fit; refused before tokenizing.
+    const int64_t max_text_bytes = o.max_prompt_tokens * 64;
+    std::vector<int32_t> tokens;
+    prompt_text_.clear();
+    if (!r.prompt_tokens.empty()) {
+      tokens = r.prompt_tokens;
+    } else {
+      int64_t bytes = static_cast<int64_t>(r.prompt_text.size());
+      std::vector<model::ChatMessage> messages;
+      for (const rpc::Message& msg : r.messages) {
+        bytes += static_cast<int64_t>(msg.role.size() + msg.content.size());
+        messages.push_back({msg.role, msg.content});
+      }
+      if (bytes > max_text_bytes)
+        invalid(
+            fmt::format("request '{}': the prompt has {} bytes, more than max_prompt_tokens "
+                        "({}) can hold",
+                        r.request_id, bytes, o.max_prompt_tokens));
+      model::PromptFormat format = m_.format;
+      if (!r.prompt_text.empty()) {
+        format.chat = false;
+        format.system_prompt.clear();
+      }
+      model::RenderedPrompt rendered;
+      try {
+        rendered = model::render_prompt(*m_.tokenizer, r.prompt_text, messages, format);
+      } catch (const std::exception& e) {
+        invalid(fmt::format("request '{}': cannot render the prompt: {}", r.request_id, e.what()));
+      }
+      tokens = std::move(rendered.tokens);
+      prompt_text_ = std::move(rendered.text);
+    }
+    if (static_cast<int64_t>(tokens.size()) > o.max_prompt_tokens)
+      invalid(fmt::format("request '{}': the prompt has {} tokens, at most {} (max_prompt_tokens)",
+                          r.request_id, tokens.size(), o.max_prompt_tokens));
+    SamplingParams& s = call.request.params;
+    s.n = p.n;
+    s.temperature = static_cast<float>(p.temperature);
+    s.top_p = static_cast<float>(p.top_p);
+    s.min_p = static_cast<float>(p.min_p);
+    s.top_k = p.top_k;
+    s.max_tokens = p.max_tokens;
+    s.stop_token_ids = p.stop_token_ids;
+    if (p.stop_at_eos)
+      for (int32_t id : m_.eos_ids)
+        if (std::find(s.stop_token_ids.begin(), s.stop_token_ids.end(), id) ==
+            s.stop_token_ids.end())
+          s.stop_token_ids.push_back(id);
+    s.stop = p.stop;
+    s.seed = static_cast<uint64_t>(p.seed);
+    s.logprobs = p.logprobs;
+    call.request.prompt = std::move(tokens);
+  }
+
+  Impl& m_;
+  std::string prompt_text_;  // the rendered prompt of the call in progress on this connection
+};
+
+// One handler per connection, so a connection's per-call state needs no lock.
+class HandlerFactory : public rpc::RolloutServiceIfFactory {
+ public:
+  explicit HandlerFactory(Impl& m) : m_(m) {}
+  rpc::RolloutServiceIf* getHandler(const at::TConnectionInfo&) override {
+    return new RolloutHandler(m_);
+  }
+  void releaseHandler(rpc::RolloutServiceIf* handler) override { delete handler; }
+
+ private:
+  Impl& m_;
+};
+
+}  // namespace
+
+RolloutServer::RolloutServer(model::LoadedModel model, model::PromptFormat format,
+                             EngineOptions engine, ServerOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  route_thrift_output_to_log();
+  check_server_options(options);
+  TANDEM_CHECK(model.weights != nullptr, "rollout server: no model to serve");
+  TANDEM_CHECK(model.tokenizer != nullptr,
+               "rollout server: the model '{}' has no tokenizer (tokenizer.json); a worker needs "
+               "one for text prompts, chat messages and completion text",
+               model.path);
+  Impl& m = *impl_;
+  m.options = std::move(options);
+  m.format = std::move(format);
+  m.model_path = model.path;
+  m.eos_ids = model.stop_ids();
+  m.vocab_size = model.config().vocab_size;
+  m.tokenizer = std::move(model.tokenizer);
+  m.weights = std::move(model.weights);
+  m.dtype = m.weights->dtype();
+  // Admitted calls never overflow the engine's queue: at most max_in_flight requests wait.
+  engine.max_waiting = std::max(engine.max_waiting, m.options.max_in_flight + 1);
+  m.engine = std::make_unique<Engine>(*m.weights, engine, m.tokenizer.get());
+
+  const ThriftLimits limits{.max_message_bytes = static_cast<int32_t>(m.options.max_message_bytes),
+                            .max_string_bytes = static_cast<int32_t>(m.options.max_message_bytes),
+                            .max_container_elements = static_cast<int32_t>(
+                                std::max<int64_t>(1 << 16, m.options.max_prompt_tokens)),
+                            .max_depth = 16};
+  check_thrift_limits(limits, fmt::format("rollout server '{}'", m.options.name));
+  m.engine_thread = std::thread([&m] { m.engine_loop(); });
+
+  m.socket = std::make_shared<at::transport::TServerSocket>(m.options.host, m.options.port);
+  m.socket->setRecvTimeout(static_cast<int>(m.options.idle_timeout_ms));
+  m.socket->setSendTimeout(static_cast<int>(m.options.idle_timeout_ms));
+  auto processor =
+      std::make_shared<rpc::RolloutServiceProcessorFactory>(std::make_shared<HandlerFactory>(m));
+  // The factory's processors count the calls they process, for drain().
+  class CountingFactory : public at::TProcessorFactory {
+   public:
+    CountingFactory(std::shared_ptr<at::TProcessorFactory> inner, Impl& m) : inner_(inner), m_(m) {}
+    std::shared_ptr<at::TProcessor> getProcessor(const at::TConnectionInfo& info) override {
+      std::shared_ptr<at::TProcessor> p = inner_->getProcessor(info);
+      p->setEventHandler(std::make_shared<ActiveCalls>(m_.active_calls));
+      return report_refused_requests(p, [&m = m_](const std::string& peer, const std::string& why) {
+        // A flood of bad connections must not flood the log: the first ten, then every 1000th.
+        const int64_t n = ++m.refused;
+        if (n <= 10 || n % 1000 == 0)
+          spdlog::warn("rollout server '{}': closed the connection of {}: {} ({} so far)",
+                       m.options.name, peer, why, n);
+      });
+    }
+
+   private:
+    std::shared_ptr<at::TProcessorFactory> inner_;
+    Impl& m_;
+  };
+  m.server = std::make_shared<at::server::TThreadedServer>(
+      std::make_shared<CountingFactory>(processor, m), m.socket,
+      bounded_framed_transport_factory(limits), bounded_binary_protocol_factory(limits));
+  m.server->setConcurrentClientLimit(m.options.max_connections);
+  std::future<void> listening = m.ready.get_future();
+  m.server->setServerEventHandler(std::make_shared<ReadySignal>(m.ready));
+  m.serve_thread = std::thread([&m] {
+    try {
+      m.server->serve();
+    } catch (...) {  // bind or listen failed: before preServe, so the promise is still unset
+      try {
+        m.ready.set_exception(std::current_exception());
+      } catch (const std::future_error&) {  // failed after it listened: nobody is waiting
+        spdlog::error("rollout server '{}': stopped serving", m.options.name);
+      }
+    }
+  });
+  try {
+    listening.get();
+  } catch (const std::exception& e) {
+    m.serve_thread.join();
+    {
+      std::lock_guard lock(m.mutex);
+      m.stopping = true;
+    }
+    m.wake.notify_one();
+    m.engine_thread.join();
+    TANDEM_FAIL("rollout server: cannot listen on {}:{}: {}", m.options.host, m.options.port,
+                e.what());
+  }
+}
+
+RolloutServer::~RolloutServer() { stop(); }
+
+int RolloutServer::port() const { return impl_->socket->getPort(); }
+
+RolloutServer::Stats RolloutServer::stats() const {
+  const Impl& m = *impl_;
+  return {m.accepted.load(), m.generated.load(), m.overloaded.load(), m.refused.load(),
+          m.in_flight.load()};
+}
+
+void RolloutServer::drain() {
+  Impl& m = *impl_;
+  if (!m.serve_thread.joinable()) return;
+  m.draining = true;
+  m.post([&m] {
+    m.user_paused = false;
+    m.updating = false;
+  });
+  // Every admitted call is answered, and every answer written, before the connections close.
+  while (m.in_flight.load() > 0 || m.active_calls.load() > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  stop();
+}
+
+void RolloutServer::stop() {
+  if (!impl_) return;
+  Impl& m = *impl_;
+  if (m.engine_thread.joinable()) {
+    {
+      std::lock_guard lock(m.mutex);
+      m.stopping = true;
+    }
+    m.wake.notify_one();
+    m.engine_thread.join();
+  }
+  if (m.serve_thread.joinable()) {
+    m.server->stop();
+    m.serve_thread.join();
+  }
+}
+
+}  // namespace tandem::rollout
