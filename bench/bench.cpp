@@ -206,6 +206,14 @@ std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt) {
   return {gflops, source};
 }
 
+std::string Options::precision_suffix() const {
+  return cpu_matmul == "f32" ? "" : " " + bf16_compute_name();
+}
+
+std::string bf16_compute_name() {
+  return fmt::format("bf16 compute {}", ops::matmul_bf16_path_name(ops::matmul_bf16_path()));
+}
+
 std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt) {
   const int64_t n = opt.quick ? 512 : 1024;
   double gflops = 0;
@@ -213,8 +221,7 @@ std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt)
     const ops::ScopedMatmulPrecision precision(ops::MatmulPrecision::bf16);
     gflops = measure_matmul_gflops(opt, DType::f32, n);
   }
-  return {gflops, fmt::format("tandem matmul bf16 compute{} {}^3",
-                              ops::matmul_has_amx() ? " (AMX)" : "", n)};
+  return {gflops, fmt::format("tandem matmul {} {}^3", bf16_compute_name(), n)};
 }
 
 Ceilings measure_ceilings(const Options& opt) {

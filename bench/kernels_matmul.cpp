@@ -78,8 +78,9 @@ TANDEM_KERNEL_BENCH(matmul) {
       forward(kSmolLM2_135M, p, M, DType::bf16);
     }
   }
-  // The bf16 precision (CPU): operands rounded to bf16, AMX tiles where the CPU has them; the
-  // peer is OpenBLAS's sgemm on the f32 operands, as above.
+  // The bf16 precision (CPU): operands rounded to bf16, AMX tiles or AVX512-BF16 where the CPU
+  // has them (named in the case); the peer is OpenBLAS's sgemm on the f32 operands, as above.
+  const std::string bf16 = bf16_compute_name();
   const auto bf16_compute = [&](const std::string& op, const std::string& name, double flops,
                                 const std::function<void()>& ours) {
     if (!cpu || !runner.wants(op, name)) return;
@@ -89,8 +90,8 @@ TANDEM_KERNEL_BENCH(matmul) {
   for (const int64_t M : {int64_t{32}, int64_t{512}, int64_t{2048}}) {
     if (quick && M > 512) continue;
     for (const Product& p : products(kSmolLM2_135M, true)) {
-      const std::string name = fmt::format("{} {} ({}, {})x({}, {}) bf16 compute",
-                                           kSmolLM2_135M.name, p.name, M, p.K, p.N, p.K);
+      const std::string name = fmt::format("{} {} ({}, {})x({}, {}) {}", kSmolLM2_135M.name, p.name,
+                                           M, p.K, p.N, p.K, bf16);
       const Tensor x = filled({M, p.K}, DType::f32, d, 1);
       const Tensor w = filled({p.N, p.K}, DType::f32, d, 2);
       Tensor y = Tensor::empty({M, p.N}, DType::f32, d);
@@ -117,8 +118,8 @@ TANDEM_KERNEL_BENCH(matmul) {
     const int m = static_cast<int>(M), n = static_cast<int>(p.N), k = static_cast<int>(p.K);
     const auto dx_ours = [&] { ops::matmul_backward_input(dy, w, dx); };
     const auto dw_ours = [&] { ops::matmul_backward_weight(dy, x, dw); };
-    bf16_compute("matmul_backward_input", name + " bf16 compute", flops, dx_ours);
-    bf16_compute("matmul_backward_weight", name + " bf16 compute", flops, dw_ours);
+    bf16_compute("matmul_backward_input", name + " " + bf16, flops, dx_ours);
+    bf16_compute("matmul_backward_weight", name + " " + bf16, flops, dw_ours);
     if (!cpu) {
       runner.measure("matmul_backward_input", name, flops, 0, dx_ours);
       runner.measure("matmul_backward_weight", name, flops, 0, dw_ours);
