@@ -1,6 +1,8 @@
 // Kernel benchmarks of matmul and its backward products at SmolLM2-135M and Qwen2.5-1.5B
-// shapes, beside OpenBLAS's cblas_sgemm on the same f32 operands (CPU).
+// shapes, beside OpenBLAS's cblas_sgemm on the same f32 operands (CPU), and the one-core
+// instruction rates that bound the f32 and AVX512-BF16 paths.
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <functional>
 #include <vector>
@@ -38,7 +40,55 @@ std::vector<Product> products(const ModelShape& m, bool with_head) {
   return p;
 }
 
+// The instruction rates of one core that bound the CPU matmul paths: independent chains of
+// vdpbf16ps (the bf16 precision without AMX: 64 flops each) and of vfmadd231ps (the f32 kernel:
+// 32 flops each), 12 zmm accumulators, nothing loaded. Their ratio is what the AVX512-BF16 path
+// can gain over f32 on a CPU; the kernels' rows below against these say how close each gets.
+constexpr int kPeakChains = 12;
+
+__attribute__((target("avx512f,avx512bf16"), noinline)) float vdpbf16ps_chains(int64_t n) {
+  __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));
+  __m512 c[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_dpbf16_ps(c[i], a, a);
+    __asm__ volatile("" : "+v"(a));  // one more step, not one folded product
+  }
+  __m512 s = c[0];
+  for (int i = 1; i < kPeakChains; ++i) s = _mm512_add_ps(s, c[i]);
+  return _mm512_cvtss_f32(s);
+}
+
+__attribute__((target("avx512f,fma"), noinline)) float vfmadd_chains(int64_t n) {
+  __m512 a = _mm512_set1_ps(1.0f);
+  const __m512 b = _mm512_set1_ps(0.5f);
+  __m512 c[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_fmadd_ps(c[i], a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  __m512 s = c[0];
+  for (int i = 1; i < kPeakChains; ++i) s = _mm512_add_ps(s, c[i]);
+  return _mm512_cvtss_f32(s);
+}
+
 }  // namespace
+
+TANDEM_KERNEL_BENCH(matmul_isa_peak) {
+  if (!runner.device().is_cpu() || !__builtin_cpu_supports("avx512f")) return;
+  constexpr int64_t kSteps = 1 << 16;
+  volatile float sink = 0;
+  const double chains = static_cast<double>(kSteps) * kPeakChains;
+  if (ops::matmul_has_avx512_bf16() && runner.wants("isa_peak", "vdpbf16ps zmm one core"))
+    runner.measure("isa_peak", "vdpbf16ps zmm one core", 64 * chains, 0,
+                   [&] { sink = sink + vdpbf16ps_chains(kSteps); });
+  if (runner.wants("isa_peak", "vfmadd231ps zmm one core"))
+    runner.measure("isa_peak", "vfmadd231ps zmm one core", 32 * chains, 0,
+                   [&] { sink = sink + vfmadd_chains(kSteps); });
+}
 
 TANDEM_KERNEL_BENCH(matmul) {
   const Device d = runner.device();
