@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <tuple>
 #include <utility>
@@ -151,6 +152,7 @@ void Runner::emit(const Measurement& m) {
   j["case"] = fmt::format("{} {}", m.op, m.case_name);
   j["op"] = m.op;
   j["device"] = opt_.device.str();
+  if (opt_.device.is_cpu()) j["cpu"] = cpu_model();
   j["metric"] = compute ? "gflops" : (m.bytes > 0 ? "gbytes_per_s" : "time");
   j["unit"] = compute ? "GFLOP/s" : (m.bytes > 0 ? "GB/s" : "ms");
   j["value"] = value;
@@ -208,6 +210,19 @@ std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt) {
 
 std::string Options::precision_suffix() const {
   return cpu_matmul == "f32" ? "" : " " + bf16_compute_name();
+}
+
+std::string cpu_model() {
+  static const std::string model = [] {
+    std::ifstream in("/proc/cpuinfo");
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("model name", 0) == 0) {
+        const size_t colon = line.find(':');
+        if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+      }
+    return std::string("unknown");
+  }();
+  return model;
 }
 
 std::string bf16_compute_name() {

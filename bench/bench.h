@@ -43,6 +43,8 @@ struct Options {
 // "bf16 compute amx", "bf16 compute avx512bf16" or "bf16 compute f32-kernel": the bf16 precision
 // with the hardware its CPU products take now (ops::matmul_bf16_path).
 std::string bf16_compute_name();
+// The CPU's model name as Linux reports it (/proc/cpuinfo), for the "cpu" field of rows.
+std::string cpu_model();
 
 // One measured case: median seconds of `run` over repetitions.
 struct Measurement {
