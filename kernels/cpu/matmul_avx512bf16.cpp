@@ -19,8 +19,9 @@ namespace {
 constexpr int kDpRows = 6;
 constexpr int kDpGroups = 4;
 // K values per pass over a 64-column block's rows: the block's pairs of one pass (64 x 192
-// bf16, 24 KiB) stay in L1 (Zen 4: 32 KiB) while every row tile reads them. The accumulators go back to y
-// between passes and are loaded again unchanged, so the pass length changes no bit.
+// bf16, 24 KiB) stay in L1 (Zen 4: 32 KiB) while every row tile reads them. The accumulators
+// go back to y between passes and are loaded again unchanged, so the pass length changes no
+// bit.
 constexpr int64_t kDpKBlock = 192;
 
 bool cpu_has_avx512_bf16() {
