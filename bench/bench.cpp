@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <tuple>
 #include <utility>
@@ -151,6 +152,7 @@ void Runner::emit(const Measurement& m) {
   j["case"] = fmt::format("{} {}", m.op, m.case_name);
   j["op"] = m.op;
   j["device"] = opt_.device.str();
+  if (opt_.device.is_cpu()) j["cpu"] = cpu_model();
   j["metric"] = compute ? "gflops" : (m.bytes > 0 ? "gbytes_per_s" : "time");
   j["unit"] = compute ? "GFLOP/s" : (m.bytes > 0 ? "GB/s" : "ms");
   j["value"] = value;
@@ -206,6 +208,27 @@ std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt) {
   return {gflops, source};
 }
 
+std::string Options::precision_suffix() const {
+  return cpu_matmul == "f32" ? "" : " " + bf16_compute_name();
+}
+
+std::string cpu_model() {
+  static const std::string model = [] {
+    std::ifstream in("/proc/cpuinfo");
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("model name", 0) == 0) {
+        const size_t colon = line.find(':');
+        if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+      }
+    return std::string("unknown");
+  }();
+  return model;
+}
+
+std::string bf16_compute_name() {
+  return fmt::format("bf16 compute {}", ops::matmul_bf16_path_name(ops::matmul_bf16_path()));
+}
+
 std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt) {
   const int64_t n = opt.quick ? 512 : 1024;
   double gflops = 0;
@@ -213,8 +236,7 @@ std::pair<double, std::string> measure_cpu_bf16_gemm_ceiling(const Options& opt)
     const ops::ScopedMatmulPrecision precision(ops::MatmulPrecision::bf16);
     gflops = measure_matmul_gflops(opt, DType::f32, n);
   }
-  return {gflops, fmt::format("tandem matmul bf16 compute{} {}^3",
-                              ops::matmul_has_amx() ? " (AMX)" : "", n)};
+  return {gflops, fmt::format("tandem matmul {} {}^3", bf16_compute_name(), n)};
 }
 
 Ceilings measure_ceilings(const Options& opt) {

@@ -35,10 +35,16 @@ struct Options {
   Device device = Device::cpu();
   // generate, rollout: the CPU matmul precision they run in ("f32" or "bf16"; train and step
   // measure both themselves, kernels has its own bf16 cases). Named in each case as
-  // " bf16 compute" when not f32.
+  // " bf16 compute <path>" (bf16_compute_name) when not f32.
   std::string cpu_matmul = "f32";
-  std::string precision_suffix() const { return cpu_matmul == "f32" ? "" : " bf16 compute"; }
+  std::string precision_suffix() const;
 };
+
+// "bf16 compute amx", "bf16 compute avx512bf16" or "bf16 compute f32-kernel": the bf16 precision
+// with the hardware its CPU products take now (ops::matmul_bf16_path).
+std::string bf16_compute_name();
+// The CPU's model name as Linux reports it (/proc/cpuinfo), for the "cpu" field of rows.
+std::string cpu_model();
 
 // One measured case: median seconds of `run` over repetitions.
 struct Measurement {

@@ -1,6 +1,8 @@
 // Kernel benchmarks of matmul and its backward products at SmolLM2-135M and Qwen2.5-1.5B
-// shapes, beside OpenBLAS's cblas_sgemm on the same f32 operands (CPU).
+// shapes, beside OpenBLAS's cblas_sgemm on the same f32 operands (CPU), and the one-core
+// instruction rates that bound the f32 and AVX512-BF16 paths.
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <functional>
 #include <vector>
@@ -38,7 +40,55 @@ std::vector<Product> products(const ModelShape& m, bool with_head) {
   return p;
 }
 
+// The instruction rates of one core that bound the CPU matmul paths: independent chains of
+// vdpbf16ps (the bf16 precision without AMX: 64 flops each) and of vfmadd231ps (the f32 kernel:
+// 32 flops each), 12 zmm accumulators, nothing loaded. Their ratio is what the AVX512-BF16 path
+// can gain over f32 on a CPU; the kernels' rows below against these say how close each gets.
+constexpr int kPeakChains = 12;
+
+__attribute__((target("avx512f,avx512bf16"), noinline)) float vdpbf16ps_chains(int64_t n) {
+  __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));
+  __m512 c[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_dpbf16_ps(c[i], a, a);
+    __asm__ volatile("" : "+v"(a));  // one more step, not one folded product
+  }
+  __m512 s = c[0];
+  for (int i = 1; i < kPeakChains; ++i) s = _mm512_add_ps(s, c[i]);
+  return _mm512_cvtss_f32(s);
+}
+
+__attribute__((target("avx512f,fma"), noinline)) float vfmadd_chains(int64_t n) {
+  __m512 a = _mm512_set1_ps(1.0f);
+  const __m512 b = _mm512_set1_ps(0.5f);
+  __m512 c[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakChains; ++i) c[i] = _mm512_fmadd_ps(c[i], a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  __m512 s = c[0];
+  for (int i = 1; i < kPeakChains; ++i) s = _mm512_add_ps(s, c[i]);
+  return _mm512_cvtss_f32(s);
+}
+
 }  // namespace
+
+TANDEM_KERNEL_BENCH(matmul_isa_peak) {
+  if (!runner.device().is_cpu() || !__builtin_cpu_supports("avx512f")) return;
+  constexpr int64_t kSteps = 1 << 16;
+  volatile float sink = 0;
+  const double chains = static_cast<double>(kSteps) * kPeakChains;
+  if (ops::matmul_has_avx512_bf16() && runner.wants("isa_peak", "vdpbf16ps zmm one core"))
+    runner.measure("isa_peak", "vdpbf16ps zmm one core", 64 * chains, 0,
+                   [&] { sink = sink + vdpbf16ps_chains(kSteps); });
+  if (runner.wants("isa_peak", "vfmadd231ps zmm one core"))
+    runner.measure("isa_peak", "vfmadd231ps zmm one core", 32 * chains, 0,
+                   [&] { sink = sink + vfmadd_chains(kSteps); });
+}
 
 TANDEM_KERNEL_BENCH(matmul) {
   const Device d = runner.device();
@@ -78,8 +128,9 @@ TANDEM_KERNEL_BENCH(matmul) {
       forward(kSmolLM2_135M, p, M, DType::bf16);
     }
   }
-  // The bf16 precision (CPU): operands rounded to bf16, AMX tiles where the CPU has them; the
-  // peer is OpenBLAS's sgemm on the f32 operands, as above.
+  // The bf16 precision (CPU): operands rounded to bf16, AMX tiles or AVX512-BF16 where the CPU
+  // has them (named in the case); the peer is OpenBLAS's sgemm on the f32 operands, as above.
+  const std::string bf16 = bf16_compute_name();
   const auto bf16_compute = [&](const std::string& op, const std::string& name, double flops,
                                 const std::function<void()>& ours) {
     if (!cpu || !runner.wants(op, name)) return;
@@ -89,8 +140,8 @@ TANDEM_KERNEL_BENCH(matmul) {
   for (const int64_t M : {int64_t{32}, int64_t{512}, int64_t{2048}}) {
     if (quick && M > 512) continue;
     for (const Product& p : products(kSmolLM2_135M, true)) {
-      const std::string name = fmt::format("{} {} ({}, {})x({}, {}) bf16 compute",
-                                           kSmolLM2_135M.name, p.name, M, p.K, p.N, p.K);
+      const std::string name = fmt::format("{} {} ({}, {})x({}, {}) {}", kSmolLM2_135M.name, p.name,
+                                           M, p.K, p.N, p.K, bf16);
       const Tensor x = filled({M, p.K}, DType::f32, d, 1);
       const Tensor w = filled({p.N, p.K}, DType::f32, d, 2);
       Tensor y = Tensor::empty({M, p.N}, DType::f32, d);
@@ -117,8 +168,8 @@ TANDEM_KERNEL_BENCH(matmul) {
     const int m = static_cast<int>(M), n = static_cast<int>(p.N), k = static_cast<int>(p.K);
     const auto dx_ours = [&] { ops::matmul_backward_input(dy, w, dx); };
     const auto dw_ours = [&] { ops::matmul_backward_weight(dy, x, dw); };
-    bf16_compute("matmul_backward_input", name + " bf16 compute", flops, dx_ours);
-    bf16_compute("matmul_backward_weight", name + " bf16 compute", flops, dw_ours);
+    bf16_compute("matmul_backward_input", name + " " + bf16, flops, dx_ours);
+    bf16_compute("matmul_backward_weight", name + " " + bf16, flops, dw_ours);
     if (!cpu) {
       runner.measure("matmul_backward_input", name, flops, 0, dx_ours);
       runner.measure("matmul_backward_weight", name, flops, 0, dw_ours);

@@ -160,12 +160,12 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
     peer_model = hf_directory(path, m);
   }
 
-  // f32, then (on a CPU with AMX-BF16) the job with placement.cpu_matmul = "bf16" beside TRL
-  // with bf16 = True (torch.autocast on the CPU): each in its own precision.
+  // f32, then (on a CPU with AMX-BF16 or AVX512-BF16) the job with placement.cpu_matmul = "bf16"
+  // beside TRL with bf16 = True (torch.autocast on the CPU): each in its own precision.
   int errors = 0;
   for (const bool bf16 : {false, true}) {
-    if (bf16 && !ops::matmul_has_amx()) continue;
-    const std::string precision = bf16 ? "bf16 compute" : "f32";
+    if (bf16 && ops::matmul_bf16_path() == ops::MatmulBf16Path::f32_kernel) continue;
+    const std::string precision = bf16 ? bf16_compute_name() : "f32";
     if (!opt.filter.empty() && precision.find(opt.filter) == std::string::npos) continue;
     std::vector<std::string> overrides = base_overrides;
     overrides.push_back(fmt::format("placement.cpu_matmul={}", bf16 ? "bf16" : "f32"));
@@ -191,6 +191,7 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
     const std::string case_name = fmt::format("{} {} GRPO B={} x G={}, <= {} new tokens",
                                               model_name, precision, B, G, new_tokens);
     nlohmann::ordered_json j{{"bench", "step"},
+                             {"cpu", cpu_model()},
                              {"case", case_name},
                              {"metric", "seconds_per_step"},
                              {"unit", "s"},

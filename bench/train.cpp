@@ -2,8 +2,8 @@
 // for a model's shape (default: the bundled SmolLM2-135M) on B x L tokens, beside PyTorch
 // (transformers' LlamaForCausalLM on the CPU, same shapes, bench/peers/torch_train.py) and the
 // FLOP ceiling (6 x parameters per token at the GEMM rate, measured again right before each
-// step: this machine kind's speed drifts by a fifth within minutes). On a CPU with AMX-BF16 a
-// second line does the same with the matmuls in bf16 (ops::MatmulPrecision), beside
+// step: this machine kind's speed drifts by a fifth within minutes). On a CPU with AMX-BF16 or
+// AVX512-BF16 a second line does the same with the matmuls in bf16 (ops::MatmulPrecision), beside
 // PyTorch under bf16 autocast.
 #include <fmt/format.h>
 
@@ -60,13 +60,14 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
       {"head_dim", c.head_dim}, {"rope_theta", c.rope.theta}, {"tied", c.tie_word_embeddings}};
   int errors = 0;
   // f32: every product in f32, against PyTorch in f32 and the f32 GEMM rate. bf16: the matmuls'
-  // operands rounded to bf16 (AMX where the CPU has it; weights, optimizer and everything else
-  // stay f32), against PyTorch under torch.autocast("cpu", bfloat16) and our bf16 GEMM rate.
+  // operands rounded to bf16 (AMX or AVX512-BF16 where the CPU has it; weights, optimizer and
+  // everything else stay f32), against PyTorch under torch.autocast("cpu", bfloat16) and our
+  // bf16 GEMM rate.
   for (const bool bf16 : {false, true}) {
     const std::string case_name =
         fmt::format("{} {} {} x {} tokens", fs::path(path).stem().string(),
-                    bf16 ? "bf16 compute" : "f32", B, L - 1);
-    if (bf16 && !ops::matmul_has_amx()) continue;
+                    bf16 ? bf16_compute_name() : "f32", B, L - 1);
+    if (bf16 && ops::matmul_bf16_path() == ops::MatmulBf16Path::f32_kernel) continue;
     if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
     const ops::ScopedMatmulPrecision precision(bf16 ? ops::MatmulPrecision::bf16
                                                     : ops::MatmulPrecision::f32);
@@ -94,9 +95,9 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     const double limit = median(limits);
 
     nlohmann::ordered_json j{
-        {"bench", "train"},        {"case", case_name}, {"metric", "train_tokens_per_s"},
-        {"unit", "tokens/s"},      {"value", value},    {"step_ms", 1e3 * step_s},
-        {"threads", num_threads()}};
+        {"bench", "train"},         {"case", case_name}, {"metric", "train_tokens_per_s"},
+        {"unit", "tokens/s"},       {"value", value},    {"step_ms", 1e3 * step_s},
+        {"threads", num_threads()}, {"cpu", cpu_model()}};
     const nlohmann::json peer = run_peer_script(
         "torch_train.py",
         fmt::format("--config '{}' --batch {} --len {} --threads {} --steps {}{}", cfg.dump(), B, L,

@@ -13,7 +13,8 @@
 //   `stream`). A mismatch of shape, dtype or device throws tandem::Error naming the op and the
 //   shapes; nothing broadcasts. Token ids out of range throw, they are never read out of bounds.
 // - CPU ops compute in f32 (bf16/f16 inputs are widened exactly); the CPU matmuls can be set to
-//   round their operands to bf16 instead (set_matmul_precision below; AMX where the CPU has it).
+//   round their operands to bf16 instead (set_matmul_precision below; AMX or AVX512-BF16 where
+//   the CPU has it).
 //   CUDA matmuls compute in bf16 with f32 accumulation; everything else accumulates in f32.
 // - Batch invariance: the result for one row (token, sequence) never depends on the other rows
 //   of the call or on how many there are: reductions run in a fixed order along K and along the
@@ -53,9 +54,11 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
 // - bf16: both operands rounded to bf16 (round to nearest even, denormal inputs to zero), their
 //   products summed in f32: the mixed precision of the CUDA matmuls. On a CPU with AMX-BF16 the
 //   sums run in AMX tiles (32 K values per tile step, in the hardware's own order, which is not
-//   a sequence of f32 adds); elsewhere (and with the portable kernel of the CPU tests) in the f32
-//   kernel on the rounded operands. So bits differ between the two, while each is
-//   deterministic, batch-invariant and independent of the thread count.
+//   a sequence of f32 adds); on one with AVX512-BF16 but no AMX (AMD Zen 4) in `vdpbf16ps`
+//   lanes (each output one f32 lane, from y_old with `accumulate`, taking K's pairs in order);
+//   elsewhere (and with the portable kernel of the CPU tests) in the f32 kernel on the rounded
+//   operands. So bits differ between the three, while each is deterministic, batch-invariant
+//   and independent of the thread count.
 enum class MatmulPrecision { f32, bf16 };
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
@@ -72,15 +75,27 @@ class ScopedMatmulPrecision {
  private:
   MatmulPrecision before_;
 };
-// Whether bf16 products run on AMX here (the CPU has it and the kernel granted the tile state).
+// Whether bf16 products can run on AMX here (the CPU has it and the kernel granted the tile
+// state), and on AVX512-BF16.
 bool matmul_has_amx();
-// Whether CPU matmuls run on AMX now (the bf16 precision, AMX here, and no test forcing the
-// portable kernel): then a weight can be packed once (PackedWeight) instead of on every call.
+bool matmul_has_avx512_bf16();
+// The hardware the bf16 precision's CPU products run on now: AMX tiles, AVX512-BF16 dot products
+// (`vdpbf16ps`), or the f32 kernel on the rounded operands (slower than the f32 precision: no
+// bf16 hardware, or the portable kernel forced). The CPU's best, unless the environment variable
+// TANDEM_CPU_MATMUL_KERNEL says "avx512bf16" (skip AMX: its path on a CPU with both) or
+// "portable" (kernels/cpu/matmul.h, MatmulKernel).
+enum class MatmulBf16Path { amx, avx512_bf16, f32_kernel };
+MatmulBf16Path matmul_bf16_path();
+// "amx", "avx512bf16" or "f32-kernel": the path's name in bench cases and logs.
+const char* matmul_bf16_path_name(MatmulBf16Path path);
+// Whether CPU matmuls use packed weights now (the bf16 precision on AMX or AVX512-BF16): then a
+// weight can be packed once (PackedWeight) instead of on every call.
 bool matmul_packs_weights();
 
-// w (N, K) rounded and laid out in AMX tiles once: what every bf16 CPU matmul against w builds
-// anew. matmul(x, packed, y) gives bitwise matmul(x, w, y) while w keeps the values it had
-// when packed; the owner packs again (pack()) when they change. Needs matmul_packs_weights().
+// w (N, K) rounded and laid out in bf16 pairs (AMX's tile layout, which the AVX512-BF16 path
+// reads too) once: what every bf16 CPU matmul against w builds anew. matmul(x, packed, y) gives
+// bitwise matmul(x, w, y) while w keeps the values it had when packed; the owner packs again
+// (pack()) when they change. Needs matmul_packs_weights().
 class PackedWeight;
 // y (M, N) [+]= x (M, K) · w^T from a packed w. x: f32 or bf16; y: f32; all on the CPU.
 void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate = false);

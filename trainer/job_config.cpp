@@ -474,8 +474,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("placement.cpu_matmul", TANDEM_MEMBER(placement.cpu_matmul),
               "Arithmetic of every CPU matmul (rollout and training): \"f32\", or \"bf16\": "
               "operands rounded to bf16 and summed in f32, the mixed precision of the CUDA "
-              "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there; "
-              "elsewhere slower than f32). Weights, optimizer and all other ops stay f32."))
+              "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there), "
+              "else on AVX512-BF16 (vdpbf16ps, AMD Zen 4); without either slower than f32. "
+              "Weights, optimizer and all other ops stay f32."))
       .one_of({"f32", "bf16"});
   add(bind<J>("placement.ranks", TANDEM_MEMBER(placement.ranks),
               "Data-parallel ranks (colocated: each trains and runs a rollout engine), started by "

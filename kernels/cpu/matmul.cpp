@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -62,8 +64,41 @@ bool cpu_has_avx512() {
   return has;
 }
 
-bool use_avx512() { return g_kernel == MatmulKernel::automatic && cpu_has_avx512(); }
-bool use_amx() { return g_kernel == MatmulKernel::automatic && detail::amx_usable(); }
+// What `automatic` means: TANDEM_CPU_MATMUL_KERNEL, or the CPU's best.
+MatmulKernel kernel_of_environment() {
+  static const MatmulKernel kernel = [] {
+    const char* v = std::getenv("TANDEM_CPU_MATMUL_KERNEL");
+    const std::string_view name = v != nullptr ? v : "";
+    if (name.empty() || name == "auto") return MatmulKernel::automatic;
+    if (name == "avx512bf16") return MatmulKernel::avx512_bf16;
+    if (name == "portable") return MatmulKernel::portable;
+    TANDEM_FAIL(
+        "TANDEM_CPU_MATMUL_KERNEL='{}' names no CPU matmul kernel: set it to auto, avx512bf16 "
+        "(the bf16 precision skips AMX) or portable, or unset it",
+        name);
+  }();
+  return kernel;
+}
+
+MatmulKernel kernel() {
+  return g_kernel == MatmulKernel::automatic ? kernel_of_environment() : g_kernel;
+}
+
+bool use_avx512() { return kernel() != MatmulKernel::portable && cpu_has_avx512(); }
+
+// The hardware the bf16 precision's products run on now.
+MatmulBf16Path bf16_path() {
+  switch (kernel()) {
+    case MatmulKernel::portable:
+      return MatmulBf16Path::f32_kernel;
+    case MatmulKernel::automatic:
+      if (detail::amx_usable()) return MatmulBf16Path::amx;
+      [[fallthrough]];
+    case MatmulKernel::avx512_bf16:
+      if (detail::avx512_bf16_usable()) return MatmulBf16Path::avx512_bf16;
+  }
+  return MatmulBf16Path::f32_kernel;
+}
 
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
 // of the thread's share of N passes over it.
@@ -260,8 +295,8 @@ constexpr int64_t kAmxRowBlockBytes = int64_t{512} << 10;
 // Columns per work item (two 32-column groups).
 constexpr int64_t kAmxColBlock = 64;
 
-// The second operand in the AMX tile layout: round_up(N, 32) / 16 column groups of kp / 2
-// pair-rows (detail::amx_pack_pairs).
+// The second operand in the AMX tile layout (the AVX512-BF16 path's too): round_up(N, 32) / 16
+// column groups of kp / 2 pair-rows (detail::amx_pack_pairs).
 void pack_second(Second b, int64_t ldb, int64_t N, int64_t R, int64_t kp, uint16_t* bp) {
   parallel_for(
       round_up(N, 32) / 16,
@@ -282,11 +317,11 @@ struct First {
   bool transposed = false;
 };
 
-// y (M, N) [+]= a (M, R) · b^T on AMX, b packed by pack_second: packs a's rows, then the
-// (row block, 64-column block) items go to threads as they finish (each item sums whole
-// elements, so the bits do not depend on which thread runs it).
-void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, int64_t R, int64_t kp,
-                 bool accumulate) {
+// y (M, N) [+]= a (M, R) · b^T on AMX (`amx`) or AVX512-BF16, b packed by pack_second: packs
+// a's rows, then the (row block, 64-column block) items go to threads as they finish (each item
+// sums whole elements, so the bits do not depend on which thread runs it).
+void packed_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, int64_t R,
+                    int64_t kp, bool accumulate, bool amx) {
   if (M == 0 || N == 0) return;
   if (R == 0) {  // an empty sum
     if (!accumulate) std::fill(y, y + M * N, 0.0f);
@@ -307,8 +342,9 @@ void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, in
           detail::amx_pack_rows(static_cast<const char*>(a.src.data) + r0 * a.ld * esize,
                                 a.src.bf16, a.ld, r1 - r0, R, ap + r0 * kp, kp);
         }
+        // AMX reads whole 32-row groups; AVX512-BF16 reads only the M rows.
         const int64_t z0 = std::max(r0, r1);
-        if (g1 * 32 > z0)
+        if (amx && g1 * 32 > z0)
           std::memset(ap + z0 * kp, 0, static_cast<size_t>((g1 * 32 - z0) * kp) * 2);
       },
       4);
@@ -317,6 +353,22 @@ void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, in
   const int64_t row_blocks = (Mp + max_rows - 1) / max_rows;
   const int64_t block_rows = round_up((Mp + row_blocks - 1) / row_blocks, 32);
   const int64_t col_blocks = (Np + kAmxColBlock - 1) / kAmxColBlock;
+  if (!amx) {
+    // Items of the work of the rows there are (decode: few), so that a memory-bound product
+    // takes the threads the f32 kernel would.
+    const int64_t item_work = std::max<int64_t>(1, std::min(M, block_rows) * kAmxColBlock * kp);
+    parallel_for_dynamic(
+        row_blocks * col_blocks,
+        [&](int64_t item) {
+          const int64_t ib = item / col_blocks, jb = item % col_blocks;
+          const int64_t r0 = ib * block_rows, c0 = jb * kAmxColBlock;
+          detail::dp_blocks(ap + r0 * kp, std::min(M, r0 + block_rows) - r0, bp + c0 * kp,
+                            std::min(N, c0 + kAmxColBlock) - c0, kp, y + r0 * N + c0, N,
+                            accumulate);
+        },
+        std::max<int64_t>(1, kMinWorkPerThread / item_work));
+    return;
+  }
   const int64_t item_work = std::max<int64_t>(1, std::min(Mp, block_rows) * kAmxColBlock * kp);
   parallel_for_dynamic(
       row_blocks * col_blocks,
@@ -336,7 +388,8 @@ void amx_product(First a, const uint16_t* bp, float* y, int64_t M, int64_t N, in
 void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, bool accumulate) {
   const int64_t lda = a.ld > 0 ? a.ld : R;
   const int64_t ldb = b.src.ld > 0 ? b.src.ld : (b.transposed ? N : R);
-  if (!use_amx()) {
+  const MatmulBf16Path path = bf16_path();
+  if (path == MatmulBf16Path::f32_kernel) {
     // Round both operands to bf16 rows, then the f32 kernel on their exact widening.
     thread_local std::vector<uint16_t> a16, b16;
     thread_local std::vector<float> bt;
@@ -368,7 +421,7 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
   thread_local std::vector<uint16_t> b_buf;
   uint16_t* bp = grow(b_buf, round_up(N, 32) * kp);
   pack_second(b, ldb, N, R, kp, bp);
-  amx_product({a, lda}, bp, y, M, N, R, kp, accumulate);
+  packed_product({a, lda}, bp, y, M, N, R, kp, accumulate, path == MatmulBf16Path::amx);
 }
 
 }  // namespace
@@ -405,13 +458,15 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
   // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
   const int64_t ld = padded(M);
-  if (g_precision == MatmulPrecision::bf16 && use_amx()) {
+  const MatmulBf16Path path = bf16_path();
+  if (g_precision == MatmulPrecision::bf16 && path != MatmulBf16Path::f32_kernel) {
     // dyᵀ rounded and packed straight from dy; x as the rows of the second operand's transpose.
     const int64_t kp = round_up(M, detail::kAmxK);
     thread_local std::vector<uint16_t> b_buf;
     uint16_t* bp = grow(b_buf, round_up(K, 32) * kp);
     pack_second({rows_of(x), true}, K, K, M, kp, bp);
-    amx_product({rows_of(dy), N, true}, bp, dw.data_as<float>(), N, K, M, kp, accumulate);
+    packed_product({rows_of(dy), N, true}, bp, dw.data_as<float>(), N, K, M, kp, accumulate,
+                   path == MatmulBf16Path::amx);
     return;
   }
   if (g_precision == MatmulPrecision::bf16) {
@@ -438,11 +493,28 @@ namespace tandem::ops {
 void set_matmul_precision(MatmulPrecision precision) { cpu::g_precision = precision; }
 MatmulPrecision matmul_precision() { return cpu::g_precision; }
 bool matmul_has_amx() { return cpu::detail::amx_usable(); }
-bool matmul_packs_weights() { return cpu::g_precision == MatmulPrecision::bf16 && cpu::use_amx(); }
+bool matmul_has_avx512_bf16() { return cpu::detail::avx512_bf16_usable(); }
+MatmulBf16Path matmul_bf16_path() { return cpu::bf16_path(); }
+const char* matmul_bf16_path_name(MatmulBf16Path path) {
+  switch (path) {
+    case MatmulBf16Path::amx:
+      return "amx";
+    case MatmulBf16Path::avx512_bf16:
+      return "avx512bf16";
+    case MatmulBf16Path::f32_kernel:
+      break;
+  }
+  return "f32-kernel";
+}
+bool matmul_packs_weights() {
+  return cpu::g_precision == MatmulPrecision::bf16 &&
+         cpu::bf16_path() != MatmulBf16Path::f32_kernel;
+}
 
 void PackedWeight::pack(const Tensor& w) {
   TANDEM_CHECK(matmul_packs_weights(),
-               "PackedWeight needs the bf16 matmul precision on a CPU with AMX-BF16");
+               "PackedWeight needs the bf16 matmul precision on a CPU with AMX-BF16 or "
+               "AVX512-BF16 (and no portable kernel forced)");
   TANDEM_CHECK(
       w.device().is_cpu() && w.ndim() == 2 && (w.dtype() == DType::f32 || w.dtype() == DType::bf16),
       "PackedWeight: w must be a 2-d f32 or bf16 CPU tensor, got {} {}", w.shape(),
@@ -456,15 +528,16 @@ void PackedWeight::pack(const Tensor& w) {
 
 void matmul(const Tensor& x, const PackedWeight& w, const Tensor& y, bool accumulate) {
   TANDEM_CHECK(!w.empty() && matmul_packs_weights(),
-               "matmul with a PackedWeight needs one, the bf16 precision and AMX");
+               "matmul with a PackedWeight needs one, the bf16 precision and AMX-BF16 or "
+               "AVX512-BF16");
   TANDEM_CHECK(x.device().is_cpu() && y.device().is_cpu() && x.ndim() == 2 && y.ndim() == 2 &&
                    x.size(1) == w.cols() && y.size(0) == x.size(0) && y.size(1) == w.rows() &&
                    (x.dtype() == DType::f32 || x.dtype() == DType::bf16) && y.dtype() == DType::f32,
                "matmul: x {} {} against a packed w ({}, {}) into y {} {}", x.shape(),
                dtype_name(x.dtype()), w.rows(), w.cols(), y.shape(), dtype_name(y.dtype()));
   const int64_t M = x.size(0), N = w.rows(), K = w.cols();
-  cpu::amx_product({cpu::rows_of(x), K}, w.storage_.data() + w.data_, y.data_as<float>(), M, N, K,
-                   w.kp_, accumulate);
+  cpu::packed_product({cpu::rows_of(x), K}, w.storage_.data() + w.data_, y.data_as<float>(), M, N,
+                      K, w.kp_, accumulate, cpu::bf16_path() == MatmulBf16Path::amx);
 }
 
 }  // namespace tandem::ops

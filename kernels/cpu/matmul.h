@@ -16,9 +16,15 @@ void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate);
 void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate);
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate);
 
-// Which inner kernel the CPU matmuls use. Both compute every output element the same way, so
-// they give bitwise the same results; `portable` exists so that tests can prove it.
-enum class MatmulKernel { automatic, portable };
+// Which inner kernel the CPU matmuls use.
+// - automatic: the best this CPU has (f32: AVX-512; the bf16 precision: AMX, else AVX512-BF16).
+// - portable: the portable f32 kernel, bitwise the AVX-512 one (tests prove it); the bf16
+//   precision then runs it on the rounded operands.
+// - avx512_bf16: as automatic, but the bf16 precision skips AMX: its AVX512-BF16 path where the
+//   CPU has AVX512-BF16 (so that a CPU with AMX can run and test the path of one without).
+// `automatic` follows the environment variable TANDEM_CPU_MATMUL_KERNEL when set: "auto",
+// "avx512bf16" or "portable" (read once; anything else throws at the first matmul).
+enum class MatmulKernel { automatic, portable, avx512_bf16 };
 void set_matmul_kernel(MatmulKernel kernel);
 // Whether this CPU runs the AVX-512 kernel when the choice is `automatic`.
 bool matmul_has_avx512();
@@ -76,7 +82,8 @@ inline uint16_t bf16_bits_daz(float f) {
 }
 
 // The AMX path of the bf16 precision (kernels/cpu/matmul_amx.cpp). Packed operands have kp
-// values per row, K rounded up to kAmxK and zero-filled.
+// values per row, K rounded up to kAmxK and zero-filled. The AVX512-BF16 path reads the same
+// layouts (so one PackedWeight serves both); the packing needs AVX512-BF16, not AMX.
 inline constexpr int64_t kAmxK = 32;
 bool amx_usable();
 // dst rows (kp bf16 each) = src rows (k values, f32 or bf16, leading dimension ld), rounded.
@@ -99,6 +106,19 @@ void amx_pack_transposed(const void* src, bool bf16, int64_t ld, int64_t cols, i
 // zero, then added to y when `add`). Rows and columns past rows/cols are not written.
 void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t* b, int64_t col_groups,
                 int64_t kp, float* y, int64_t ldy, int64_t rows, int64_t cols, bool add);
+
+// The AVX512-BF16 path of the bf16 precision (kernels/cpu/matmul_avx512bf16.cpp), for CPUs
+// without AMX. Whether this CPU (and its OS) runs AVX-512 with AVX512-BF16:
+bool avx512_bf16_usable();
+// y (rows, cols; leading dimension ldy) [+]= a · b: a packed rows (amx_pack_rows: kp values
+// each, `rows` of them, no padding rows needed), b from its first 16-column group (amx_pack_pairs
+// or amx_pack_transposed; ceil(cols / 16) groups). Each output element is one f32 lane of
+// `vdpbf16ps` that starts at y_old (`add`) or +0 and takes K's pairs (k, k + 1), k = 0, 2, ...,
+// kp - 2, in order: acc = dpbf16(acc, (a_k, a_k+1), (b_k, b_k+1)) (the hardware adds the pair's
+// two products into acc its own way: on Intel, acc + p_k+1, then + p_k, each rounded). So the
+// element depends on its own row, b and kp only: not on rows, the tiling or the thread count.
+void dp_blocks(const uint16_t* a, int64_t rows, const uint16_t* b, int64_t cols, int64_t kp,
+               float* y, int64_t ldy, bool add);
 
 }  // namespace detail
 }  // namespace tandem::ops::cpu

@@ -1,5 +1,6 @@
 // The bf16 precision of the CPU matmul on AMX: operands rounded to bf16 and packed into the
-// tile layouts, then 32 x 32 output blocks of four 16 x 16 f32 accumulator tiles.
+// tile layouts (which the AVX512-BF16 path reads too), then 32 x 32 output blocks of four
+// 16 x 16 f32 accumulator tiles.
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -18,6 +19,8 @@
 
 #define TANDEM_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+// The packing, shared with the AVX512-BF16 path (CPUs without AMX).
+#define TANDEM_BF16_PACK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace tandem::ops::cpu::detail {
 namespace {
@@ -56,23 +59,25 @@ TANDEM_AMX void configure_tiles() {
 }
 
 // 16 f32 as bf16 (round to nearest even, denormal inputs as zero: bf16_bits_daz).
-TANDEM_AMX inline __m256i round16(__m512 v) {
+TANDEM_BF16_PACK inline __m256i round16(__m512 v) {
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
 }
 
-TANDEM_AMX inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-TANDEM_AMX inline __m512 load16(const uint16_t* p, __mmask16 m) {
+TANDEM_BF16_PACK inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+TANDEM_BF16_PACK inline __m512 load16(const uint16_t* p, __mmask16 m) {
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-TANDEM_AMX inline __mmask16 mask_of(int64_t n) {
+TANDEM_BF16_PACK inline __mmask16 mask_of(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
 // 32 bf16 lanes [lo0, hi0, lo1, hi1, ...] from rows lo and hi of 16 f32: one pair-row of a
 // column group.
-TANDEM_AMX inline __m512i interleave(__m512 lo, __m512 hi) {
+TANDEM_BF16_PACK inline __m512i interleave(__m512 lo, __m512 hi) {
   const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
                                          8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -80,8 +85,8 @@ TANDEM_AMX inline __m512i interleave(__m512 lo, __m512 hi) {
 }
 
 template <class T>
-TANDEM_AMX void pack_rows_impl(const T* src, int64_t ld, int64_t rows, int64_t k, uint16_t* dst,
-                               int64_t kp) {
+TANDEM_BF16_PACK void pack_rows_impl(const T* src, int64_t ld, int64_t rows, int64_t k,
+                                     uint16_t* dst, int64_t kp) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* s = src + r * ld;
     uint16_t* d = dst + r * kp;
@@ -93,8 +98,8 @@ TANDEM_AMX void pack_rows_impl(const T* src, int64_t ld, int64_t rows, int64_t k
 }
 
 template <class T>
-TANDEM_AMX void pack_pairs_impl(const T* src, int64_t ld, int64_t r_count, int64_t cols,
-                                uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
+TANDEM_BF16_PACK void pack_pairs_impl(const T* src, int64_t ld, int64_t r_count, int64_t cols,
+                                      uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t c0 = g * 16;
     const __mmask16 m = c0 < cols ? mask_of(cols - c0) : __mmask16(0);
@@ -108,8 +113,8 @@ TANDEM_AMX void pack_pairs_impl(const T* src, int64_t ld, int64_t r_count, int64
 }
 
 template <class T>
-TANDEM_AMX void pack_transposed_impl(const T* src, int64_t ld, int64_t cols, int64_t k,
-                                     uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
+TANDEM_BF16_PACK void pack_transposed_impl(const T* src, int64_t ld, int64_t cols, int64_t k,
+                                           uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t c0 = g * 16;
     const int64_t nc = std::clamp<int64_t>(cols - c0, 0, 16);
@@ -127,8 +132,9 @@ TANDEM_AMX void pack_transposed_impl(const T* src, int64_t ld, int64_t cols, int
 }
 
 template <class T>
-TANDEM_AMX void pack_rows_transposed_impl(const T* src, int64_t ld, int64_t r_count, int64_t rows,
-                                          uint16_t* dst, int64_t g0, int64_t g1, int64_t kp) {
+TANDEM_BF16_PACK void pack_rows_transposed_impl(const T* src, int64_t ld, int64_t r_count,
+                                                int64_t rows, uint16_t* dst, int64_t g0, int64_t g1,
+                                                int64_t kp) {
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * 16;
     const __mmask16 m = mask_of(rows - n0);

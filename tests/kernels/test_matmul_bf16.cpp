@@ -1,7 +1,11 @@
-// The bf16 precision of the CPU matmuls: against f64 references of the rounded operands, the
-// AMX path against the portable one within f32 summation error, batch invariance and
-// thread-count independence bit for bit, and the AMX packing against scalar rounding.
+// The bf16 precision of the CPU matmuls on each of its paths this CPU has (AMX, AVX512-BF16, and
+// always the portable one: the f32 kernel on the rounded operands, which stands in for a path the
+// CPU lacks): against f64 references of the rounded operands, batch invariance and
+// thread-count independence bit for bit, packed weights, the packing against scalar rounding,
+// and the AVX512-BF16 kernel against a scalar model of `vdpbf16ps`.
 #include <catch2/catch.hpp>
+
+#include <cpuid.h>
 
 #include <cmath>
 #include <cstring>
@@ -21,16 +25,34 @@ namespace cpu = tandem::ops::cpu;
 
 namespace {
 
-// The bf16 precision (and optionally the portable kernel) for one scope.
+// The bf16 precision with a kernel choice for one scope.
 struct Bf16Scope {
-  explicit Bf16Scope(bool portable = false) : precision(ops::MatmulPrecision::bf16) {
-    if (portable) cpu::set_matmul_kernel(cpu::MatmulKernel::portable);
+  explicit Bf16Scope(cpu::MatmulKernel kernel = cpu::MatmulKernel::automatic)
+      : precision(ops::MatmulPrecision::bf16) {
+    cpu::set_matmul_kernel(kernel);
   }
   ~Bf16Scope() { cpu::set_matmul_kernel(cpu::MatmulKernel::automatic); }
   Bf16Scope(const Bf16Scope&) = delete;
   Bf16Scope& operator=(const Bf16Scope&) = delete;
   ops::ScopedMatmulPrecision precision;
 };
+
+// The kernel choices that reach each bf16 path this CPU has: automatic (AMX, else
+// AVX512-BF16), avx512_bf16 where AMX would be taken otherwise, and the portable reference.
+std::vector<cpu::MatmulKernel> bf16_kernels() {
+  std::vector<cpu::MatmulKernel> k = {cpu::MatmulKernel::automatic};
+  if (cpu::detail::amx_usable() && cpu::detail::avx512_bf16_usable())
+    k.push_back(cpu::MatmulKernel::avx512_bf16);
+  k.push_back(cpu::MatmulKernel::portable);
+  if (!cpu::detail::avx512_bf16_usable())
+    WARN("no AVX512-BF16 here: only the portable bf16 path is exercised");
+  else if (!cpu::detail::amx_usable())
+    WARN("no AMX-BF16 here: the AMX path is not exercised");
+  return k;
+}
+
+// Where the path a kernel choice takes is named in a failure.
+std::string path_now() { return ops::matmul_bf16_path_name(ops::matmul_bf16_path()); }
 
 double rounded(double v) {
   return bf16_bits_to_f32(cpu::detail::bf16_bits_daz(static_cast<float>(v)));
@@ -126,26 +148,25 @@ constexpr Dims kShapes[] = {{7, 13, 37},  {65, 33, 577}, {1, 5, 16},   {3, 7, 1}
 
 }  // namespace
 
-TEST_CASE("bf16 matmuls match f64 products of the rounded operands", "[unit]") {
-  for (const bool portable : {false, true}) {
-    Bf16Scope scope(portable);
+TEST_CASE("bf16 matmuls match f64 products of the rounded operands on every path", "[unit]") {
+  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+    Bf16Scope scope(kernel);
     for (const Dims& d : kShapes)
       for (const Op op : {Op::forward, Op::backward_input, Op::backward_weight})
         for (const DType bt : {DType::f32, DType::bf16})
           for (const bool acc : {false, true}) {
             const DType at = op == Op::forward ? bt : DType::f32;
             const Run run = run_op(op, d.M, d.N, d.K, at, bt, acc, 900 + static_cast<int>(op));
-            check_run(run,
-                      fmt::format("portable={} op={} M={} N={} K={} {} accumulate={}", portable,
-                                  static_cast<int>(op), d.M, d.N, d.K, dtype_name(bt), acc));
+            check_run(run, fmt::format("path={} op={} M={} N={} K={} {} accumulate={}", path_now(),
+                                       static_cast<int>(op), d.M, d.N, d.K, dtype_name(bt), acc));
           }
   }
 }
 
 TEST_CASE("bf16 matmul rows are bitwise the same alone and inside batches of any size", "[unit]") {
-  for (const bool portable : {false, true}) {
-    Bf16Scope scope(portable);
-    INFO("portable=" << portable << " amx=" << ops::matmul_has_amx());
+  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+    Bf16Scope scope(kernel);
+    INFO("path=" << path_now());
     const int64_t N = 70, K = 200;
     const Tensor x = random_tensor({50, K}, DType::f32, 31);
     const Tensor w = random_tensor({N, K}, DType::bf16, 32);
@@ -163,25 +184,28 @@ TEST_CASE("bf16 matmul rows are bitwise the same alone and inside batches of any
 }
 
 TEST_CASE("bf16 matmul products are bitwise the same with 1 and 2 threads", "[unit]") {
-  Bf16Scope scope;
-  const int threads = num_threads();
-  const Tensor x = random_tensor({300, 96}, DType::f32, 41);
-  const Tensor w = random_tensor({200, 96}, DType::f32, 42);
-  const Tensor dy = random_tensor({300, 200}, DType::f32, 43);
-  auto all = [&] {
-    Tensor y = Tensor::empty({300, 200}, DType::f32), dx = Tensor::empty({300, 96}, DType::f32),
-           dw = Tensor::empty({200, 96}, DType::f32);
-    ops::matmul(x, w, y);
-    ops::matmul_backward_input(dy, w, dx);
-    ops::matmul_backward_weight(dy, x, dw);
-    return std::vector<Tensor>{y, dx, dw};
-  };
-  set_num_threads(1);
-  const std::vector<Tensor> one = all();
-  set_num_threads(2);
-  const std::vector<Tensor> two = all();
-  set_num_threads(threads);
-  for (size_t i = 0; i < one.size(); ++i) CHECK(bitwise_equal(one[i], two[i]));
+  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+    Bf16Scope scope(kernel);
+    INFO("path=" << path_now());
+    const int threads = num_threads();
+    const Tensor x = random_tensor({300, 96}, DType::f32, 41);
+    const Tensor w = random_tensor({200, 96}, DType::f32, 42);
+    const Tensor dy = random_tensor({300, 200}, DType::f32, 43);
+    auto all = [&] {
+      Tensor y = Tensor::empty({300, 200}, DType::f32), dx = Tensor::empty({300, 96}, DType::f32),
+             dw = Tensor::empty({200, 96}, DType::f32);
+      ops::matmul(x, w, y);
+      ops::matmul_backward_input(dy, w, dx);
+      ops::matmul_backward_weight(dy, x, dw);
+      return std::vector<Tensor>{y, dx, dw};
+    };
+    set_num_threads(1);
+    const std::vector<Tensor> one = all();
+    set_num_threads(2);
+    const std::vector<Tensor> two = all();
+    set_num_threads(threads);
+    for (size_t i = 0; i < one.size(); ++i) CHECK(bitwise_equal(one[i], two[i]));
+  }
 }
 
 TEST_CASE("bf16 rounding keeps NaN and infinities and sends denormals to zero", "[unit]") {
@@ -195,9 +219,9 @@ TEST_CASE("bf16 rounding keeps NaN and infinities and sends denormals to zero", 
   CHECK(cpu::detail::bf16_bits_daz(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);  // above the tie
 }
 
-TEST_CASE("AMX packing rounds as the scalar bf16 rounding and lays out tiles", "[unit]") {
-  if (!cpu::detail::amx_usable()) {
-    WARN("no AMX-BF16 here: the packing is not exercised");
+TEST_CASE("bf16 packing rounds as the scalar bf16 rounding and lays out pairs", "[unit]") {
+  if (!cpu::detail::avx512_bf16_usable()) {
+    WARN("no AVX512-BF16 here: the packing (AMX and AVX512-BF16 paths) is not exercised");
     return;
   }
   // Values across magnitudes, with denormals, ties, infinities and NaN.
@@ -248,29 +272,50 @@ TEST_CASE("AMX packing rounds as the scalar bf16 rounding and lays out tiles", "
 }
 
 TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[unit]") {
+  {
+    Bf16Scope portable(cpu::MatmulKernel::portable);
+    CHECK_THROWS_WITH(ops::PackedWeight(random_tensor({4, 4}, DType::f32, 1)),
+                      Catch::Contains("AVX512-BF16"));
+  }
   Bf16Scope scope;
   if (!ops::matmul_packs_weights()) {
-    WARN("no AMX-BF16 here: weights are not packed");
-    CHECK_THROWS_WITH(ops::PackedWeight(random_tensor({4, 4}, DType::f32, 1)),
-                      Catch::Contains("AMX"));
+    WARN("no AMX-BF16 or AVX512-BF16 here: weights are not packed");
     return;
   }
-  for (const DType wt : {DType::f32, DType::bf16}) {
-    for (const Dims& d : kShapes) {
-      INFO("M=" << d.M << " N=" << d.N << " K=" << d.K << " " << dtype_name(wt));
-      const Tensor x = random_tensor({d.M, d.K}, DType::f32, 51);
-      const Tensor w = random_tensor({d.N, d.K}, wt, 52);
-      const ops::PackedWeight packed(w);
-      CHECK(packed.rows() == d.N);
-      CHECK(packed.cols() == d.K);
-      for (const bool acc : {false, true}) {
-        Tensor want = random_tensor({d.M, d.N}, DType::f32, 53);
-        Tensor got = want.to(Device::cpu());
-        ops::matmul(x, w, want, acc);
-        ops::matmul(x, packed, got, acc);
-        CHECK(bitwise_equal(want, got));
+  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+    if (kernel == cpu::MatmulKernel::portable) continue;
+    cpu::set_matmul_kernel(kernel);
+    for (const DType wt : {DType::f32, DType::bf16}) {
+      for (const Dims& d : kShapes) {
+        INFO("path=" << path_now() << " M=" << d.M << " N=" << d.N << " K=" << d.K << " "
+                     << dtype_name(wt));
+        const Tensor x = random_tensor({d.M, d.K}, DType::f32, 51);
+        const Tensor w = random_tensor({d.N, d.K}, wt, 52);
+        const ops::PackedWeight packed(w);
+        CHECK(packed.rows() == d.N);
+        CHECK(packed.cols() == d.K);
+        for (const bool acc : {false, true}) {
+          Tensor want = random_tensor({d.M, d.N}, DType::f32, 53);
+          Tensor got = want.to(Device::cpu());
+          ops::matmul(x, w, want, acc);
+          ops::matmul(x, packed, got, acc);
+          CHECK(bitwise_equal(want, got));
+        }
       }
     }
+  }
+  cpu::set_matmul_kernel(cpu::MatmulKernel::automatic);
+  if (cpu::detail::amx_usable() && cpu::detail::avx512_bf16_usable()) {
+    // One layout for both paths: packed while AMX runs, used on AVX512-BF16.
+    const Tensor x = random_tensor({9, 70}, DType::f32, 54);
+    const Tensor w = random_tensor({33, 70}, DType::f32, 55);
+    const ops::PackedWeight packed(w);
+    cpu::set_matmul_kernel(cpu::MatmulKernel::avx512_bf16);
+    Tensor want = Tensor::empty({9, 33}, DType::f32), got = Tensor::empty({9, 33}, DType::f32);
+    ops::matmul(x, w, want);
+    ops::matmul(x, packed, got);
+    CHECK(bitwise_equal(want, got));
+    cpu::set_matmul_kernel(cpu::MatmulKernel::automatic);
   }
   // Moved, the packed copy stays valid; with the f32 precision it is refused.
   const Tensor x = random_tensor({3, 40}, DType::f32, 61);
@@ -294,4 +339,73 @@ TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[
   CHECK(bitwise_equal(want, got));
   ops::set_matmul_precision(ops::MatmulPrecision::f32);
   CHECK_THROWS_WITH(ops::matmul(x, b, got, false), Catch::Contains("bf16 precision"));
+}
+
+namespace {
+
+bool cpu_is_intel() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __get_cpuid(0, &a, &b, &c, &d);
+  return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "GenuineIntel"
+}
+
+// An f32 of `vdpbf16ps` with its denormals as zeros of their sign (DAZ in, FTZ out).
+float flush(float f) { return (float_bits(f) & 0x7f800000u) == 0 ? std::copysign(0.0f, f) : f; }
+
+}  // namespace
+
+TEST_CASE("the AVX512-BF16 kernel computes each output as a scalar model of vdpbf16ps", "[unit]") {
+  if (!cpu::detail::avx512_bf16_usable()) {
+    WARN("no AVX512-BF16 here: the portable path covers the bf16 precision instead");
+    return;
+  }
+  // Intel documents each lane of vdpbf16ps as acc += a1 b1, then acc += a0 b0, each an f32
+  // fused multiply-add (exact here: bf16 products fit in f32) with DAZ, FTZ and round to
+  // nearest even. Other vendors add the pair their own way: then only the f64 bounds above apply.
+  const bool intel = cpu_is_intel();
+  if (!intel) WARN("not an Intel CPU: the kernel is checked against the model within f32 error");
+  // Rows across register tiles (6) and columns across groups (16) and blocks (64); K across
+  // passes (256) with a zero-filled tail; large mixed-sign values for cancellation.
+  for (const Dims& d : {Dims{1, 5, 16}, Dims{7, 70, 37}, Dims{13, 129, 600}, Dims{6, 64, 512}}) {
+    const int64_t kp = (d.K + cpu::detail::kAmxK - 1) / cpu::detail::kAmxK * cpu::detail::kAmxK;
+    const Tensor a = random_tensor({d.M, d.K}, DType::f32, 71, -100.0, 100.0);
+    const Tensor b = random_tensor({d.N, d.K}, DType::f32, 72, -3.0, 3.0);
+    const int64_t groups = (d.N + 31) / 32 * 2;
+    std::vector<uint16_t> ap(static_cast<size_t>(d.M * kp)),
+        bp(static_cast<size_t>(groups * 16 * kp));
+    cpu::detail::amx_pack_rows(a.data(), false, d.K, d.M, d.K, ap.data(), kp);
+    cpu::detail::amx_pack_transposed(b.data(), false, d.K, d.N, d.K, bp.data(), 0, groups, kp);
+    for (const bool add : {false, true}) {
+      INFO("M=" << d.M << " N=" << d.N << " K=" << d.K << " accumulate=" << add);
+      const Tensor y0 = random_tensor({d.M, d.N}, DType::f32, 73);
+      Tensor y = y0.to(Device::cpu());
+      cpu::detail::dp_blocks(ap.data(), d.M, bp.data(), d.N, kp, y.data_as<float>(), d.N, add);
+      const float* init = y0.data_as<float>();
+      const float* got = y.data_as<float>();
+      const float* av = a.data_as<float>();
+      const float* bv = b.data_as<float>();
+      int64_t differ = 0, bad = 0;
+      for (int64_t i = 0; i < d.M; ++i)
+        for (int64_t j = 0; j < d.N; ++j) {
+          float acc = add ? flush(init[i * d.N + j]) : 0.0f;
+          double truth = add ? init[i * d.N + j] : 0.0, mag = std::abs(truth);
+          auto at = [](const float* v, int64_t r, int64_t k, int64_t K) {
+            return k < K ? rounded(v[r * K + k]) : 0.0;
+          };
+          for (int64_t k = 0; k < kp; k += 2) {
+            const double a0 = at(av, i, k, d.K), a1 = at(av, i, k + 1, d.K);
+            const double b0 = at(bv, j, k, d.K), b1 = at(bv, j, k + 1, d.K);
+            acc = flush(std::fma(static_cast<float>(a1), static_cast<float>(b1), acc));
+            acc = flush(std::fma(static_cast<float>(a0), static_cast<float>(b0), acc));
+            truth += a0 * b0 + a1 * b1;
+            mag += std::abs(a0 * b0) + std::abs(a1 * b1);
+          }
+          const float out = got[i * d.N + j];
+          differ += std::memcmp(&out, &acc, sizeof(float)) != 0;
+          bad += !(std::abs(out - truth) <= static_cast<double>(d.K + 2) * 0x1p-24 * mag + 1e-30);
+        }
+      CHECK(bad == 0);
+      if (intel) CHECK(differ == 0);
+    }
+  }
 }
