@@ -652,10 +652,15 @@ void Job::evaluate() {
   const double passk = solved / static_cast<double>(groups.size());
   const double mean_reward = reward_sum / static_cast<double>(i);
   const double eval_s = seconds_since(t0);
-  const nlohmann::ordered_json j{
-      {"step", state_.step},        {"eval/mean_reward", mean_reward}, {"eval/pass@1", p.pass1},
-      {"eval/pass@1_low", p.low},   {"eval/pass@1_high", p.high},      {"eval/pass@k", passk},
-      {"eval/k", job_.eval.pass_k}, {"eval/prompts", p.prompts},       {"eval/time_s", eval_s}};
+  nlohmann::ordered_json j{{"step", state_.step},
+                           {"eval/mean_reward", mean_reward},
+                           {"eval/pass@1", p.pass1},
+                           {"eval/pass@1_low", p.low},
+                           {"eval/pass@1_high", p.high}};
+  if (k > 1) j["eval/pass@k"] = passk;  // with one sample per prompt it is pass@1
+  j["eval/k"] = job_.eval.pass_k;
+  j["eval/prompts"] = p.prompts;
+  j["eval/time_s"] = eval_s;
   write_metrics(j);
   const std::string at_k = k > 1 ? fmt::format(", pass@{} {:.3f}", k, passk) : "";
   std::fprintf(stderr,

@@ -42,6 +42,7 @@ TEST_CASE("tandem train prints records and charts held-out pass at 1 with its 95
     INFO(m.dump());
     CHECK(m["eval/prompts"].get<int>() == 5);
     CHECK(m["eval/k"].get<int>() == 1);
+    CHECK(!m.contains("eval/pass@k"));  // pass@1 itself with one sample per prompt
     const double p = m["eval/pass@1"].get<double>();
     double low = 0, high = 0;
     tandem::trainer::wilson_interval(p * 5, 5, low, high);
