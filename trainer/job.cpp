@@ -32,6 +32,7 @@
 #include "trainer/data.h"
 #include "trainer/grpo.h"
 #include "trainer/job_start.h"
+#include "trainer/pass_interval.h"
 #include "trainer/report.h"
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
@@ -660,42 +661,54 @@ Updated Job::update_and_publish(const Selected& selected) {
   return u;
 }
 
-// Held-out prompts: eval.pass_k samples each; a sample is correct when the first reward function
-// gives it at least 1 (e.g. math_match).
+// Held-out prompts: eval.pass_k samples each, all in one batch through the engine; a sample is
+// correct when the first reward function gives it at least 1 (e.g. math_match). pass@1 comes
+// with its 95% interval over the prompts (trainer/pass_interval.h).
 void Job::evaluate() {
   if (eval_prompts_.empty()) return;
+  const auto t0 = Clock::now();
   const int k = static_cast<int>(job_.eval.pass_k);
   std::vector<Group> groups =
       generate(*engine_, m_, eval_prompts_, job_, k, job_.eval.temperature, 424242);
   const rewards::RewardBreakdown b = score(groups, rewards_, job_);
-  double reward_sum = 0, correct = 0, solved = 0;
+  double reward_sum = 0, solved = 0;
+  std::vector<double> correct_fraction;
   size_t i = 0;
   for (const Group& g : groups) {
-    bool any = false;
+    int64_t correct = 0;
     for (size_t j = 0; j < g.samples.size(); ++j, ++i) {
       reward_sum += b.total[i];
-      const bool ok = !b.values.empty() && b.values[0][i] >= 1.0;
-      correct += ok ? 1 : 0;
-      any = any || ok;
+      correct += !b.values.empty() && b.values[0][i] >= 1.0 ? 1 : 0;
     }
-    solved += any ? 1 : 0;
+    solved += correct > 0 ? 1 : 0;
+    correct_fraction.push_back(static_cast<double>(correct) /
+                               static_cast<double>(g.samples.size()));
   }
-  const double pass1 = correct / static_cast<double>(i), passk = solved / groups.size();
+  const PassInterval p = pass_at_1(correct_fraction);
+  const double passk = solved / static_cast<double>(groups.size());
   const double mean_reward = reward_sum / static_cast<double>(i);
-  const nlohmann::ordered_json j{{"step", state_.step},
-                                 {"eval/mean_reward", mean_reward},
-                                 {"eval/pass@1", pass1},
-                                 {"eval/pass@k", passk},
-                                 {"eval/k", job_.eval.pass_k}};
+  const double eval_s = seconds_since(t0);
+  nlohmann::ordered_json j{{"step", state_.step},
+                           {"eval/mean_reward", mean_reward},
+                           {"eval/pass@1", p.pass1},
+                           {"eval/pass@1_low", p.low},
+                           {"eval/pass@1_high", p.high}};
+  if (k > 1) j["eval/pass@k"] = passk;  // with one sample per prompt it is pass@1
+  j["eval/k"] = job_.eval.pass_k;
+  j["eval/prompts"] = p.prompts;
+  j["eval/time_s"] = eval_s;
   write_metrics(j);
-  std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
-               static_cast<long long>(state_.step), pass1, static_cast<long long>(k), passk,
-               mean_reward);
+  const std::string at_k = k > 1 ? fmt::format(", pass@{} {:.3f}", k, passk) : "";
+  std::fprintf(stderr,
+               "tandem: eval at step %lld: pass@1 %.3f (95%% interval %.3f-%.3f; %lld prompts x "
+               "%d)%s, reward %.3f, %.1f s\n",
+               static_cast<long long>(state_.step), p.pass1, p.low, p.high,
+               static_cast<long long>(p.prompts), k, at_k.c_str(), mean_reward, eval_s);
   write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
                (fs::path(job_.logging.dir) / "report.html").string(),
                fmt::format("tandem: {}", job_.source));
-  if (result_.first_eval_accuracy < 0) result_.first_eval_accuracy = pass1;
-  result_.last_eval_accuracy = pass1;
+  if (!result_.first_eval) result_.first_eval = p;
+  result_.last_eval = p;
 }
 
 // One line of metrics.jsonl, and its numbers as TensorBoard scalars.
