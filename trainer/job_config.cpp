@@ -486,6 +486,12 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "`tandem launch --nproc N` (or mpirun, srun, torchrun); 0: as many as the launcher "
               "started. rollout.prompts_per_step must be a multiple of it (docs/distributed.md)."))
       .range(0, 4096);
+  add(bind<J>("placement.rollout_tp", TANDEM_MEMBER(placement.rollout_tp),
+              "Ranks of one tensor-parallel rollout engine. Colocated: ranks/rollout_tp replicas "
+              "of consecutive ranks, each rank's engine holding its shard of the weights and "
+              "generating its replica's prompts. Must divide the ranks and the model's query "
+              "heads, MLP width and vocabulary (checked at start-up; docs/weight-sync.md)."))
+      .range(1, 4096);
   // distributed
   add(bind<J>("distributed.timeout_s", TANDEM_MEMBER(distributed.timeout_s),
               "Seconds that bound the rendezvous, every store wait and every collective: a dead "
