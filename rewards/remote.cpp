@@ -100,15 +100,13 @@ RemoteReward::RemoteReward(std::string name, Options options)
   }
 }
 
-RemoteReward::~RemoteReward() { drop_pool(); }
+RemoteReward::~RemoteReward() = default;
 
 std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& reused) {
   {
-    std::lock_guard lock(pool_mutex_);
-    reused = !pool_.empty();
+    auto c = idle_.take();
+    reused = c != nullptr;
     if (reused) {
-      auto c = std::move(pool_.back());
-      pool_.pop_back();
       return c;
     }
   }
@@ -128,25 +126,6 @@ std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& re
   return c;
 }
 
-void RemoteReward::give_back(std::unique_ptr<Connection> c) {
-  std::lock_guard lock(pool_mutex_);
-  pool_.push_back(std::move(c));
-}
-
-void RemoteReward::drop_pool() {
-  std::vector<std::unique_ptr<Connection>> dropped;
-  {
-    std::lock_guard lock(pool_mutex_);
-    dropped.swap(pool_);
-  }
-  for (auto& c : dropped) {
-    try {
-      c->transport->close();
-    } catch (...) {  // closing a dead socket may throw; nothing to do about it here
-    }
-  }
-}
-
 // Transport errors (refused, reset, timed out) and Overloaded are retried after a pause that
 // doubles; the connection of a transport error is dropped (a late answer could still arrive on
 // it). A refusal (InvalidRequest, Unauthorized), a protocol error or the server's own exception
@@ -162,11 +141,11 @@ auto RemoteReward::with_retries(const std::string& what, Call&& call) {
     try {
       c = take_connection(reused);
       auto result = call(*c->client);
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       return result;
     } catch (const at::transport::TTransportException& e) {
       last = fmt::format("transport error: {}", e.what());
-      drop_pool();
+      idle_.drop_all();
       // A pooled connection is dead after the server restarted: try a fresh one at once, once.
       if (reused && !stale_retried &&
           e.getType() != at::transport::TTransportException::TIMED_OUT) {
@@ -175,15 +154,15 @@ auto RemoteReward::with_retries(const std::string& what, Call&& call) {
       }
     } catch (const rpc::Overloaded& e) {
       last = fmt::format("server overloaded: {}", e.message);
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
     } catch (const rpc::Unauthorized& e) {
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       throw FatalRewardError(
           fmt::format("{}: {}: the server refused the token ({}): the token is wrong or missing; "
                       "set the reward's token (token_env in the job config) to the server's",
                       where, what, e.message));
     } catch (const rpc::InvalidRequest& e) {
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       throw Refused(
           fmt::format("{}: {}: the server refused the request: {}", where, what, e.message));
     } catch (const at::protocol::TProtocolException& e) {

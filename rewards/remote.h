@@ -6,6 +6,7 @@
 #include <mutex>
 #include <vector>
 
+#include "rewards/idle_connections.h"
 #include "rewards/reward.h"
 
 namespace tandem::rewards {
@@ -57,8 +58,6 @@ class RemoteReward : public RewardFunction {
   struct Connection;
   // A connected client from the pool, or a new one; returned after a successful request.
   std::unique_ptr<Connection> take_connection(bool& reused);
-  void give_back(std::unique_ptr<Connection> c);
-  void drop_pool();
   // Runs `call` on a connection with the retry policy; `what` names the request in errors.
   template <typename Call>
   auto with_retries(const std::string& what, Call&& call);
@@ -67,8 +66,7 @@ class RemoteReward : public RewardFunction {
   Options options_;
   std::string host_;
   int port_ = 0;
-  std::mutex pool_mutex_;
-  std::vector<std::unique_ptr<Connection>> pool_;  // idle, connected
+  IdleConnections<Connection> idle_;  // connected, between calls
   std::atomic<uint64_t> next_request_{0};
 };
 

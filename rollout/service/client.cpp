@@ -84,17 +84,15 @@ RolloutClient::RolloutClient(ClientOptions options) : options_(std::move(options
   check_range("backoff_ms", options_.backoff_ms, 0, 60'000);
 }
 
-RolloutClient::~RolloutClient() { drop_pool(); }
+RolloutClient::~RolloutClient() = default;
 
 std::unique_ptr<RolloutClient::Connection> RolloutClient::take_connection(bool& reused,
                                                                           int64_t timeout_ms) {
   const int ms = static_cast<int>(std::clamp<int64_t>(timeout_ms, 1, 1 << 30));
   {
-    std::lock_guard lock(pool_mutex_);
-    reused = !pool_.empty();
+    auto c = idle_.take();
+    reused = c != nullptr;
     if (reused) {
-      auto c = std::move(pool_.back());
-      pool_.pop_back();
       c->socket->setRecvTimeout(ms);
       c->socket->setSendTimeout(ms);
       return c;
@@ -114,25 +112,6 @@ std::unique_ptr<RolloutClient::Connection> RolloutClient::take_connection(bool& 
       std::make_unique<rpc::RolloutServiceClient>(bounded_binary_protocol(c->transport, limits));
   c->transport->open();
   return c;
-}
-
-void RolloutClient::give_back(std::unique_ptr<Connection> c) {
-  std::lock_guard lock(pool_mutex_);
-  pool_.push_back(std::move(c));
-}
-
-void RolloutClient::drop_pool() {
-  std::vector<std::unique_ptr<Connection>> dropped;
-  {
-    std::lock_guard lock(pool_mutex_);
-    dropped.swap(pool_);
-  }
-  for (auto& c : dropped) {
-    try {
-      c->transport->close();
-    } catch (...) {  // closing a dead socket may throw; nothing to do about it here
-    }
-  }
 }
 
 // Transport errors and Overloaded are retried after a pause that doubles, while the deadline
@@ -157,12 +136,12 @@ auto RolloutClient::with_retries(const char* what, Call&& call) {
       }
       c = take_connection(reused, left);
       auto result = call(*c->client);
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       return result;
     } catch (const at::transport::TTransportException& e) {
       last = fmt::format("transport error: {}", e.what());
       last_kind = CallFailure::transport;
-      drop_pool();
+      idle_.drop_all();
       // A pooled connection is dead after the worker restarted: try a fresh one at once, once.
       if (reused && !stale_retried &&
           e.getType() != at::transport::TTransportException::TIMED_OUT) {
@@ -172,22 +151,22 @@ auto RolloutClient::with_retries(const char* what, Call&& call) {
     } catch (const rpc::Overloaded& e) {
       last = fmt::format("overloaded: {}", e.message);
       last_kind = CallFailure::overloaded;
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
     } catch (const rpc::StaleWeights& e) {
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       throw CallError(CallFailure::stale_weights, fmt::format("{}: {}", where, e.message));
     } catch (const rpc::Unauthorized& e) {
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       throw CallError(CallFailure::unauthorized,
                       fmt::format("{}: the worker refused the token ({}): set the client's token "
                                   "to the worker's",
                                   where, e.message));
     } catch (const rpc::InvalidRequest& e) {
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       throw CallError(CallFailure::invalid,
                       fmt::format("{}: the worker refused the request: {}", where, e.message));
     } catch (const rpc::Internal& e) {
-      give_back(std::move(c));
+      idle_.give_back(std::move(c));
       throw CallError(CallFailure::internal,
                       fmt::format("{}: the worker failed: {}", where, e.message));
     } catch (const at::protocol::TProtocolException& e) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "rewards/idle_connections.h"
 #include "rollout/service/rpc/RolloutService.h"
 
 namespace tandem::rollout {
@@ -75,16 +76,13 @@ class RolloutClient {
  private:
   struct Connection;
   std::unique_ptr<Connection> take_connection(bool& reused, int64_t timeout_ms);
-  void give_back(std::unique_ptr<Connection> c);
-  void drop_pool();
   template <typename Call>
   auto with_retries(const char* what, Call&& call);
 
   ClientOptions options_;
   std::string host_;
   int port_ = 0;
-  std::mutex pool_mutex_;
-  std::vector<std::unique_ptr<Connection>> pool_;  // idle, connected
+  IdleConnections<Connection> idle_;  // connected, between calls
 };
 
 }  // namespace tandem::rollout
