@@ -41,6 +41,7 @@ rollout::FinishReason finish_of(rollout::rpc::FinishReason::type r) {
 
 struct RemoteRollout::Worker {
   std::string address;
+  std::string model;                               // the path it loaded, as its info() says
   std::unique_ptr<rollout::RolloutClient> client;  // weight updates and start-up checks
   int64_t version = 0;                             // the weights it serves, as last seen
   bool stale = false;                              // missed the latest push
@@ -81,6 +82,7 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
       try {
         info = w->client->info();
         w->version = w->client->weight_version();
+        w->model = info.model;
         break;
       } catch (const rollout::CallError& e) {
         TANDEM_CHECK(e.failure() == rollout::CallFailure::transport && Clock::now() < deadline,
@@ -127,12 +129,14 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
   po.attempts = pl.attempts;
   pool_ = std::make_unique<rollout::RolloutPool>(std::move(po));
 
-  push(policy, version);
-  for (const auto& w : workers_)
-    TANDEM_CHECK(!w->stale,
-                 "rollout worker {} did not take the job's weights at start (see the warning "
-                 "above): it must serve the model of model.path '{}' ({})",
-                 w->address, job.model.path, job.where("model.path"));
+  std::vector<std::string> errors = update_all(policy, version);
+  for (size_t i = 0; i < workers_.size(); ++i)
+    TANDEM_CHECK(!workers_[i]->stale,
+                 "rollout worker {} did not take the job's weights at start: it serves '{}' and "
+                 "the job trains '{}' ({}); start it with the job's model. It said: {}",
+                 workers_[i]->address, workers_[i]->model, job.model.path, job.where("model.path"),
+                 errors[i]);
+  report_push(errors);
 }
 
 RemoteRollout::~RemoteRollout() {
@@ -160,6 +164,10 @@ bool RemoteRollout::update(Worker& w, std::string& error) {
 }
 
 void RemoteRollout::push(const model::Weights& policy, uint64_t version) {
+  report_push(update_all(policy, version));
+}
+
+std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy, uint64_t version) {
   WeightPushStats st;
   st.version = static_cast<int64_t>(version) + offset_;
   const auto t0 = Clock::now();
@@ -183,13 +191,18 @@ void RemoteRollout::push(const model::Weights& policy, uint64_t version) {
     threads.emplace_back([this, i, &errors] { update(*workers_[i], errors[i]); });
   for (std::thread& t : threads) t.join();
   st.load_s = seconds_since(t1);
+  for (const auto& w : workers_) (w->stale ? st.missed : st.updated) += 1;
+  std::error_code ec;
+  if (!previous.empty() && previous != dir) fs::remove_all(previous, ec);
+  last_push_ = st;
+  return errors;
+}
+
+void RemoteRollout::report_push(const std::vector<std::string>& errors) {
+  const WeightPushStats& st = last_push_;
   std::string all;
   for (size_t i = 0; i < workers_.size(); ++i) {
-    if (!workers_[i]->stale) {
-      ++st.updated;
-      continue;
-    }
-    ++st.missed;
+    if (!workers_[i]->stale) continue;
     spdlog::warn(
         "rollout worker {} did not take weight version {}: {}; its requests go to the other "
         "workers until it takes them (tried again before each rollout)",
@@ -199,9 +212,6 @@ void RemoteRollout::push(const model::Weights& policy, uint64_t version) {
   TANDEM_CHECK(st.updated > 0,
                "no rollout worker of placement.workers took weight version {} ({}):{}", st.version,
                job_.where("placement.workers"), all);
-  std::error_code ec;
-  if (!previous.empty() && previous != dir) fs::remove_all(previous, ec);
-  last_push_ = st;
 }
 
 void RemoteRollout::catch_up() {

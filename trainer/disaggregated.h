@@ -57,6 +57,10 @@ class RemoteRollout {
 
  private:
   struct Worker;
+  // Writes the policy and updates every worker to it; each worker's error ("" when it took it).
+  std::vector<std::string> update_all(const model::Weights& policy, uint64_t version);
+  // Warns of the workers that missed the last push; throws when none took it.
+  void report_push(const std::vector<std::string>& errors);
   // Updates worker w to the latest pushed directory; false (and the reason) when it failed.
   bool update(Worker& w, std::string& error);
   void catch_up();

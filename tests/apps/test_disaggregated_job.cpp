@@ -11,10 +11,13 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "model/hf.h"
+#include "model/weights.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
@@ -187,4 +190,42 @@ TEST_CASE("a disaggregated job refuses a worker that does not answer naming it",
   INFO(colocated.out);
   CHECK(colocated.status != 0);
   CHECK(colocated.out.find("disaggregated") != std::string::npos);
+}
+
+TEST_CASE("a disaggregated job refuses a worker that serves a model of another shape",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-other-model");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  // The same vocabulary and tokenizer, one layer fewer.
+  tandem::model::ModelConfig c =
+      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
+  c.vocab_size = 49152;
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  c.num_layers = 1;
+  tandem::model::Weights w(c, tandem::DType::f32);
+  tandem::test::fill_random_weights(w, 5);
+  tandem::model::SaveOptions o;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
+    std::ifstream in(fs::path(tmp.file("model")) / f, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    o.extra_files[f] = ss.str();
+  }
+  tandem::model::save_hf(w, tmp.file("other"), o);
+
+  std::unique_ptr<tandem::test::Subprocess> worker;
+  const int port = start_worker(worker, tmp, tmp.file("other"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const auto r = train(tmp, job, "run",
+                       fmt::format("placement.mode=disaggregated "
+                                   "'placement.workers=[\"127.0.0.1:{}\"]'",
+                                   port));
+  INFO(r.out);
+  CHECK(r.status != 0);
+  CHECK(r.out.find(fmt::format("rollout worker 127.0.0.1:{} did not take the job's weights",
+                               port)) != std::string::npos);
+  CHECK(r.out.find("it serves '" + tmp.file("other") + "' and the job trains '" +
+                   tmp.file("model") + "'") != std::string::npos);
+  CHECK(worker->stop() == 0);
 }
