@@ -40,9 +40,13 @@ int run_train_command() {
   std::signal(SIGINT, on_interrupt);
   std::signal(SIGTERM, on_interrupt);
   const trainer::JobResult r = trainer::run_job(job, stop_requested);
-  if (r.first_eval_accuracy >= 0) {
-    std::fprintf(stderr, "tandem: %lld steps; held-out pass@1 %.3f -> %.3f\n",
-                 static_cast<long long>(r.steps_done), r.first_eval_accuracy, r.last_eval_accuracy);
+  if (r.first_eval) {
+    const trainer::PassInterval &a = *r.first_eval, &b = *r.last_eval;
+    std::fprintf(stderr,
+                 "tandem: %lld steps; held-out pass@1 %.3f [%.3f, %.3f] -> %.3f [%.3f, %.3f] "
+                 "(95%% intervals, %lld prompts)\n",
+                 static_cast<long long>(r.steps_done), a.pass1, a.low, a.high, b.pass1, b.low,
+                 b.high, static_cast<long long>(b.prompts));
   }
   return r.interrupted ? 130 : 0;
 }

@@ -33,12 +33,13 @@
 #include "trainer/disaggregated.h"
 #include "trainer/grpo.h"
 #include "trainer/job_start.h"
+#include "trainer/pass_interval.h"
 #include "trainer/report.h"
+#include "trainer/rollout_group.h"
 #include "trainer/shaping.h"
 #include "trainer/synthetic.h"
 #include "trainer/tensorboard.h"
 #include "trainer/train_step.h"
-#include "weight_sync/local.h"
 
 namespace tandem::trainer {
 namespace {
@@ -170,7 +171,7 @@ struct Selected {
 // The update and publish phases' result.
 struct Updated {
   TrainStepMetrics train;
-  weight_sync::PublishStats published;
+  PublishStats published;
   double train_s = 0, publish_s = 0;
 };
 
@@ -322,12 +323,6 @@ std::string format_eta(double seconds) {
   return fmt::format("{:.1f}h", seconds / 3600);
 }
 
-std::vector<weight_sync::Param> params_of(const model::Weights& w) {
-  std::vector<weight_sync::Param> params;
-  for (const model::NamedTensor& t : w.storage()) params.push_back({t.name, t.tensor});
-  return params;
-}
-
 rollout::EngineOptions engine_options(const JobConfig& job, const model::ModelConfig& c) {
   rollout::EngineOptions eo;
   eo.block_size = job.rollout.block_size;
@@ -400,7 +395,7 @@ class Job {
   std::vector<Prompt> draw_prompts(int64_t count, int64_t& skipped);
   Collected collect();
   Updated update_and_publish(const Selected& selected);
-  weight_sync::PublishStats publish();
+  PublishStats publish();
   void record(const Collected& c, const Selected& s, const Updated& u, double step_s, Role role);
   void evaluate();
   void checkpoint();
@@ -423,13 +418,11 @@ class Job {
   PromptStream stream_;
   std::vector<Prompt> eval_prompts_;  // the held-out prompts evaluated, rendered once
   rewards::RewardSet rewards_;
-  // Weight publish, weight_sync's single-rank path: with rollout.dtype = trainer.dtype the engine
-  // reads the trainer's tensors as they are and publishing moves no bytes; otherwise the engine
-  // has its own copy (same storage tensors in its dtype) and publishing casts each tensor into
-  // it. The engine then drops its prefix cache and stamps the version.
-  std::unique_ptr<model::Weights> rollout_copy_;
-  std::vector<weight_sync::Param> policy_params_, engine_params_;
-  std::unique_ptr<weight_sync::LocalPublisher> publisher_;
+  // The engine's weights and their publish through weight_sync: with rollout.dtype =
+  // trainer.dtype and rollout_tp = 1 the engine reads the trainer's tensors as they are and
+  // publishing moves no bytes; otherwise it has its own copy (its tensor-parallel shard, in its
+  // dtype) that publishing fills. The engine then drops its prefix cache and stamps the version.
+  std::unique_ptr<RolloutGroup> rollout_;
   std::unique_ptr<rollout::Engine> engine_;
   // Disaggregated (placement.mode): the workers that generate the training rollouts; engine_
   // then serves eval only.
@@ -477,19 +470,13 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
     reference_ = std::make_unique<model::Weights>(policy_.config(), DType::f32);
     reference_->copy_from(policy_);
   }
-  if (job.rollout.dtype != job.trainer.dtype)
-    rollout_copy_ = std::make_unique<model::Weights>(policy_.config(),
-                                                     dtype_from_name(job.rollout.dtype.c_str()));
-  const model::Weights& engine_weights = rollout_copy_ ? *rollout_copy_ : policy_;
-  policy_params_ = params_of(policy_);
-  engine_params_ = params_of(engine_weights);
-  publisher_ = std::make_unique<weight_sync::LocalPublisher>(policy_params_, engine_params_);
-  publisher_->publish(0);
-  engine_ = std::make_unique<rollout::Engine>(engine_weights, engine_options(job, m_.config()),
-                                              &m_.tok());
-  // pi_old is the trainer's policy: an engine sampling from other-precision weights reports
-  // logprobs of another policy, so the trainer computes its own.
-  if (!publisher_->zero_copy()) step_config_.always_recompute_old = true;
+  rollout_ = std::make_unique<RolloutGroup>(job, policy_, comm);
+  engine_ = std::make_unique<rollout::Engine>(rollout_->weights(), engine_options(job, m_.config()),
+                                              &m_.tok(), rollout_->tp_group());
+  // pi_old is the trainer's policy: an engine sampling from other-precision weights, or summing
+  // its tensor-parallel shards' partial products in another order, reports logprobs that are not
+  // the trainer's bitwise, so the trainer computes its own.
+  if (!rollout_->zero_copy() || rollout_->tp() > 1) step_config_.always_recompute_old = true;
   // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
   // far the workers' logprobs are from it (rollout_trainer_logp/*).
   if (job.placement.mode == "disaggregated") step_config_.always_recompute_old = true;
@@ -618,15 +605,22 @@ Collected Job::collect() {
     const uint64_t seed = static_cast<uint64_t>(job_.rollout.seed) * 1000003 +
                           static_cast<uint64_t>(state_.step) * 7919 +
                           static_cast<uint64_t>(round) * 0x9e3779b97f4a7c15ull;
-    // Every rank drew the same prompts; each generates and scores its contiguous share.
+    // Every rank drew the same prompts and scores and trains its contiguous share. Each rollout
+    // replica generates its ranks' shares (all its ranks the same requests in the same order:
+    // the share itself at rollout_tp = 1), and each rank keeps its own groups.
     const auto [first, last] = share(prompts.size(), rank_);
-    std::vector<Prompt> mine(std::make_move_iterator(prompts.begin() + first),
-                             std::make_move_iterator(prompts.begin() + last));
+    const auto [gen_first, gen_last] = rollout_->replica_prompts(prompts.size());
+    std::vector<Prompt> replica_prompts(prompts.begin() + static_cast<ptrdiff_t>(gen_first),
+                                        prompts.begin() + static_cast<ptrdiff_t>(gen_last));
     const auto t0 = Clock::now();
     std::vector<Group> groups;
-    if (!mine.empty())
-      groups = generate(*engine_, m_, std::move(mine), job_, static_cast<int>(job_.rollout.n),
-                        job_.rollout.temperature, seed, first, remote_.get());
+    if (!replica_prompts.empty())
+      groups =
+          generate(*engine_, m_, std::move(replica_prompts), job_, static_cast<int>(job_.rollout.n),
+                   job_.rollout.temperature, seed, gen_first, remote_.get());
+    groups = std::vector<Group>(
+        std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(first - gen_first)),
+        std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(last - gen_first)));
     c.rollout_s += seconds_since(t0);
 
     const auto t1 = Clock::now();
@@ -649,10 +643,10 @@ Collected Job::collect() {
   return c;
 }
 
-weight_sync::PublishStats Job::publish() {
+PublishStats Job::publish() {
   const auto version = static_cast<uint64_t>(state_.weight_version);
-  const weight_sync::PublishStats st = publisher_->publish(version);
-  engine_->set_weights(rollout_copy_ ? *rollout_copy_ : policy_, version);
+  const PublishStats st = rollout_->publish(version);
+  engine_->set_weights(rollout_->weights(), version);
   if (remote_) remote_->push(policy_, version);
   return st;
 }
@@ -675,42 +669,57 @@ Updated Job::update_and_publish(const Selected& selected) {
   return u;
 }
 
-// Held-out prompts: eval.pass_k samples each; a sample is correct when the first reward function
-// gives it at least 1 (e.g. math_match).
+// Held-out prompts: eval.pass_k samples each, all in one batch through the engine; a sample is
+// correct when the first reward function gives it at least 1 (e.g. math_match). pass@1 comes
+// with its 95% interval over the prompts (trainer/pass_interval.h). Every rank of the first
+// rollout replica generates (the engine's ranks make the same calls); the writer scores and
+// records.
 void Job::evaluate() {
   if (eval_prompts_.empty()) return;
+  const auto t0 = Clock::now();
   const int k = static_cast<int>(job_.eval.pass_k);
   std::vector<Group> groups =
       generate(*engine_, m_, eval_prompts_, job_, k, job_.eval.temperature, 424242);
+  if (role_ != Role::writer) return;
   const rewards::RewardBreakdown b = score(groups, rewards_, job_);
-  double reward_sum = 0, correct = 0, solved = 0;
+  double reward_sum = 0, solved = 0;
+  std::vector<double> correct_fraction;
   size_t i = 0;
   for (const Group& g : groups) {
-    bool any = false;
+    int64_t correct = 0;
     for (size_t j = 0; j < g.samples.size(); ++j, ++i) {
       reward_sum += b.total[i];
-      const bool ok = !b.values.empty() && b.values[0][i] >= 1.0;
-      correct += ok ? 1 : 0;
-      any = any || ok;
+      correct += !b.values.empty() && b.values[0][i] >= 1.0 ? 1 : 0;
     }
-    solved += any ? 1 : 0;
+    solved += correct > 0 ? 1 : 0;
+    correct_fraction.push_back(static_cast<double>(correct) /
+                               static_cast<double>(g.samples.size()));
   }
-  const double pass1 = correct / static_cast<double>(i), passk = solved / groups.size();
+  const PassInterval p = pass_at_1(correct_fraction);
+  const double passk = solved / static_cast<double>(groups.size());
   const double mean_reward = reward_sum / static_cast<double>(i);
-  const nlohmann::ordered_json j{{"step", state_.step},
-                                 {"eval/mean_reward", mean_reward},
-                                 {"eval/pass@1", pass1},
-                                 {"eval/pass@k", passk},
-                                 {"eval/k", job_.eval.pass_k}};
+  const double eval_s = seconds_since(t0);
+  nlohmann::ordered_json j{{"step", state_.step},
+                           {"eval/mean_reward", mean_reward},
+                           {"eval/pass@1", p.pass1},
+                           {"eval/pass@1_low", p.low},
+                           {"eval/pass@1_high", p.high}};
+  if (k > 1) j["eval/pass@k"] = passk;  // with one sample per prompt it is pass@1
+  j["eval/k"] = job_.eval.pass_k;
+  j["eval/prompts"] = p.prompts;
+  j["eval/time_s"] = eval_s;
   write_metrics(j);
-  std::fprintf(stderr, "tandem: eval at step %lld: pass@1 %.3f, pass@%lld %.3f, reward %.3f\n",
-               static_cast<long long>(state_.step), pass1, static_cast<long long>(k), passk,
-               mean_reward);
+  const std::string at_k = k > 1 ? fmt::format(", pass@{} {:.3f}", k, passk) : "";
+  std::fprintf(stderr,
+               "tandem: eval at step %lld: pass@1 %.3f (95%% interval %.3f-%.3f; %lld prompts x "
+               "%d)%s, reward %.3f, %.1f s\n",
+               static_cast<long long>(state_.step), p.pass1, p.low, p.high,
+               static_cast<long long>(p.prompts), k, at_k.c_str(), mean_reward, eval_s);
   write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
                (fs::path(job_.logging.dir) / "report.html").string(),
                fmt::format("tandem: {}", job_.source));
-  if (result_.first_eval_accuracy < 0) result_.first_eval_accuracy = pass1;
-  result_.last_eval_accuracy = pass1;
+  if (!result_.first_eval) result_.first_eval = p;
+  result_.last_eval = p;
 }
 
 // One line of metrics.jsonl, and its numbers as TensorBoard scalars.
@@ -799,6 +808,7 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
                               : static_cast<int64_t>(adamw_->m().nbytes() + adamw_->v().nbytes())) /
       (1024.0 * 1024.0);
   j["distributed/ranks"] = world_;
+  j["distributed/rollout_tp"] = rollout_->tp();
   j["tokens_per_s"] = static_cast<double>(tokens) / std::max(step_s, 1e-9);
   j["time/rollout_s"] = c.rollout_s;
   j["time/reward_s"] = c.reward_s;
@@ -938,8 +948,8 @@ std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& p
 }
 
 JobResult Job::run() {
-  // Rank 0 evaluates (the weights are the same on every rank).
-  const bool eval = role_ == Role::writer && job_.eval.every > 0 && !eval_prompts_.empty();
+  // The first rollout replica evaluates (the weights are the same on every rank), rank 0 records.
+  const bool eval = rollout_->replica() == 0 && job_.eval.every > 0 && !eval_prompts_.empty();
   const bool checkpoints = hooks_.checkpoints;
   if (eval) evaluate();
   while (state_.step < job_.trainer.steps) {
@@ -1001,6 +1011,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                "generates and trains whole groups, as many as every other; use a multiple of {} "
                "({})",
                job.rollout.prompts_per_step, world, world, job.where("rollout.prompts_per_step"));
+  check_rollout_tp(job, world);
   TANDEM_CHECK(world == 1 || job.placement.mode == "colocated",
                "a disaggregated job trains on one rank for now, and {} were started ({}): start "
                "`tandem train` alone ({})",

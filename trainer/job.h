@@ -6,17 +6,19 @@
 #include <atomic>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "trainer/data.h"
 #include "trainer/job_config.h"
+#include "trainer/pass_interval.h"
 
 namespace tandem::trainer {
 
 struct JobResult {
   int64_t steps_done = 0;
   bool interrupted = false;  // stopped by `stop` (Ctrl-C): a checkpoint was written
-  double first_eval_accuracy = -1, last_eval_accuracy = -1;  // pass@1; -1 when no eval ran
+  std::optional<PassInterval> first_eval, last_eval;  // held-out pass@1; none when no eval ran
 };
 
 // What a caller other than `tandem train` (the step benchmark) asks of the job.

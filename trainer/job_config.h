@@ -138,6 +138,9 @@ struct PlacementSection {
   // Data-parallel ranks, each a trainer with its own rollout engine (colocated); 0: as many as
   // the launcher started (tandem launch --nproc, mpirun, srun, torchrun; 1 without one).
   int64_t ranks = 0;
+  // Ranks of one rollout engine (tensor parallel; colocated: world / rollout_tp replicas of
+  // consecutive ranks). It divides the ranks and the model's heads, MLP width and vocabulary.
+  int64_t rollout_tp = 1;
   // Disaggregated (docs/serve.md "A disaggregated job"): the rollout workers (`tandem serve`)
   // that generate every step's samples, and how the job calls them.
   std::vector<std::string> workers;     // host:port of each

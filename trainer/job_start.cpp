@@ -114,9 +114,12 @@ void flatten(const toml::table& t, const std::string& prefix,
 }
 
 bool counts_on_resume(const std::string& key) {
-  if (key.starts_with("checkpoint.") || key.starts_with("logging.")) return false;
+  if (key.starts_with("checkpoint.") || key.starts_with("logging.") ||
+      key.starts_with("distributed."))
+    return false;
+  // placement.ranks: a checkpoint resumes on any world size (its optimizer ranges are resharded).
   for (const char* k : {"trainer.steps", "eval.every", "eval.max_prompts", "eval.pass_k",
-                        "eval.temperature", "placement.release_memory"})
+                        "eval.temperature", "placement.release_memory", "placement.ranks"})
     if (key == k) return false;
   return true;
 }

@@ -17,9 +17,16 @@
 namespace tandem::trainer {
 namespace {
 
+struct Point {
+  double step, value;
+  double low = NAN, high = NAN;  // the value's interval, when the series has one
+};
+
 struct Series {
   std::string key, label, color;
-  std::vector<std::pair<double, double>> points;  // (step, value)
+  std::vector<Point> points;
+  // Keys of the interval around each value (e.g. eval/pass@1_low and _high), drawn as error bars.
+  std::string low_key = {}, high_key = {};
 };
 
 struct Chart {
@@ -58,8 +65,10 @@ std::string svg(const Chart& c) {
   constexpr double W = 420, H = 230, L = 52, R = 12, T = 44, B = 30;
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
   for (const Series& s : c.series)
-    for (const auto& [x, y] : s.points) {
-      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+    for (const Point& p : s.points) {
+      x0 = std::min(x0, p.step), x1 = std::max(x1, p.step);
+      y0 = std::min({y0, p.value, std::isfinite(p.low) ? p.low : p.value});
+      y1 = std::max({y1, p.value, std::isfinite(p.high) ? p.high : p.value});
     }
   std::string out = fmt::format(
       "<svg class=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
@@ -90,14 +99,21 @@ std::string svg(const Chart& c) {
   for (const Series& s : c.series) {
     if (s.points.empty()) continue;
     std::string pts;
-    for (const auto& [x, y] : s.points) pts += fmt::format("{:.1f},{:.1f} ", px(x), py(y));
+    for (const Point& p : s.points) pts += fmt::format("{:.1f},{:.1f} ", px(p.step), py(p.value));
     out += fmt::format(
         "<polyline class=\"series\" data-key=\"{}\" data-points=\"{}\" "
         "fill=\"none\" stroke=\"{}\" stroke-width=\"2\" points=\"{}\"/>",
         escape(s.key), s.points.size(), s.color, pts);
-    for (const auto& [x, y] : s.points)
-      out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\" fill=\"{}\"/>", px(x),
-                         py(y), s.color);
+    for (const Point& p : s.points) {
+      out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\" fill=\"{}\"/>", px(p.step),
+                         py(p.value), s.color);
+      if (!std::isfinite(p.low) || !std::isfinite(p.high)) continue;
+      const double x = px(p.step), lo = py(p.low), hi = py(p.high);
+      out += fmt::format(
+          "<path class=\"interval\" data-key=\"{}\" stroke=\"{}\" stroke-width=\"1.5\" "
+          "d=\"M{:.1f},{:.1f}V{:.1f}M{:.1f},{:.1f}h8M{:.1f},{:.1f}h8\"/>",
+          escape(s.key), s.color, x, lo, hi, x - 4, lo, x - 4, hi);
+    }
     if (c.series.size() > 1) {
       out += fmt::format(
           "<rect x=\"{:.0f}\" y=\"{}\" width=\"10\" height=\"3\" fill=\"{}\"/>"
@@ -139,7 +155,13 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
   std::vector<Chart> charts = {
       {"reward (mean)", {{"reward/mean", "reward", "#1f77b4", {}}}},
       {"held-out accuracy",
-       {{"eval/pass@1", "pass@1", "#2ca02c", {}}, {"eval/pass@k", "pass@k", "#98df8a", {}}}},
+       {{"eval/pass@1",
+         "pass@1 (95% interval)",
+         "#2ca02c",
+         {},
+         "eval/pass@1_low",
+         "eval/pass@1_high"},
+        {"eval/pass@k", "pass@k", "#98df8a", {}}}},
       {"KL", {{"kl_ref", "to reference", "#d62728", {}}, {"kl_old", "to old", "#ff9896", {}}}},
       {"entropy", {{"entropy", "entropy", "#9467bd", {}}}},
       {"response length",
@@ -177,7 +199,12 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
       for (Series& s : c.series)
         if (j.contains(s.key) && j[s.key].is_number()) {
           const double v = j[s.key].get<double>();
-          if (std::isfinite(v)) s.points.emplace_back(step, v);
+          if (!std::isfinite(v)) continue;
+          Point p{step, v};
+          if (!s.low_key.empty() && j.contains(s.low_key) && j[s.low_key].is_number() &&
+              j.contains(s.high_key) && j[s.high_key].is_number())
+            p.low = j[s.low_key].get<double>(), p.high = j[s.high_key].get<double>();
+          s.points.push_back(p);
         }
   }
   std::string html = fmt::format(

@@ -1,7 +1,8 @@
 // report.html: a self-contained page (inline SVG, no scripts, no network) charting a run's
-// metrics.jsonl — reward, held-out accuracy, KL, entropy, response length, clip fraction,
-// throughput, dynamic sampling's groups, peak memory and time per phase. The job rewrites it after
-// every step; tests/apps/test_report_browser.cpp checks it in headless Chromium.
+// metrics.jsonl — reward, held-out accuracy (pass@1 with its 95% interval), KL, entropy, response
+// length, clip fraction, throughput, dynamic sampling's groups, peak memory and time per phase. The
+// job rewrites it after every step; tests/apps/test_report_browser.cpp checks it in headless
+// Chromium.
 #pragma once
 
 #include <string>

@@ -15,10 +15,15 @@
 
 #include "core/comm.h"
 #include "core/tensor.h"
-#include "weight_sync/local.h"
 #include "weight_sync/plan.h"
 
 namespace tandem::weight_sync {
+
+// One parameter as the two sides name it (HF names; storage tensors, e.g. a fused qkv).
+struct Param {
+  std::string name;
+  Tensor tensor;
+};
 
 struct SyncOptions {
   // Bound of the bytes a rank sends in one round, and of the bytes it receives in one round (each

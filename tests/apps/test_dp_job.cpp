@@ -332,3 +332,45 @@ TEST_CASE("tandem train deterministic with dynamic sampling and batch-std on 2 r
       "trainer.algorithm.advantage_scale=batch-std",
       {2}, 1.0);
 }
+
+// The job started by the launchers clusters run: Open MPI's mpirun, and Slurm's variables (as srun
+// sets them for each task) with the coordinator taken from the node list.
+TEST_CASE("tandem train under mpirun and under Slurm variables ends with the weights of 1 rank",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-launchers");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const std::string det = "trainer.deterministic=true";
+  const auto one = train(tmp, job, 1, "one", det);
+  INFO(one.out);
+  REQUIRE(one.status == 0);
+  auto args = [&](const std::string& name) {
+    return fmt::format("{} train {} logging.dir={} checkpoint.dir={} {}", tandem_bin(), job,
+                       tmp.file(name), tmp.file(name + "/ckpt"), det);
+  };
+
+  const auto mpi = tandem::test::run_shell(fmt::format(
+      "MASTER_PORT={} timeout -k 2 180 mpirun --allow-run-as-root --oversubscribe -np 2 "
+      "{} 2>&1",
+      tandem::test::free_port(), args("mpirun")));
+  INFO(mpi.out);
+  REQUIRE(mpi.status == 0);
+  CHECK(step_lines(tmp.file("mpirun/metrics.jsonl")).at(2)["distributed/ranks"] == 2);
+  CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"),
+                        tmp.file("mpirun/ckpt/step-3/policy")) == 0);
+
+  std::string script = "pids=''; ";
+  const int port = tandem::test::free_port();
+  for (int r = 0; r < 2; ++r)
+    script += fmt::format(
+        "SLURM_PROCID={} SLURM_NTASKS=2 SLURM_LOCALID={} SLURM_NODEID=0 "
+        "SLURM_STEP_NODELIST=localhost MASTER_PORT={} timeout -k 2 180 {} & pids=\"$pids $!\"; ",
+        r, r, port, args("slurm"));
+  script += "for p in $pids; do wait $p || echo failed $?; done";
+  const auto slurm = tandem::test::run_shell("bash -c '" + script + "' 2>&1");
+  INFO(slurm.out);
+  CHECK(slurm.out.find("failed") == std::string::npos);
+  CHECK(step_lines(tmp.file("slurm/metrics.jsonl")).at(2)["distributed/ranks"] == 2);
+  CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), tmp.file("slurm/ckpt/step-3/policy")) ==
+        0);
+}

@@ -35,7 +35,8 @@ TEST_CASE("A resume counts the changes of what is trained and not of bookkeeping
             before, resolved({"trainer.steps=500", "logging.dir=/tmp/x", "logging.level=debug",
                               "checkpoint.every=3", "checkpoint.resume=none",
                               "checkpoint.allow_config_change=true", "eval.every=7",
-                              "eval.pass_k=2", "placement.release_memory=false"}))
+                              "eval.pass_k=2", "placement.release_memory=false",
+                              "placement.ranks=4", "distributed.timeout_s=60"}))
             .empty());
   const std::vector<std::string> d = resume_config_differences(
       before, resolved({"trainer.lr=0.5", "rollout.n=4", "eval.split_fraction=0.2"}));

@@ -15,7 +15,8 @@ TEST_CASE("report html draws a chart per metric with one point per step", "[unit
     lines += "{\"step\": " + std::to_string(s) + ", \"reward/mean\": " + std::to_string(0.1 * s) +
              ", \"kl_ref\": 0.01, \"entropy\": 1.5, \"tokens_per_s\": 100, \"time/train_s\": 2}\n";
   }
-  lines += R"({"step": 5, "eval/pass@1": 0.75, "eval/pass@k": 1.0})"
+  lines += R"({"step": 5, "eval/pass@1": 0.75, "eval/pass@1_low": 0.6, "eval/pass@1_high": 0.85, )"
+           R"("eval/pass@k": 1.0})"
            "\n";
   const std::string metrics = tmp.write("metrics.jsonl", lines);
   const std::string html_path = tmp.file("report.html");
@@ -28,6 +29,9 @@ TEST_CASE("report html draws a chart per metric with one point per step", "[unit
   CHECK(html.find("7 metric lines") != std::string::npos);
   CHECK(html.find("data-key=\"reward/mean\" data-points=\"5\"") != std::string::npos);
   CHECK(html.find("data-key=\"eval/pass@1\" data-points=\"2\"") != std::string::npos);
+  // Only the eval line with an interval gets an error bar.
+  CHECK(html.find("class=\"interval\" data-key=\"eval/pass@1\"") != std::string::npos);
+  CHECK(html.find("class=\"interval\"") == html.rfind("class=\"interval\""));
   CHECK(html.find("data-key=\"time/train_s\" data-points=\"5\"") != std::string::npos);
   // A chart without data says so instead of drawing nothing; an optional chart whose metrics the
   // run never logged (the rollout/trainer logprob difference) is left out.

@@ -1,0 +1,129 @@
+// RolloutGroup: the engine weights of a colocated rank, its tensor-parallel replica, and their
+// publish through weight_sync (a plan from the trainer's replicated weights to the engines'
+// layout: every piece within the rank, so colocated publishing sends nothing).
+#include "trainer/rollout_group.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/gguf.h"
+#include "model/hf.h"
+#include "model/tensor_parallel.h"
+#include "trainer/job_config.h"
+#include "weight_sync/layout.h"
+#include "weight_sync/plan.h"
+
+namespace tandem::trainer {
+namespace {
+
+std::vector<weight_sync::ParamSpec> specs_of(const model::Weights& w) {
+  std::vector<weight_sync::ParamSpec> specs;
+  for (const model::NamedTensor& t : w.storage())
+    specs.push_back({t.name, t.tensor.shape(), w.dtype()});
+  return specs;
+}
+
+std::vector<weight_sync::Param> params_of(const model::Weights& w) {
+  std::vector<weight_sync::Param> params;
+  for (const model::NamedTensor& t : w.storage()) params.push_back({t.name, t.tensor});
+  return params;
+}
+
+// The config of the model at `path` (a .gguf file, an HF directory or its .safetensors file)
+// without its weights.
+model::ModelConfig config_at(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (fs::is_regular_file(path) && path.ends_with(".gguf"))
+    return model::config_from_gguf(model::GgufFile(path));
+  const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  return model::config_from_hf_file((dir / "config.json").string());
+}
+
+}  // namespace
+
+void check_rollout_tp(const JobConfig& job, int64_t world) {
+  const int64_t tp = job.placement.rollout_tp;
+  TANDEM_CHECK(world % tp == 0,
+               "placement.rollout_tp = {} does not divide the {} ranks: each rollout replica is "
+               "{} ranks of the job; start a multiple of {} ranks or set placement.rollout_tp to "
+               "a divisor of {} ({})",
+               tp, world, tp, tp, world, job.where("placement.rollout_tp"));
+  if (tp == 1) return;
+  const model::ModelConfig config = config_at(job.model.path);
+  try {
+    model::tp_shard_config(config, static_cast<int>(tp));
+  } catch (const Error& e) {
+    TANDEM_FAIL("placement.rollout_tp = {} does not fit the model '{}': {} ({})", tp,
+                job.model.path, e.what(), job.where("placement.rollout_tp"));
+  }
+}
+
+RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights& policy, Communicator* world)
+    : policy_(policy),
+      rank_(world != nullptr ? world->rank() : 0),
+      world_(world != nullptr ? world->size() : 1),
+      tp_(static_cast<int>(job.placement.rollout_tp)),
+      replica_(rank_ / tp_) {
+  const DType dtype = dtype_from_name(job.rollout.dtype.c_str());
+  if (tp_ > 1) {
+    std::vector<int> ranks;
+    for (int t = 0; t < tp_; ++t) ranks.push_back(replica_ * tp_ + t);
+    group_ = world->split(fmt::format("rollout{}", replica_), ranks);  // world: the store only
+    engine_weights_ =
+        std::make_unique<model::Weights>(model::tp_shard_config(policy.config(), tp_), dtype);
+  } else if (dtype != policy.dtype()) {
+    engine_weights_ = std::make_unique<model::Weights>(policy.config(), dtype);
+  }
+
+  // Source: every rank's trainer holds the full weights. Destination: replicas of tp ranks, each
+  // rank its shard (whole tensors at tp = 1) in rollout.dtype. The plan takes every piece from
+  // the destination rank itself.
+  const model::ModelConfig& c = policy.config();
+  const std::vector<weight_sync::ParamSpec> specs = specs_of(policy);
+  const weight_sync::Layout src = weight_sync::Layout::replicated(specs, world_);
+  const weight_sync::Layout dst =
+      (tp_ > 1 ? weight_sync::Layout::tensor_parallel(
+                     {c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size},
+                     specs, tp_, world_ / tp_)
+               : weight_sync::Layout::replicated(specs, world_))
+          .with_dtype(dtype);
+  std::vector<Tensor> from = weight_sync::bind(src, rank_, params_of(policy));
+  std::vector<Tensor> to = weight_sync::bind(dst, rank_, params_of(weights()));
+  for (size_t p = 0; p < from.size(); ++p) {
+    if (from[p].dtype() != to[p].dtype())
+      kinds_.push_back(Kind::cast);
+    else if (from[p].data() == to[p].data())
+      kinds_.push_back(Kind::shared);
+    else
+      kinds_.push_back(Kind::copied);
+  }
+  publisher_ = std::make_unique<weight_sync::Publisher>(weight_sync::ReshardPlan::make(src, dst),
+                                                        world, std::move(from), std::move(to));
+  publisher_->publish(0);
+}
+
+std::pair<size_t, size_t> RolloutGroup::replica_prompts(size_t count) const {
+  const auto n = static_cast<size_t>(world_), first = static_cast<size_t>(replica_ * tp_),
+             last = first + static_cast<size_t>(tp_);
+  return {count * first / n, count * last / n};
+}
+
+PublishStats RolloutGroup::publish(uint64_t version) {
+  const weight_sync::SyncStats s = publisher_->publish(version);
+  PublishStats st;
+  st.version = version;
+  for (const Kind k : kinds_) {
+    st.shared += k == Kind::shared ? 1 : 0;
+    st.copied += k == Kind::copied ? 1 : 0;
+    st.cast += k == Kind::cast ? 1 : 0;
+  }
+  st.bytes_written = s.bytes_copied + s.bytes_received;
+  st.bytes_sent = s.bytes_sent;
+  st.seconds = s.seconds;
+  return st;
+}
+
+}  // namespace tandem::trainer
