@@ -6,6 +6,9 @@
 #if TANDEM_HAS_OPENBLAS
 #include <cblas.h>
 #endif
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -282,6 +285,24 @@ int run_kernel_benches(const Options& opt) {
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (auto& [family, fn] : benches) fn(runner);
   return runner.emitted() > 0 && runner.errors() == 0 ? 0 : 1;
+}
+
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  TANDEM_CHECK(ok, "bench: no free loopback port");
+  return ntohs(a.sin_port);
+}
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+  return v[v.size() / 2];
 }
 
 }  // namespace tandem::bench

@@ -117,6 +117,10 @@ int run_serve_bench(const Options& opt, const std::string& model_path);
 
 // `tandem bench comm`: all-reduce and all-gather bandwidth over Gloo on loopback (2 ranks),
 // beside memcpy of the same bytes; returns the exit code.
+// Helpers of the benchmarks that start ranks: a loopback TCP port free now, and the median.
+int free_loopback_port();
+double median(std::vector<double> v);
+
 int run_comm_bench(const Options& opt);
 // `tandem bench sync`: weight publishing, one rank f32 -> bf16 beside memcpy, and ZeRO-4 ->
 // TP-2 x 2 over Gloo beside a raw all-gather of the same bytes, the bucket size swept; returns

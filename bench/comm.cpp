@@ -4,8 +4,6 @@
 // beside 1 (`tandem launch --nproc N -- tandem train configs/default.toml`).
 #include <fmt/format.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
@@ -27,24 +25,6 @@ namespace tandem::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  TANDEM_CHECK(ok, "bench comm: no free loopback port");
-  return ntohs(a.sin_port);
-}
-
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
 
 // Seconds of one memcpy of `bytes` (median), the limit a loopback transfer of them meets.
 double memcpy_seconds(size_t bytes, int reps) {
@@ -99,7 +79,7 @@ int run_comm_bench(const Options& opt) {
   constexpr int kRanks = 2;
   std::vector<size_t> sizes_mib =
       opt.quick ? std::vector<size_t>{1, 4} : std::vector<size_t>{1, 4, 16, 64, 256};
-  const int port = free_port();
+  const int port = free_loopback_port();
   std::vector<std::unique_ptr<Communicator>> comms(kRanks);
   {
     std::vector<std::thread> starters;

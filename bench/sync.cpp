@@ -4,9 +4,6 @@
 // process, each with its own communicator and sockets, as bench comm), beside a raw Gloo
 // all-gather of the same bytes in the same run, the bucket size swept.
 #include <fmt/format.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -31,24 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  TANDEM_CHECK(ok, "bench sync: no free loopback port");
-  return ntohs(a.sin_port);
 }
 
 model::ModelConfig config_of(const ModelShape& s, int64_t layers, bool bias) {
@@ -188,7 +167,7 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
       if (a != b) remote += plan.bytes(a, b);
   const auto mp = params_of(master);
 
-  const int port = free_port();
+  const int port = free_loopback_port();
   std::vector<std::unique_ptr<Communicator>> comms(kRanks);
   std::vector<std::vector<Tensor>> shards(kRanks);
   auto on_ranks = [&](const std::function<void(int)>& fn) {

@@ -20,6 +20,7 @@
 
 #include "model/hf.h"
 #include "model/weights.h"
+#include "tests/apps/dp_job.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
@@ -27,68 +28,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kRepo = TANDEM_SOURCE_DIR;
+using namespace tandem::test::dp_job;
 
-std::string tandem_bin() { return std::string(TANDEM_BIN_DIR) + "/tandem"; }
+const fs::path kRepo = TANDEM_SOURCE_DIR;
 
 std::string read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(std::move(j));
-  }
-  return out;
-}
-
-std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
-  return tmp.write("job.toml", R"(
-[model]
-path = ")" + model + R"("
-[data]
-synthetic_size = 64
-max_prompt_tokens = 96
-[rollout]
-prompts_per_step = 4
-n = 4
-max_new_tokens = 8
-num_blocks = 64
-[trainer]
-steps = 3
-lr = 1e-3
-minibatches = 2
-[[rewards]]
-name = "has_e"
-function = "regex_format"
-pattern = '.*e.*'
-[checkpoint]
-every = 0
-[eval]
-every = 0
-[logging]
-samples_every = 1
-[distributed]
-timeout_s = 30
-)");
-}
-
-// `tandem train` of the job on `ranks` processes (1: without a launcher) into tmp/<name>.
-tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::string& job,
-                                  int ranks, const std::string& name,
-                                  const std::string& overrides = "") {
-  const std::string args = fmt::format("train {} logging.dir={} checkpoint.dir={} {}", job,
-                                       tmp.file(name), tmp.file(name + "/ckpt"), overrides);
-  if (ranks == 1) return tandem::test::run_tandem(args, true, 120);
-  return tandem::test::run_tandem(
-      fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120);
 }
 
 // The largest |a - b| over every parameter of two HF directories.

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/apps/dp_job.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
@@ -18,62 +19,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(std::move(j));
-  }
-  return out;
-}
+using tandem::test::dp_job::step_lines;
+using tandem::test::dp_job::write_job;
 
-// The tiny random Llama (H = 4, Hkv = 2, F = 96, V = 49152: TP = 2 divides it, TP = 3 does not).
-// rollout.seed = 5: with the default seed a draw of step 2 of the TP-2 run lands on
+// The tiny random Llama of dp_job.h (H = 4, Hkv = 2, F = 96, V = 49152: TP = 2 divides it, TP = 3
+// does not). rollout.seed = 5: with the default seed a draw of step 2 of the TP-2 run lands on
 // another token than the one-rank run's (logits rounded apart by the sharded sums; the weights
 // after step 1 are equal bitwise), and the runs then diverge; seeds 5 and 9 give equal batches.
-std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
-  return tmp.write("job.toml", R"(
-[model]
-path = ")" + model + R"("
-[data]
-synthetic_size = 64
-max_prompt_tokens = 96
-[rollout]
-prompts_per_step = 4
-n = 4
-seed = 5
-max_new_tokens = 8
-num_blocks = 64
-[trainer]
-steps = 3
-lr = 1e-3
-minibatches = 2
-[[rewards]]
-name = "has_e"
-function = "regex_format"
-pattern = '.*e.*'
-[checkpoint]
-every = 0
-[eval]
-every = 0
-[logging]
-samples_every = 1
-[distributed]
-timeout_s = 30
-)");
-}
-
 tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::string& job,
                                   int ranks, const std::string& name,
                                   const std::string& overrides = "") {
-  const std::string args = fmt::format("train {} logging.dir={} checkpoint.dir={} {}", job,
-                                       tmp.file(name), tmp.file(name + "/ckpt"), overrides);
-  if (ranks == 1) return tandem::test::run_tandem(args, true, 120);
-  return tandem::test::run_tandem(
-      fmt::format("launch --nproc {} --grace-s 2 -- {}/tandem {}", ranks, TANDEM_BIN_DIR, args),
-      true, 120);
+  return tandem::test::dp_job::train(tmp, job, ranks, name, "rollout.seed=5 " + overrides);
 }
 
 }  // namespace

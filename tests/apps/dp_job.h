@@ -1,0 +1,73 @@
+// The tiny data-parallel job the multi-process job tests share: its TOML, `tandem train` on N
+// ranks through `tandem launch`, and the step lines of its metrics.jsonl.
+#pragma once
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/testutil.h"
+
+namespace tandem::test::dp_job {
+
+inline std::string tandem_bin() { return std::string(TANDEM_BIN_DIR) + "/tandem"; }
+
+// The lines of a metrics.jsonl that record a training step (eval lines left out).
+inline std::vector<nlohmann::json> step_lines(const std::filesystem::path& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// A tiny random model's 3-step job: 4 prompts x 4 samples a step, 2 minibatches, a regex reward.
+inline std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
+  return tmp.write("job.toml", R"(
+[model]
+path = ")" + model + R"("
+[data]
+synthetic_size = 64
+max_prompt_tokens = 96
+[rollout]
+prompts_per_step = 4
+n = 4
+max_new_tokens = 8
+num_blocks = 64
+[trainer]
+steps = 3
+lr = 1e-3
+minibatches = 2
+[[rewards]]
+name = "has_e"
+function = "regex_format"
+pattern = '.*e.*'
+[checkpoint]
+every = 0
+[eval]
+every = 0
+[logging]
+samples_every = 1
+[distributed]
+timeout_s = 30
+)");
+}
+
+// `tandem train` of the job on `ranks` processes (1: without a launcher) into tmp/<name>.
+inline CommandResult train(const TempDir& tmp, const std::string& job, int ranks,
+                           const std::string& name, const std::string& overrides = "") {
+  const std::string args = fmt::format("train {} logging.dir={} checkpoint.dir={} {}", job,
+                                       tmp.file(name), tmp.file(name + "/ckpt"), overrides);
+  if (ranks == 1) return run_tandem(args, true, 120);
+  return run_tandem(
+      fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120);
+}
+
+}  // namespace tandem::test::dp_job
