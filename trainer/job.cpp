@@ -30,6 +30,7 @@
 #include "trainer/append_file.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
+#include "trainer/disaggregated.h"
 #include "trainer/grpo.h"
 #include "trainer/job_start.h"
 #include "trainer/pass_interval.h"
@@ -206,12 +207,16 @@ void append(rewards::RewardBreakdown& b, const rewards::RewardBreakdown& more) {
 // the index of prompts[0] in its round, so that a prompt's samples do not depend on the rank.
 std::vector<Group> generate(rollout::Engine& engine, const model::LoadedModel& m,
                             std::vector<Prompt> prompts, const JobConfig& job, int n,
-                            double temperature, uint64_t seed, size_t first = 0) {
+                            double temperature, uint64_t seed, size_t first = 0,
+                            RemoteRollout* remote = nullptr) {
   std::vector<rollout::Request> requests;
   for (size_t i = 0; i < prompts.size(); ++i)
     requests.push_back({fmt::format("{}", i), prompts[i].rendered.tokens,
                         sampling(job, m, n, temperature, seed + 7919 * (first + i))});
-  std::vector<rollout::RequestOutput> outputs = engine.generate(std::move(requests));
+  // Disaggregated: the workers generate, the same requests.
+  std::vector<rollout::RequestOutput> outputs = remote != nullptr
+                                                    ? remote->generate(std::move(requests))
+                                                    : engine.generate(std::move(requests));
   std::vector<Group> groups(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     rollout::RequestOutput& o = outputs[i];
@@ -419,6 +424,9 @@ class Job {
   // dtype) that publishing fills. The engine then drops its prefix cache and stamps the version.
   std::unique_ptr<RolloutGroup> rollout_;
   std::unique_ptr<rollout::Engine> engine_;
+  // Disaggregated (placement.mode): the workers that generate the training rollouts; engine_
+  // then serves eval only.
+  std::unique_ptr<RemoteRollout> remote_;
   // One rank: AdamW. Several: each rank's range of the optimizer state (ZeRO).
   std::unique_ptr<AdamW> adamw_;
   std::unique_ptr<ShardedAdamW> sharded_;
@@ -469,6 +477,9 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   // its tensor-parallel shards' partial products in another order, reports logprobs that are not
   // the trainer's bitwise, so the trainer computes its own.
   if (!rollout_->zero_copy() || rollout_->tp() > 1) step_config_.always_recompute_old = true;
+  // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
+  // far the workers' logprobs are from it (rollout_trainer_logp/*).
+  if (job.placement.mode == "disaggregated") step_config_.always_recompute_old = true;
   trainer_ = sharded_ ? std::make_unique<PolicyTrainer>(policy_, reference_.get(), *sharded_,
                                                         schedule_, step_config_)
                       : std::make_unique<PolicyTrainer>(policy_, reference_.get(), *adamw_,
@@ -498,6 +509,9 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
 
   state_.config = to_toml(job);
   resume();
+  if (job.placement.mode == "disaggregated")
+    remote_ = std::make_unique<RemoteRollout>(job, m_, policy_,
+                                              static_cast<uint64_t>(state_.weight_version));
   if (role_ == Role::writer) {
     metrics_out_.emplace((fs::path(job.logging.dir) / "metrics.jsonl").string());
     samples_out_.emplace((fs::path(job.logging.dir) / "samples.jsonl").string());
@@ -603,7 +617,7 @@ Collected Job::collect() {
     if (!replica_prompts.empty())
       groups =
           generate(*engine_, m_, std::move(replica_prompts), job_, static_cast<int>(job_.rollout.n),
-                   job_.rollout.temperature, seed, gen_first);
+                   job_.rollout.temperature, seed, gen_first, remote_.get());
     groups = std::vector<Group>(
         std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(first - gen_first)),
         std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(last - gen_first)));
@@ -633,6 +647,7 @@ PublishStats Job::publish() {
   const auto version = static_cast<uint64_t>(state_.weight_version);
   const PublishStats st = rollout_->publish(version);
   engine_->set_weights(rollout_->weights(), version);
+  if (remote_) remote_->push(policy_, version);
   return st;
 }
 
@@ -807,6 +822,7 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   j["weight_sync/shared_tensors"] = u.published.shared;
   j["time/publish_s"] = u.publish_s;
   j["time/step_s"] = step_s;
+  if (remote_) remote_->add_metrics(j);
   write_metrics(j);
   if (hooks_.on_step) hooks_.on_step(j);
   write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
@@ -967,9 +983,9 @@ JobResult Job::run() {
 Dataset job_dataset(const JobConfig& job) { return make_data(job); }
 
 JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks) {
-  TANDEM_CHECK(job.placement.mode == "colocated" && job.placement.device == "cpu",
-               "placement {} on {} is not available yet: use colocated on cpu ({})",
-               job.placement.mode, job.placement.device, job.where("placement.mode"));
+  TANDEM_CHECK(job.placement.device == "cpu",
+               "placement {} on {} is not available yet: use cpu ({})", job.placement.mode,
+               job.placement.device, job.where("placement.mode"));
   TANDEM_CHECK(fs::exists(job.model.path), "model.path '{}' does not exist ({})", job.model.path,
                job.where("model.path"));
   // Process-wide, so that rollout and training compute alike; restored when the job returns.
@@ -996,6 +1012,10 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                "({})",
                job.rollout.prompts_per_step, world, world, job.where("rollout.prompts_per_step"));
   check_rollout_tp(job, world);
+  TANDEM_CHECK(world == 1 || job.placement.mode == "colocated",
+               "a disaggregated job trains on one rank for now, and {} were started ({}): start "
+               "`tandem train` alone ({})",
+               world, info.source, job.where("placement.mode"));
   std::unique_ptr<Communicator> comm;
   if (world > 1) {
     CommOptions o;

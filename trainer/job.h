@@ -1,6 +1,6 @@
-// The colocated GRPO job behind `tandem train`: rollout → rewards → advantages → (dynamic
+// The GRPO job behind `tandem train`: rollout → rewards → advantages → (dynamic
 // sampling) → update → weight publish → metrics, eval and checkpoints, on one rank or several
-// data-parallel ranks (docs/distributed.md).
+// data-parallel ranks (docs/distributed.md), or beside rollout workers (docs/serve.md).
 #pragma once
 
 #include <atomic>

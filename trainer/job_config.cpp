@@ -467,8 +467,11 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   // placement
   add(bind<J>(
           "placement.mode", TANDEM_MEMBER(placement.mode),
-          "Rollout and trainer placement: colocated (each rank trains and runs a rollout engine)."))
-      .one_of({"colocated"});
+          "Rollout and trainer placement: colocated (each rank trains and runs a rollout engine), "
+          "or disaggregated (rollout workers started by `tandem serve`, placement.workers, "
+          "generate every step's samples; the job trains, evaluates and pushes the new weights "
+          "to them after each step; docs/serve.md)."))
+      .one_of({"colocated", "disaggregated"});
   add(bind<J>("placement.device", TANDEM_MEMBER(placement.device), "Where the job runs."))
       .one_of({"cpu", "cuda"});
   add(bind<J>("placement.release_memory", TANDEM_MEMBER(placement.release_memory),
@@ -492,6 +495,29 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "generating its replica's prompts. Must divide the ranks and the model's query "
               "heads, MLP width and vocabulary (checked at start-up; docs/weight-sync.md)."))
       .range(1, 4096);
+  add(bind<J>("placement.workers", TANDEM_MEMBER(placement.workers),
+              "Disaggregated: the rollout workers, \"host:port\" each (`tandem serve`); each group "
+              "of a step goes to the one with the fewest calls in flight."));
+  add(bind<J>("placement.token_env", TANDEM_MEMBER(placement.token_env),
+              "Disaggregated: the environment variable holding the workers' shared token "
+              "(\"\": none, for workers on a loopback address)."));
+  add(bind<J>("placement.request_timeout_ms", TANDEM_MEMBER(placement.request_timeout_ms),
+              "Disaggregated: the deadline of one group's generate call on one worker; past it "
+              "the group goes to another worker."))
+      .range(1, 3.6e7);
+  add(bind<J>("placement.attempts", TANDEM_MEMBER(placement.attempts),
+              "Disaggregated: workers a group is tried on (a dead, overloaded or stale worker "
+              "passes it to the next) before the step fails."))
+      .range(1, 1000);
+  add(bind<J>("placement.max_in_flight_per_worker",
+              TANDEM_MEMBER(placement.max_in_flight_per_worker),
+              "Disaggregated: generate calls sent to one worker at once (at most the worker's "
+              "limits.max_in_flight)."))
+      .range(1, 1048576);
+  add(bind<J>("placement.connect_timeout_s", TANDEM_MEMBER(placement.connect_timeout_s),
+              "Disaggregated: at start, how long the job waits for every worker to answer before "
+              "it fails naming the one that did not."))
+      .above(0);
   // distributed
   add(bind<J>("distributed.timeout_s", TANDEM_MEMBER(distributed.timeout_s),
               "Seconds that bound the rendezvous, every store wait and every collective: a dead "
@@ -579,6 +605,32 @@ void check_job(const Config& c, JobConfig& j) {
     c.fail(
         "distributed.store",
         fmt::format("expected \"tcp\" or \"file:/shared/dir\", found \"{}\"", j.distributed.store));
+  const PlacementSection& pl = j.placement;
+  if (pl.mode == "disaggregated") {
+    if (pl.workers.empty())
+      c.fail("placement.workers",
+             "placement.mode = \"disaggregated\" needs at least one rollout worker, e.g. "
+             "workers = [\"127.0.0.1:9100\"] (start one with `tandem serve configs/serve.toml`)");
+    if (pl.device != "cpu")
+      c.fail("placement.device", "a disaggregated job trains on cpu only for now");
+    if (pl.ranks > 1)
+      c.fail("placement.ranks",
+             "a disaggregated job trains on one rank for now: set placement.ranks = 0 or 1");
+    std::set<std::string> seen;
+    for (const std::string& w : pl.workers) {
+      const auto colon = w.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == w.size() ||
+          w.find_first_not_of("0123456789", colon + 1) != std::string::npos)
+        c.fail("placement.workers", fmt::format("expected \"host:port\", found \"{}\"", w));
+      if (!seen.insert(w).second)
+        c.fail("placement.workers", fmt::format("\"{}\" is listed twice", w));
+    }
+  } else if (!pl.workers.empty()) {
+    c.fail("placement.workers",
+           fmt::format("workers are used by placement.mode = \"disaggregated\" only, and the "
+                       "mode is \"{}\" ({})",
+                       pl.mode, c.where("placement.mode")));
+  }
 
   const auto& items = c.get_tables("rewards");
   if (items.empty())

@@ -141,6 +141,14 @@ struct PlacementSection {
   // Ranks of one rollout engine (tensor parallel; colocated: world / rollout_tp replicas of
   // consecutive ranks). It divides the ranks and the model's heads, MLP width and vocabulary.
   int64_t rollout_tp = 1;
+  // Disaggregated (docs/serve.md "A disaggregated job"): the rollout workers (`tandem serve`)
+  // that generate every step's samples, and how the job calls them.
+  std::vector<std::string> workers;     // host:port of each
+  std::string token_env;                // the environment variable holding their token ("": none)
+  int64_t request_timeout_ms = 300000;  // a group's deadline on one worker
+  int64_t attempts = 4;                 // workers a group is tried on before the step fails
+  int64_t max_in_flight_per_worker = 8;
+  double connect_timeout_s = 30;  // start-up: how long to wait for every worker to answer
 };
 
 // Multi-rank jobs (docs/distributed.md): the Communicator's store, coordinator and timeout.

@@ -1,0 +1,231 @@
+// The disaggregated job over real processes: two `tandem serve` workers on a tiny random model
+// generate the rollouts of `tandem train`; the steps train the batches of the colocated job, and
+// every step finishes with all its samples when one worker is killed mid-run; start-up refusals.
+#include <fmt/format.h>
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/hf.h"
+#include "model/weights.h"
+#include "tests/model/tiny_model.h"
+#include "tests/testutil.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
+  return tmp.write("job.toml", R"(
+[model]
+path = ")" + model + R"("
+[data]
+synthetic_size = 64
+max_prompt_tokens = 96
+[rollout]
+prompts_per_step = 4
+n = 4
+max_new_tokens = 8
+num_blocks = 64
+[trainer]
+steps = 3
+lr = 1e-3
+[[rewards]]
+name = "has_e"
+function = "regex_format"
+pattern = '.*e.*'
+[checkpoint]
+every = 0
+[eval]
+every = 0
+)");
+}
+
+// `tandem serve` of `model` on a free loopback port; its port.
+int start_worker(std::unique_ptr<tandem::test::Subprocess>& worker,
+                 const tandem::test::TempDir& tmp, const std::string& model) {
+  const std::string config = tmp.write("serve.toml", fmt::format(R"([model]
+path = "{}"
+[engine]
+num_blocks = 256
+max_context = 256
+[server]
+port = 0
+[limits]
+max_prompt_tokens = 128
+max_new_tokens = 64
+max_n = 8
+)",
+                                                                 model));
+  worker = std::make_unique<tandem::test::Subprocess>(
+      std::vector<std::string>{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config});
+  const std::string line = worker->wait_for_line("listening on ", 30000);
+  INFO(worker->output());
+  REQUIRE(!line.empty());
+  return std::stoi(line.substr(13));
+}
+
+tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::string& job,
+                                  const std::string& name, const std::string& overrides = "") {
+  return tandem::test::run_tandem(fmt::format("train {} logging.dir={} checkpoint.dir={} {}", job,
+                                              tmp.file(name), tmp.file(name + "/ckpt"), overrides),
+                                  true, 180);
+}
+
+std::string disaggregated(int port0, int port1) {
+  return fmt::format(
+      "placement.mode=disaggregated 'placement.workers=[\"127.0.0.1:{}\", \"127.0.0.1:{}\"]' "
+      "placement.request_timeout_ms=30000",
+      port0, port1);
+}
+
+}  // namespace
+
+TEST_CASE("a disaggregated job on two workers trains the colocated job's batches", "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-job");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const auto colocated = train(tmp, job, "colocated");
+  INFO(colocated.out);
+  REQUIRE(colocated.status == 0);
+  const auto a = step_lines(tmp.file("colocated/metrics.jsonl"));
+  REQUIRE(a.size() == 3);
+
+  std::unique_ptr<tandem::test::Subprocess> w0, w1;
+  const int port0 = start_worker(w0, tmp, tmp.file("model"));
+  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  {
+    const auto remote = train(tmp, job, "remote", disaggregated(port0, port1));
+    INFO(remote.out);
+    REQUIRE(remote.status == 0);
+    const auto b = step_lines(tmp.file("remote/metrics.jsonl"));
+    REQUIRE(b.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("step " << i + 1 << ": " << b[i].dump());
+      CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
+      CHECK(b[i]["disaggregated/workers"] == 2);
+      CHECK(b[i]["disaggregated/workers_stale"] == 0);
+      // The workers sample as the job's own engine does (same seeds, weights and kernels).
+      CHECK(b[i]["response_tokens"] == a[i]["response_tokens"]);
+      CHECK(b[i]["reward/mean"].get<double>() == Approx(a[i]["reward/mean"].get<double>()));
+      CHECK(b[i]["old_logp_recomputed"] == 1);
+      CHECK(b[i]["rollout_trainer_logp/max_abs"].get<double>() < 1e-4);
+    }
+    // The weights written for the workers: the latest version only.
+    CHECK(fs::exists(tmp.file("remote/rollout-weights")));
+  }
+
+  {  // one worker killed mid-run
+    std::string out;
+    int status = -1;
+    std::thread run([&] {
+      const auto r = train(tmp, job, "killed", disaggregated(port0, port1));
+      out = r.out;
+      status = r.status;
+    });
+    for (int tries = 0; tries < 6000 && step_lines(tmp.file("killed/metrics.jsonl")).empty();
+         ++tries)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    REQUIRE(::kill(w1->pid(), SIGKILL) == 0);
+    run.join();
+    INFO(out);
+    REQUIRE(status == 0);
+    const auto b = step_lines(tmp.file("killed/metrics.jsonl"));
+    REQUIRE(b.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("step " << i + 1 << ": " << b[i].dump());
+      CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
+      CHECK(b[i]["dynamic_sampling/groups_generated"] == a[i]["dynamic_sampling/groups_generated"]);
+    }
+    CHECK(b[2]["disaggregated/workers_stale"] == 1);
+    CHECK(out.find("did not take weight version") != std::string::npos);
+    CHECK(w1->stop() == 128 + SIGKILL);
+  }
+  CHECK(w0->stop() == 0);
+}
+
+TEST_CASE("a disaggregated job refuses a worker that does not answer naming it", "[e2e]") {
+  const tandem::test::TempDir tmp("disaggregated-refusals");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const int port = tandem::test::free_port();
+  const auto r =
+      train(tmp, job, "none",
+            fmt::format("placement.mode=disaggregated 'placement.workers=[\"127.0.0.1:{}\"]' "
+                        "placement.connect_timeout_s=0.5",
+                        port));
+  INFO(r.out);
+  CHECK(r.status != 0);
+  CHECK(r.out.find(fmt::format("rollout worker 127.0.0.1:{} did not answer", port)) !=
+        std::string::npos);
+
+  const auto empty = train(tmp, job, "empty", "placement.mode=disaggregated");
+  INFO(empty.out);
+  CHECK(empty.status != 0);
+  CHECK(empty.out.find("placement.workers") != std::string::npos);
+
+  const auto colocated = train(tmp, job, "colocated", "'placement.workers=[\"127.0.0.1:1\"]'");
+  INFO(colocated.out);
+  CHECK(colocated.status != 0);
+  CHECK(colocated.out.find("disaggregated") != std::string::npos);
+}
+
+TEST_CASE("a disaggregated job refuses a worker that serves a model of another shape",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-other-model");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  // The same vocabulary and tokenizer, one layer fewer.
+  tandem::model::ModelConfig c =
+      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
+  c.vocab_size = 49152;
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  c.num_layers = 1;
+  tandem::model::Weights w(c, tandem::DType::f32);
+  tandem::test::fill_random_weights(w, 5);
+  tandem::model::SaveOptions o;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
+    std::ifstream in(fs::path(tmp.file("model")) / f, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    o.extra_files[f] = ss.str();
+  }
+  tandem::model::save_hf(w, tmp.file("other"), o);
+
+  std::unique_ptr<tandem::test::Subprocess> worker;
+  const int port = start_worker(worker, tmp, tmp.file("other"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const auto r = train(tmp, job, "run",
+                       fmt::format("placement.mode=disaggregated "
+                                   "'placement.workers=[\"127.0.0.1:{}\"]'",
+                                   port));
+  INFO(r.out);
+  CHECK(r.status != 0);
+  CHECK(r.out.find(fmt::format("rollout worker 127.0.0.1:{} did not take the job's weights",
+                               port)) != std::string::npos);
+  CHECK(r.out.find("it serves '" + tmp.file("other") + "' and the job trains '" +
+                   tmp.file("model") + "'") != std::string::npos);
+  CHECK(worker->stop() == 0);
+}
