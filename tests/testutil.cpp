@@ -21,6 +21,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "core/philox.h"
@@ -275,6 +276,34 @@ CommandResult run_shell(const std::string& cmd) {
   while (fgets(buf.data(), static_cast<int>(buf.size()), p) != nullptr) out += buf.data();
   const int status = pclose(p);
   return {WEXITSTATUS(status), out};
+}
+
+std::vector<RankResult> run_ranks(int n, const std::function<std::string(int)>& env_of,
+                                  const std::string& command, int limit_s) {
+  TempDir dir("ranks");
+  std::string script = "pids=''; ";
+  for (int r = 0; r < n; ++r)
+    script += env_of(r) + " timeout -k 2 " + std::to_string(limit_s) + " " + command + " > " +
+              dir.file(std::to_string(r)) + " 2>&1 & pids=\"$pids $!\"; ";
+  script += "for p in $pids; do wait $p; echo $?; done";
+  const auto res = run_shell("bash -c '" + script + "'");
+  std::vector<RankResult> results(static_cast<size_t>(n));
+  std::istringstream statuses(res.out);
+  for (int r = 0; r < n; ++r) {
+    RankResult& rr = results[static_cast<size_t>(r)];
+    statuses >> rr.status;
+    std::ifstream f(dir.file(std::to_string(r)));
+    std::stringstream ss;
+    ss << f.rdbuf();
+    rr.out = ss.str();
+  }
+  return results;
+}
+
+std::string torchrun_env(int r, int n, int port) {
+  return "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(n) +
+         " LOCAL_RANK=" + std::to_string(r) +
+         " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
 }
 
 Subprocess::Subprocess(const std::vector<std::string>& argv) {

@@ -85,6 +85,18 @@ CommandResult run_tandem(const std::string& args, bool merge_stderr = true, int 
 // A shell command line as it is: its exit status and stdout.
 CommandResult run_shell(const std::string& cmd);
 
+// The ranks of a multi-process test: `n` processes started at once, rank r as
+// `env_of(r) timeout -k 2 limit_s command` (env_of: shell assignments, e.g. torchrun_env), all
+// waited for; each rank's exit status and output (stdout and stderr).
+struct RankResult {
+  int status = -1;
+  std::string out;
+};
+std::vector<RankResult> run_ranks(int n, const std::function<std::string(int)>& env_of,
+                                  const std::string& command, int limit_s = 60);
+// torchrun's variables for rank r of n meeting at 127.0.0.1:port.
+std::string torchrun_env(int r, int n, int port);
+
 // A child process started from argv (no shell) whose stdout the test reads line by line; its
 // stderr goes to the test's. The destructor stops it (SIGTERM, then SIGKILL after 5 s) and reaps
 // it, so no test leaves a process behind.

@@ -19,38 +19,16 @@
 
 namespace {
 
+using tandem::test::RankResult;
 using tandem::test::run_shell;
 using tandem::test::TempDir;
 
-struct RankResult {
-  int status = -1;
-  std::string out;
-};
-
 std::string worker() { return std::string(TANDEM_BIN_DIR) + "/tandem_comm_worker"; }
 
-// Starts `n` workers at once, rank r with env_of(r) (shell assignments), waits for all (each
-// killed after limit_s) and returns each rank's exit status and output.
+// The comm workers: rank r with env_of(r) (shell assignments), each killed after limit_s.
 std::vector<RankResult> run_ranks(int n, const std::string& args,
                                   const std::function<std::string(int)>& env_of, int limit_s = 60) {
-  TempDir dir("comm_ranks");
-  std::string script = "pids=''; ";
-  for (int r = 0; r < n; ++r)
-    script += fmt::format("{} timeout -k 2 {} {} {} > {} 2>&1 & pids=\"$pids $!\"; ", env_of(r),
-                          limit_s, worker(), args, dir.file(std::to_string(r)));
-  script += "for p in $pids; do wait $p; echo $?; done";
-  const auto res = run_shell("bash -c '" + script + "'");
-  std::vector<RankResult> results(static_cast<size_t>(n));
-  std::istringstream statuses(res.out);
-  for (int r = 0; r < n; ++r) {
-    auto& rr = results[static_cast<size_t>(r)];
-    statuses >> rr.status;
-    std::ifstream f(dir.file(std::to_string(r)));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    rr.out = ss.str();
-  }
-  return results;
+  return tandem::test::run_ranks(n, env_of, worker() + " " + args, limit_s);
 }
 
 std::function<std::string(int)> torchrun_env(int n, int port, const std::string& extra = "") {

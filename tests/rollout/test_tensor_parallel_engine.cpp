@@ -16,45 +16,23 @@
 
 namespace {
 
+using tandem::test::RankResult;
 using tandem::test::run_shell;
 using tandem::test::TempDir;
-
-struct RankResult {
-  int status = -1;
-  std::string out;
-};
 
 // Starts `n` workers at once (a tensor-parallel group of n; one plain process when n is 1), waits
 // for all (each killed after limit_s) and returns each rank's exit status and output.
 // ok: every rank must exit 0 with its "ok rank" line.
 std::vector<RankResult> run_group(int n, const std::string& args, bool ok = true,
                                   int limit_s = 60) {
-  TempDir dir("tp_ranks");
   const int port = tandem::test::free_port();
-  std::string script = "pids=''; ";
-  for (int r = 0; r < n; ++r) {
-    const std::string env = n == 1
-                                ? std::string()
-                                : fmt::format(
-                                      "RANK={} WORLD_SIZE={} LOCAL_RANK={} MASTER_ADDR=127.0.0.1 "
-                                      "MASTER_PORT={} TANDEM_NUM_THREADS=1",
-                                      r, n, r, port);
-    script +=
-        fmt::format("{} timeout -k 2 {} {}/tandem_tp_worker {} > {} 2>&1 & pids=\"$pids $!\"; ",
-                    env, limit_s, TANDEM_BIN_DIR, args, dir.file(std::to_string(r)));
-  }
-  script += "for p in $pids; do wait $p; echo $?; done";
-  const auto res = run_shell("bash -c '" + script + "'");
-  std::vector<RankResult> results(static_cast<size_t>(n));
-  std::istringstream statuses(res.out);
-  for (int r = 0; r < n; ++r) {
-    RankResult& rr = results[static_cast<size_t>(r)];
-    statuses >> rr.status;
-    std::ifstream f(dir.file(std::to_string(r)));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    rr.out = ss.str();
-  }
+  const std::vector<RankResult> results = tandem::test::run_ranks(
+      n,
+      [&](int r) {
+        return n == 1 ? std::string()
+                      : tandem::test::torchrun_env(r, n, port) + " TANDEM_NUM_THREADS=1";
+      },
+      std::string(TANDEM_BIN_DIR) + "/tandem_tp_worker " + args, limit_s);
   for (int r = 0; r < n && ok; ++r) {
     INFO("rank " << r << " of " << n << " output:\n" << results[static_cast<size_t>(r)].out);
     REQUIRE(results[static_cast<size_t>(r)].status == 0);

@@ -13,39 +13,18 @@
 
 namespace {
 
+using tandem::test::RankResult;
 using tandem::test::run_shell;
 using tandem::test::TempDir;
-
-struct RankResult {
-  int status = -1;
-  std::string out;
-};
 
 // Starts n sync workers at once (torchrun's variables), waits for all (each killed after
 // limit_s) and returns each rank's exit status and output.
 std::vector<RankResult> run_ranks(int n, const std::string& args, const std::string& env = "",
                                   int limit_s = 60) {
-  TempDir dir("sync_ranks");
   const int port = tandem::test::free_port();
-  std::string script = "pids=''; ";
-  for (int r = 0; r < n; ++r)
-    script += fmt::format(
-        "RANK={} WORLD_SIZE={} LOCAL_RANK={} MASTER_ADDR=127.0.0.1 MASTER_PORT={} {} timeout -k 2 "
-        "{} {}/tandem_sync_worker {} > {} 2>&1 & pids=\"$pids $!\"; ",
-        r, n, r, port, env, limit_s, TANDEM_BIN_DIR, args, dir.file(std::to_string(r)));
-  script += "for p in $pids; do wait $p; echo $?; done";
-  const auto res = run_shell("bash -c '" + script + "'");
-  std::vector<RankResult> results(static_cast<size_t>(n));
-  std::istringstream statuses(res.out);
-  for (int r = 0; r < n; ++r) {
-    auto& rr = results[static_cast<size_t>(r)];
-    statuses >> rr.status;
-    std::ifstream f(dir.file(std::to_string(r)));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    rr.out = ss.str();
-  }
-  return results;
+  return tandem::test::run_ranks(
+      n, [&](int r) { return tandem::test::torchrun_env(r, n, port) + " " + env; },
+      std::string(TANDEM_BIN_DIR) + "/tandem_sync_worker " + args, limit_s);
 }
 
 void check_all_ok(const std::vector<RankResult>& results) {
