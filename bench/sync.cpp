@@ -19,6 +19,7 @@
 #include "kernels/ops.h"
 #include "model/weights.h"
 #include "trainer/optimizer.h"
+#include "trainer/rollout_group.h"
 #include "weight_sync/transfer.h"
 
 namespace tandem::bench {
@@ -47,19 +48,6 @@ model::ModelConfig config_of(const ModelShape& s, int64_t layers, bool bias) {
 }
 
 constexpr ModelShape kQwen25_05B{"qwen2.5-0.5b", 896, 4864, 14, 2, 64, 151936};
-
-std::vector<weight_sync::ParamSpec> specs_of(const model::Weights& w) {
-  std::vector<weight_sync::ParamSpec> out;
-  for (const model::NamedTensor& s : w.storage())
-    out.push_back({s.name, s.tensor.shape(), w.dtype()});
-  return out;
-}
-
-std::vector<weight_sync::Param> params_of(const model::Weights& w) {
-  std::vector<weight_sync::Param> out;
-  for (const model::NamedTensor& s : w.storage()) out.push_back({s.name, s.tensor});
-  return out;
-}
 
 // Seeded values in [-1, 1) (xorshift on this thread: the thread pool's Philox fill of 2 GB took
 // longer than the measurements on the loaded development machine).
@@ -104,10 +92,10 @@ void one_rank(const Options& opt, const char* name, const model::Weights& master
   const std::string case_name = fmt::format("{} one rank f32->bf16", name);
   if (!Runner(opt, {}).wants("publish", case_name)) return;
   model::Weights engine(master.config(), DType::bf16);
-  const auto specs = specs_of(master);
+  const auto specs = trainer::param_specs(master);
   const weight_sync::Layout src = weight_sync::Layout::replicated(specs, 1);
   const weight_sync::Layout dst = src.with_dtype(DType::bf16);
-  const auto mp = params_of(master), ep = params_of(engine);
+  const auto mp = trainer::params_of(master), ep = trainer::params_of(engine);
   weight_sync::Publisher pub(weight_sync::ReshardPlan::make(src, dst), nullptr,
                              weight_sync::bind(src, 0, mp), weight_sync::bind(dst, 0, ep));
   const int64_t written = parameter_bytes(engine), read = parameter_bytes(master);
@@ -153,19 +141,18 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
   // One set of full f32 master weights stands for every rank's (ZeRO-1/2: each rank keeps the
   // full parameters and owns a range of them); each rank sends only its range.
   const model::ModelConfig& c = master.config();
-  const auto specs = specs_of(master);
+  const auto specs = trainer::param_specs(master);
   const weight_sync::Layout src =
       weight_sync::Layout::zero(specs, kRanks, trainer::ShardedAdamW::kNormBlock);
-  const weight_sync::TpDims dims{c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                                 c.vocab_size};
   const weight_sync::Layout dst =
-      weight_sync::Layout::tensor_parallel(dims, specs, 2, 2).with_dtype(DType::bf16);
+      weight_sync::Layout::tensor_parallel(trainer::tp_dims(c), specs, 2, 2)
+          .with_dtype(DType::bf16);
   const weight_sync::ReshardPlan plan = weight_sync::ReshardPlan::make(src, dst);
   int64_t remote = 0;
   for (int a = 0; a < kRanks; ++a)
     for (int b = 0; b < kRanks; ++b)
       if (a != b) remote += plan.bytes(a, b);
-  const auto mp = params_of(master);
+  const auto mp = trainer::params_of(master);
 
   const int port = free_loopback_port();
   std::vector<std::unique_ptr<Communicator>> comms(kRanks);

@@ -19,7 +19,19 @@
 namespace tandem::trainer {
 namespace {
 
-std::vector<weight_sync::ParamSpec> specs_of(const model::Weights& w) {
+// The config of the model at `path` (a .gguf file, an HF directory or its .safetensors file)
+// without its weights.
+model::ModelConfig config_at(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (fs::is_regular_file(path) && path.ends_with(".gguf"))
+    return model::config_from_gguf(model::GgufFile(path));
+  const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  return model::config_from_hf_file((dir / "config.json").string());
+}
+
+}  // namespace
+
+std::vector<weight_sync::ParamSpec> param_specs(const model::Weights& w) {
   std::vector<weight_sync::ParamSpec> specs;
   for (const model::NamedTensor& t : w.storage())
     specs.push_back({t.name, t.tensor.shape(), w.dtype()});
@@ -32,17 +44,9 @@ std::vector<weight_sync::Param> params_of(const model::Weights& w) {
   return params;
 }
 
-// The config of the model at `path` (a .gguf file, an HF directory or its .safetensors file)
-// without its weights.
-model::ModelConfig config_at(const std::string& path) {
-  namespace fs = std::filesystem;
-  if (fs::is_regular_file(path) && path.ends_with(".gguf"))
-    return model::config_from_gguf(model::GgufFile(path));
-  const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
-  return model::config_from_hf_file((dir / "config.json").string());
+weight_sync::TpDims tp_dims(const model::ModelConfig& c) {
+  return {c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size};
 }
-
-}  // namespace
 
 void check_rollout_tp(const JobConfig& job, int64_t world) {
   const int64_t tp = job.placement.rollout_tp;
@@ -82,12 +86,10 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights& policy, C
   // rank its shard (whole tensors at tp = 1) in rollout.dtype. The plan takes every piece from
   // the destination rank itself.
   const model::ModelConfig& c = policy.config();
-  const std::vector<weight_sync::ParamSpec> specs = specs_of(policy);
+  const std::vector<weight_sync::ParamSpec> specs = param_specs(policy);
   const weight_sync::Layout src = weight_sync::Layout::replicated(specs, world_);
   const weight_sync::Layout dst =
-      (tp_ > 1 ? weight_sync::Layout::tensor_parallel(
-                     {c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size},
-                     specs, tp_, world_ / tp_)
+      (tp_ > 1 ? weight_sync::Layout::tensor_parallel(tp_dims(c), specs, tp_, world_ / tp_)
                : weight_sync::Layout::replicated(specs, world_))
           .with_dtype(dtype);
   std::vector<Tensor> from = weight_sync::bind(src, rank_, params_of(policy));

@@ -12,11 +12,19 @@
 
 #include "core/comm.h"
 #include "model/weights.h"
+#include "weight_sync/layout.h"
 #include "weight_sync/transfer.h"
 
 namespace tandem::trainer {
 
 struct JobConfig;
+
+// A model's parameters as weight_sync names them: the storage tensors (fused qkv and gate_up)
+// with their shapes and dtype, the tensors themselves, and the dimensions of a tensor-parallel
+// split.
+std::vector<weight_sync::ParamSpec> param_specs(const model::Weights& w);
+std::vector<weight_sync::Param> params_of(const model::Weights& w);
+weight_sync::TpDims tp_dims(const model::ModelConfig& c);
 
 // Checks placement.rollout_tp against the world size and the model (model::tp_shard_config, on
 // the config of job.model.path: only that is read) before any connection; throws tandem::Error

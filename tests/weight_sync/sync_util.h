@@ -9,6 +9,7 @@
 #include "kernels/ops.h"
 #include "model/config.h"
 #include "model/weights.h"
+#include "trainer/rollout_group.h"
 #include "weight_sync/layout.h"
 
 namespace tandem::test {
@@ -42,16 +43,8 @@ inline void fill_sync_weights(model::Weights& w, uint64_t seed) {
   }
 }
 
-inline weight_sync::TpDims tp_dims(const model::ModelConfig& c) {
-  return {c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size};
-}
-
-inline std::vector<weight_sync::ParamSpec> param_specs(const model::Weights& w) {
-  std::vector<weight_sync::ParamSpec> out;
-  for (const model::NamedTensor& s : w.storage())
-    out.push_back({s.name, s.tensor.shape(), w.dtype()});
-  return out;
-}
+using trainer::param_specs;
+using trainer::tp_dims;
 
 // What a rank's local tensor of `shard` holds when the parameter is `full`, cast to dtype
 // (elements the shard does not hold stay zero).
