@@ -4,11 +4,13 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/protocol/TProtocolException.h>
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TTransportException.h>
 
+#include <future>
 #include <new>
 
 #include "core/error.h"
@@ -275,6 +277,44 @@ std::shared_ptr<at::TProcessor> report_refused_requests(
     std::shared_ptr<at::TProcessor> inner,
     std::function<void(const std::string& peer, const std::string& why)> on_refused) {
   return std::make_shared<ReportingProcessor>(std::move(inner), std::move(on_refused));
+}
+
+namespace {
+
+class ReadySignal : public at::server::TServerEventHandler {
+ public:
+  explicit ReadySignal(std::shared_ptr<std::promise<void>> ready) : ready_(std::move(ready)) {}
+  void preServe() override { ready_->set_value(); }
+
+ private:
+  std::shared_ptr<std::promise<void>> ready_;
+};
+
+}  // namespace
+
+std::thread serve_when_listening(std::shared_ptr<at::server::TServer> server,
+                                 const std::string& name) {
+  auto ready = std::make_shared<std::promise<void>>();
+  std::future<void> listening = ready->get_future();
+  server->setServerEventHandler(std::make_shared<ReadySignal>(ready));
+  std::thread thread([server, ready, name] {
+    try {
+      server->serve();
+    } catch (...) {  // bind or listen failed: before preServe, so the promise is still unset
+      try {
+        ready->set_exception(std::current_exception());
+      } catch (const std::future_error&) {  // failed after it listened: nobody is waiting
+        spdlog::error("{}: stopped serving", name);
+      }
+    }
+  });
+  try {
+    listening.get();
+  } catch (...) {
+    thread.join();
+    throw;
+  }
+  return thread;
 }
 
 }  // namespace tandem

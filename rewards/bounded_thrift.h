@@ -8,6 +8,7 @@
 #include <thrift/TConfiguration.h>
 #include <thrift/TProcessor.h>
 #include <thrift/protocol/TProtocol.h>
+#include <thrift/server/TServer.h>
 #include <thrift/transport/TTransport.h>
 
 #include <atomic>
@@ -15,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
 namespace tandem {
 
@@ -56,5 +58,11 @@ std::shared_ptr<apache::thrift::protocol::TProtocolFactory> bounded_binary_proto
 std::shared_ptr<apache::thrift::TProcessor> report_refused_requests(
     std::shared_ptr<apache::thrift::TProcessor> inner,
     std::function<void(const std::string& peer, const std::string& why)> on_refused);
+
+// Starts server->serve() on a new thread and returns the thread once the server listens. When it
+// cannot (bind or listen failed) the thread is joined and the server's exception is rethrown. A
+// failure after it listened is logged naming `name` ("reward server 'x'").
+std::thread serve_when_listening(std::shared_ptr<apache::thrift::server::TServer> server,
+                                 const std::string& name);
 
 }  // namespace tandem

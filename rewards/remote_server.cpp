@@ -125,15 +125,6 @@ class Handler : public rpc::RewardServiceIf {
 };
 
 // Tells the constructor that the server listens.
-class ReadySignal : public at::server::TServerEventHandler {
- public:
-  explicit ReadySignal(std::promise<void>& ready) : ready_(ready) {}
-  void preServe() override { ready_.set_value(); }
-
- private:
-  std::promise<void>& ready_;
-};
-
 }  // namespace
 
 struct RewardServer::Impl {
@@ -142,7 +133,6 @@ struct RewardServer::Impl {
   std::shared_ptr<Handler> handler;
   std::atomic<int64_t> refused{0};
   std::shared_ptr<at::server::TThreadedServer> server;
-  std::promise<void> ready;  // set when the server listens, or with why it could not
   std::thread thread;
 };
 
@@ -185,23 +175,9 @@ RewardServer::RewardServer(std::shared_ptr<RewardFunction> function, Options opt
                               }),
       m.socket, bounded_framed_transport_factory(limits), bounded_binary_protocol_factory(limits));
   m.server->setConcurrentClientLimit(m.options.max_connections);
-  std::future<void> listening = m.ready.get_future();
-  m.server->setServerEventHandler(std::make_shared<ReadySignal>(m.ready));
-  m.thread = std::thread([&m] {
-    try {
-      m.server->serve();
-    } catch (...) {  // bind or listen failed: before preServe, so the promise is still unset
-      try {
-        m.ready.set_exception(std::current_exception());
-      } catch (const std::future_error&) {  // failed after it listened: nobody is waiting
-        spdlog::error("reward server '{}': stopped serving", m.options.name);
-      }
-    }
-  });
   try {
-    listening.get();
+    m.thread = serve_when_listening(m.server, fmt::format("reward server '{}'", m.options.name));
   } catch (const std::exception& e) {
-    m.thread.join();
     TANDEM_FAIL("reward server: cannot listen on {}:{}: {}", m.options.host, m.options.port,
                 e.what());
   }

@@ -81,15 +81,6 @@ class ActiveCalls : public at::TProcessorEventHandler {
 };
 
 // Tells the constructor that the server listens.
-class ReadySignal : public at::server::TServerEventHandler {
- public:
-  explicit ReadySignal(std::promise<void>& ready) : ready_(ready) {}
-  void preServe() override { ready_.set_value(); }
-
- private:
-  std::promise<void>& ready_;
-};
-
 }  // namespace
 
 bool is_loopback_host(const std::string& host) {
@@ -171,7 +162,6 @@ struct RolloutServer::Impl {
 
   std::shared_ptr<at::transport::TServerSocket> socket;
   std::shared_ptr<at::server::TThreadedServer> server;
-  std::promise<void> ready;
   std::thread serve_thread;
 
   // Queues a task for the engine thread; false when it has stopped (the task is dropped).
@@ -719,23 +709,10 @@ RolloutServer::RolloutServer(model::LoadedModel model, model::PromptFormat forma
       std::make_shared<CountingFactory>(processor, m), m.socket,
       bounded_framed_transport_factory(limits), bounded_binary_protocol_factory(limits));
   m.server->setConcurrentClientLimit(m.options.max_connections);
-  std::future<void> listening = m.ready.get_future();
-  m.server->setServerEventHandler(std::make_shared<ReadySignal>(m.ready));
-  m.serve_thread = std::thread([&m] {
-    try {
-      m.server->serve();
-    } catch (...) {  // bind or listen failed: before preServe, so the promise is still unset
-      try {
-        m.ready.set_exception(std::current_exception());
-      } catch (const std::future_error&) {  // failed after it listened: nobody is waiting
-        spdlog::error("rollout server '{}': stopped serving", m.options.name);
-      }
-    }
-  });
   try {
-    listening.get();
+    m.serve_thread =
+        serve_when_listening(m.server, fmt::format("rollout server '{}'", m.options.name));
   } catch (const std::exception& e) {
-    m.serve_thread.join();
     {
       std::lock_guard lock(m.mutex);
       m.stopping = true;
