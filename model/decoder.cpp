@@ -69,11 +69,8 @@ struct Buffers {
   int64_t head_rows = 0;
   LayerGrads grads;  // (training)
   // Tensor parallelism (inference): the tokens whose embedding rows this rank holds (emb_ids:
-  // their ids in its vocabulary shard; emb_rows: their rows in T), the head's logits of its
-  // shard, every rank's gathered, and the rows that interleave those into (B, V).
-  Tensor emb_ids, emb_rows;          // (T), (T) i32
-  Tensor shard_logits, rank_logits;  // (B, V/tp), (tp, B, V/tp)
-  Tensor logit_rows;                 // (B tp) i32
+  // their ids in its vocabulary shard; emb_rows: their rows in T).
+  Tensor emb_ids, emb_rows;  // (T), (T) i32
 };
 
 LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
@@ -134,9 +131,6 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
   if (tp > 1) {
     b.emb_ids = p.take({T}, DType::i32);
     b.emb_rows = p.take({T}, DType::i32);
-    b.shard_logits = p.take({B, V});
-    b.rank_logits = p.take({tp, B, V});
-    b.logit_rows = p.take({B * tp}, DType::i32);
   }
   if (mode == Mode::training) {
     b.logits = p.take({T, V});
@@ -518,8 +512,8 @@ struct Decoder::Impl {
   // Host scratch of the inference calls, grown to the largest batch seen.
   std::vector<int32_t> decode_cu;  // (B + 1)
   std::vector<float> ones_host;    // (T) (biases only)
-  // Tensor parallelism: Buffers::emb_ids, emb_rows and logit_rows on the host.
-  std::vector<int32_t> emb_ids_host, emb_rows_host, logit_rows_host;
+  // Tensor parallelism: Buffers::emb_ids and emb_rows on the host.
+  std::vector<int32_t> emb_ids_host, emb_rows_host;
   bool have_forward = false;
   float temperature = 1.0f;
 
@@ -589,31 +583,11 @@ struct Decoder::Impl {
     tp->all_reduce(b.resid[0]);  // (T, C) f32
   }
 
-  // logits_out (B, V) = the head of h (B, C). Tensor parallel: each rank's (B, V/tp) logits are
-  // all-gathered ((tp, B, V/tp) f32 on every rank) and interleaved into (B, V) by a row gather
-  // (row b tp + r of (B tp, V/tp) is row r B + b of the gathered).
+  // logits_out (B, V) = the head of h (B, C); tensor parallel, (B, V/tp): the rank's vocabulary
+  // rows, which it samples from without gathering the others (model/tp_sample.h).
   void logits(const Tensor& h, const Tensor& logits_out) {
-    Buffers& b = bufs;
     const int64_t B = h.size(0);
-    const Tensor xf = b.xf.narrow(0, B), rstdf = b.rstdf.narrow(0, B);
-    Communicator* tp = net.tp();
-    if (tp == nullptr) {
-      net.head(h, xf, rstdf, logits_out);
-      return;
-    }
-    const int64_t n = tp->size(), Vs = b.shard_logits.size(1);
-    const Tensor shard = b.shard_logits.narrow(0, B);
-    const Tensor gathered =
-        b.rank_logits.view({n * b.shard_logits.size(0) * Vs}).narrow(0, n * B * Vs);
-    net.head(h, xf, rstdf, shard);
-    tp->all_gather(shard.view({B * Vs}), gathered);
-    logit_rows_host.resize(static_cast<size_t>(B * n));
-    for (int64_t r = 0; r < B; ++r)
-      for (int64_t k = 0; k < n; ++k)
-        logit_rows_host[static_cast<size_t>(r * n + k)] = static_cast<int32_t>(k * B + r);
-    const Tensor rows = b.logit_rows.narrow(0, B * n);
-    upload(rows, logit_rows_host);
-    ops::embedding(rows, gathered.view({n * B, Vs}), logits_out.view({B * n, Vs}), net.stream());
+    net.head(h, bufs.xf.narrow(0, B), bufs.rstdf.narrow(0, B), logits_out);
   }
 };
 
@@ -840,7 +814,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
   check_packed(tokens, positions, cu_seqlens, V, "decoder prefill");
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
-  check_output(logits_out, {B, V}, device(), "prefill's logits_out");
+  check_output(logits_out, {B, c.vocab_size}, device(), "prefill's logits_out");
   TANDEM_CHECK(static_cast<int64_t>(kv.k_cache.size()) == c.num_layers &&
                    static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
                "decoder prefill: the kv cache view has {} k and {} v tensors, the model {} layers",
@@ -932,7 +906,7 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
   cu.resize(static_cast<size_t>(B) + 1);
   for (int64_t b = 0; b <= B; ++b) cu[static_cast<size_t>(b)] = static_cast<int32_t>(b);
   check_packed(tokens, positions, cu, vocab_size(), "decoder decode");
-  check_output(logits_out, {B, vocab_size()}, device(), "decode's logits_out");
+  check_output(logits_out, {B, c.vocab_size}, device(), "decode's logits_out");
   TANDEM_CHECK(static_cast<int64_t>(kv.k_cache.size()) == c.num_layers &&
                    static_cast<int64_t>(kv.v_cache.size()) == c.num_layers,
                "decoder decode: the kv cache view has {} k and {} v tensors, the model {} layers",

@@ -83,9 +83,9 @@ struct DecoderOptions {
   // Tensor parallelism (inference only): the weights are rank tp_group->rank()'s shard of
   // tp_group->size() (model/tensor_parallel.h). Every rank of the group makes the same prefill
   // and decode calls; each runs its heads, MLP columns and vocabulary rows, and the partial
-  // outputs meet in all-reduces (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32)
-  // and one all-gather of the (B, V/tp) logits, so every rank returns the same full (B, V)
-  // logits. Null: the whole model on one rank, no collective.
+  // outputs meet in all-reduces (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32).
+  // Each rank returns the logits of its vocabulary rows, (B, V/tp): the sampler works on the
+  // shards (model/tp_sample.h). Null: the whole model on one rank, no collective.
   Communicator* tp_group = nullptr;
 };
 
@@ -111,7 +111,8 @@ class Decoder {
   // The weights' config: a shard's under tensor parallelism (DecoderOptions::tp_group).
   const ModelConfig& config() const { return weights_->config(); }
   Device device() const { return weights_->device(); }
-  // V of the whole model: the width of the logits and the range of the token ids.
+  // V of the whole model: the range of the token ids (the logits hold config().vocab_size of
+  // them: V/tp under tensor parallelism).
   int64_t vocab_size() const;
   // Points the decoder at new weights of the same config and device (a weight sync; they
   // must outlive the decoder): the activation arena stays, and packed copies
@@ -141,13 +142,15 @@ class Decoder {
 
   // Inference. Host token ids and positions; cache and outputs on the decoder's device.
   // Prefill: writes K/V of every token (T) into kv.slot_mapping and returns logits_out (B, V)
-  // of the last token of each sequence. A sequence whose first position is 0 is fresh (its
+  // of the last token of each sequence (tensor parallel: (B, V/tp), the rank's vocabulary rows
+  // [rank V/tp, (rank + 1) V/tp)). A sequence whose first position is 0 is fresh (its
   // cache holds only this chunk); otherwise its chunk continues a cached prefix (chunked prefill
   // or a shared prompt) and each of its tokens attends to the cached tokens before it.
   void prefill(std::span<const int32_t> tokens, std::span<const int32_t> positions,
                std::span<const int32_t> cu_seqlens, const KvCacheView& kv,
                const Tensor& logits_out);
-  // One new token per sequence: tokens (B), positions (B); logits_out (B, V).
+  // One new token per sequence: tokens (B), positions (B); logits_out (B, V) (or V/tp, as
+  // prefill's).
   void decode(std::span<const int32_t> tokens, std::span<const int32_t> positions,
               const KvCacheView& kv, const Tensor& logits_out);
 

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/tp_sample.h"
 
 namespace tandem::rollout {
 
@@ -141,6 +142,7 @@ struct Engine::Impl {
   EngineOptions opt;
   Communicator* tp;  // the tensor-parallel group, or null
   int64_t V;         // the whole model's vocabulary (the weights hold V / tp rows of it)
+  int64_t Vs;        // the logits' width: V, or the V / tp rows of this rank
   const model::Tokenizer* tokenizer;
   std::unique_ptr<model::Decoder> decoder;
   BlockManager bm;
@@ -161,6 +163,7 @@ struct Engine::Impl {
         opt(o),
         tp(tp_group),
         V(w.config().vocab_size * (tp_group ? tp_group->size() : 1)),
+        Vs(w.config().vocab_size),
         tokenizer(t),
         bm(w.config(), o.block_size, o.num_blocks, w.device()) {
     const int64_t positions = w.config().max_position_embeddings;
@@ -371,7 +374,7 @@ struct Engine::Impl {
     std::vector<int32_t> indptr, indices, last_len, slots;
     Tensor indptr_d, indices_d, last_len_d, slots_d;
     model::KvCacheView kv;
-    Tensor logits;  // (rows, V): the first B rows are this step's
+    Tensor logits;  // (rows, Vs): the first B rows are this step's
 
     void reserve(const EngineOptions& o, int64_t blocks_per_seq) {
       const auto T = static_cast<size_t>(o.max_batch_tokens), B = static_cast<size_t>(o.max_seqs);
@@ -402,7 +405,7 @@ struct Engine::Impl {
   struct Row {
     Sample* s;
     int index;      // the sample's index in its request
-    Tensor logits;  // (1, V), a row of a call's logits
+    Tensor logits;  // (1, Vs), a row of a call's logits
     Sample* target = nullptr;
   };
 
@@ -451,9 +454,14 @@ struct Engine::Impl {
   Call decodes, prefills;
   std::vector<Row> rows;
   SamplingRows sampling;
-  Tensor logits, token, logprob;    // (R, V), (R, 1), (R, 1): grown to the most rows seen
+  Tensor logits, token, logprob;    // (R, Vs), (R, 1), (R, 1): grown to the most rows seen
   std::vector<int32_t> host_token;  // (R) (not on the CPU)
   std::vector<float> host_logprob;  // (R) (not on the CPU)
+  // Tensor parallelism: the sampler over the ranks' vocabulary rows, and the whole rows of the
+  // requests that want top_logprobs (gathered; their index in full_rows, else -1).
+  model::TpSampler tp_sampler;
+  Tensor full_rows;               // (rows with top_logprobs, V) on the CPU
+  std::vector<int64_t> full_row;  // (R)
 
   void reserve_scratch() {
     const int64_t blocks_per_seq = bm.blocks_for(opt.max_context);
@@ -631,12 +639,12 @@ struct Engine::Impl {
     Tensor decode_logits, prefill_logits;
     if (!decodes.items.empty()) {
       decode_logits =
-          grown_rows(decodes.logits, static_cast<int64_t>(decodes.items.size()), V, DType::f32, d);
+          grown_rows(decodes.logits, static_cast<int64_t>(decodes.items.size()), Vs, DType::f32, d);
       decoder->decode(decodes.tokens, decodes.positions, decodes.kv, decode_logits);
       stats.decode_tokens += static_cast<int64_t>(decodes.items.size());
     }
     if (!prefills.items.empty()) {
-      prefill_logits = grown_rows(prefills.logits, static_cast<int64_t>(prefills.items.size()), V,
+      prefill_logits = grown_rows(prefills.logits, static_cast<int64_t>(prefills.items.size()), Vs,
                                   DType::f32, d);
       decoder->prefill(prefills.tokens, prefills.positions, prefills.cu_seqlens, prefills.kv,
                        prefill_logits);
@@ -648,7 +656,7 @@ struct Engine::Impl {
     collect_rows(prefills, prefill_logits);
     if (rows.empty()) return;
     const int64_t R = static_cast<int64_t>(rows.size());
-    const Tensor all_logits = grown_rows(logits, R, V, DType::f32, d);
+    const Tensor all_logits = grown_rows(logits, R, Vs, DType::f32, d);
     for (int64_t r = 0; r < R; ++r) {
       const Row& row = rows[static_cast<size_t>(r)];
       const Request& q = row.s->group->request;
@@ -659,7 +667,11 @@ struct Engine::Impl {
     }
     const Tensor tok = grown_rows(token, R, 1, DType::i32, d).view({R});
     const Tensor lp = grown_rows(logprob, R, 1, DType::f32, d).view({R});
-    ops::sample(all_logits, sampling.on(d), tok, lp);
+    if (tp == nullptr) {
+      ops::sample(all_logits, sampling.on(d), tok, lp);
+    } else {
+      sample_shards(all_logits, tok, lp);
+    }
     const int32_t* sampled = tok.data_as<int32_t>();
     const float* sampled_lp = lp.data_as<float>();
     if (!d.is_cpu()) {
@@ -677,9 +689,47 @@ struct Engine::Impl {
     for (int64_t r = 0; r < R; ++r) {
       const Row& row = rows[static_cast<size_t>(r)];
       const SamplingParams& p = row.s->group->request.params;
+      const Tensor whole = tp == nullptr ? all_logits.narrow(r, 1)
+                           : full_row[static_cast<size_t>(r)] < 0
+                               ? Tensor()
+                               : full_rows.narrow(full_row[static_cast<size_t>(r)], 1);
       append_token(row.target, sampled[r], sampled_lp[r],
-                   top_logprobs(all_logits.narrow(r, 1), p.top_logprobs, p.temperature));
+                   top_logprobs(whole, p.top_logprobs, p.temperature));
     }
+  }
+
+  // Tensor parallelism: this step's rows sampled over the ranks' (R, V/tp) logits
+  // (model/tp_sample.h: a few floats per row between the ranks, not the rows), and the whole
+  // rows of the requests that want top_logprobs gathered (R' V f32, those rows only). Every
+  // rank gets the same tokens and logprobs. CPU sampling: other devices copy the shard over.
+  void sample_shards(const Tensor& shard, Tensor tok, Tensor lp) {
+    const int64_t R = shard.size(0);
+    const Device d = shard.device();
+    const Tensor host = d.is_cpu() ? shard : shard.to(Device::cpu());
+    if (!d.is_cpu()) {
+      host_token.resize(static_cast<size_t>(R));
+      host_logprob.resize(static_cast<size_t>(R));
+    }
+    const Tensor token_out = d.is_cpu() ? tok : Tensor::wrap(host_token.data(), {R}, DType::i32);
+    const Tensor lp_out = d.is_cpu() ? lp : Tensor::wrap(host_logprob.data(), {R}, DType::f32);
+    model::sample_over_shards(*tp, tp_sampler, host, sampling.on(Device::cpu()), token_out, lp_out);
+    stats.sampling_bytes += tp_sampler.step_bytes();
+    if (!d.is_cpu()) {
+      tok.copy_from(token_out);
+      lp.copy_from(lp_out);
+    }
+    full_row.assign(static_cast<size_t>(R), -1);
+    int64_t n = 0;
+    for (int64_t r = 0; r < R; ++r)
+      if (rows[static_cast<size_t>(r)].s->group->request.params.top_logprobs > 0)
+        full_row[static_cast<size_t>(r)] = n++;
+    if (n == 0) return;
+    Tensor wanted = Tensor::empty({n, Vs}, DType::f32);
+    for (int64_t r = 0; r < R; ++r)
+      if (full_row[static_cast<size_t>(r)] >= 0)
+        wanted.narrow(full_row[static_cast<size_t>(r)], 1).copy_from(host.narrow(r, 1));
+    full_rows = model::gather_vocab_rows(*tp, wanted);
+    stats.sampling_bytes += n * V * static_cast<int64_t>(sizeof(float));
   }
 
   // Tensor parallelism: every rank of the group runs its own scheduler on the same requests, which

@@ -103,6 +103,9 @@ struct EngineStats {
   int64_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
   int64_t preemptions = 0;
   int64_t forks = 0;
+  // Tensor parallelism: bytes the sampling's collectives delivered to this rank (model/
+  // tp_sample.h; the whole rows gathered for top_logprobs included).
+  int64_t sampling_bytes = 0;
 };
 
 // The Philox key of sample i of a request with params.seed = seed: seed + i (mod 2^64).

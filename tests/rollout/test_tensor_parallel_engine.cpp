@@ -133,9 +133,14 @@ TEST_CASE("tensor-parallel rollouts give the tokens of one rank at 2 and 4 ranks
       const auto results = run_group(n, fmt::format("rollout {}", k.kind));
       const auto rank0 = lines_of(results[0].out, "sample ");
       // Every rank of the group returns the same outputs, bit for bit, after the same steps.
+      // The sampling's traffic (model/tp_sample.h) is the same on every rank.
+      const auto bytes0 = lines_of(results[0].out, "sampling bytes ");
+      REQUIRE(bytes0.size() == 1);
+      CHECK(bytes0[0] != "sampling bytes 0");
       for (int r = 0; r < n; ++r) {
         CHECK(lines_of(results[static_cast<size_t>(r)].out, "sample ") == rank0);
         CHECK(lines_of(results[static_cast<size_t>(r)].out, "steps ") == stats);
+        CHECK(lines_of(results[static_cast<size_t>(r)].out, "sampling bytes ") == bytes0);
       }
       check_same_samples(one, rank0, fmt::format("{} at {} ranks", k.kind, n));
     }

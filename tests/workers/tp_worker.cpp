@@ -126,8 +126,8 @@ struct Cache {
 };
 
 // Prefill of 3 prompts then 6 decode steps (greedy on the whole model's logits) on the whole
-// model and on this rank's shard: the largest difference of their logits, over the largest
-// logit.
+// model and on this rank's shard: the largest difference of the shard's logits (its vocabulary
+// rows) from the whole model's same columns, over the largest logit.
 int scenario_logits(const model::ModelConfig& c, const model::Weights& full,
                     const model::Weights& shard, Communicator* tp) {
   const std::vector<int> lengths = {5, 9, 2};
@@ -147,13 +147,16 @@ int scenario_logits(const model::ModelConfig& c, const model::Weights& full,
     to[static_cast<size_t>(b)] = lengths[static_cast<size_t>(b)];
   }
   Tensor lw = Tensor::empty({B, c.vocab_size}, DType::f32);
-  Tensor lp = Tensor::empty({B, c.vocab_size}, DType::f32);
+  const int64_t Vs = shard.config().vocab_size, v0 = tp != nullptr ? tp->rank() * Vs : 0;
+  Tensor lp = Tensor::empty({B, Vs}, DType::f32);
   double max_diff = 0, max_abs = 0;
   auto compare = [&] {
-    for (int64_t i = 0; i < lw.numel(); ++i) {
-      max_diff = std::max(max_diff, std::fabs(static_cast<double>(lw.data_as<float>()[i]) -
-                                              lp.data_as<float>()[i]));
-      max_abs = std::max(max_abs, std::fabs(static_cast<double>(lw.data_as<float>()[i])));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t v = 0; v < Vs; ++v) {
+        const double w = lw.data_as<float>()[b * c.vocab_size + v0 + v];
+        max_diff = std::max(max_diff, std::fabs(w - lp.data_as<float>()[b * Vs + v]));
+        max_abs = std::max(max_abs, std::fabs(w));
+      }
     }
   };
   cw.view(from, to);
@@ -226,6 +229,7 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
   requests[2].prompt = prompt(state, 33, c.vocab_size);
   requests[2].params = params(2, 0.7f, 5);
   requests[2].params.min_p = 0.05f;
+  requests[2].params.top_p = 0.8f;          // top-p alone: the nucleus gathered over the shards
   requests[3].prompt = requests[0].prompt;  // a prefix-cache hit
   requests[3].params = params(2, 1.3f, 3);
   requests[3].params.top_logprobs = 2;
@@ -257,6 +261,7 @@ int scenario_rollout(const model::ModelConfig& c, const model::Weights& shard,
   print(engine.generate(requests));
   std::printf("steps %lld preemptions %lld\n", static_cast<long long>(engine.stats().steps),
               static_cast<long long>(engine.stats().preemptions));
+  std::printf("sampling bytes %lld\n", static_cast<long long>(engine.stats().sampling_bytes));
   return 0;
 }
 
