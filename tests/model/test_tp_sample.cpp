@@ -247,3 +247,17 @@ TEST_CASE("sampling over vocabulary shards moves a few floats per row instead of
   CHECK(bytes_of(RowSpec{.temperature = 1.0f, .top_p = 0.9f}) == 3105928);
   CHECK(bytes_of(RowSpec{.temperature = 0.25f, .top_p = 0.9f}) == 738040);
 }
+
+TEST_CASE("sampling over vocabulary shards refuses bad settings naming the row", "[unit]") {
+  const Tensor shard = random_logits(2, 60, 5);
+  model::TpSampler sampler;
+  for (const RowSpec bad : {RowSpec{.temperature = -1.0f}, RowSpec{.top_k = -2},
+                            RowSpec{.top_p = 0.0f}, RowSpec{.min_p = 1.5f}}) {
+    const std::vector<RowSpec> rows = {RowSpec{}, bad};
+    CHECK_THROWS_WITH(sampler.start(shard, make_settings(rows), 1, 3),
+                      Catch::Contains("sample: row 1 has"));
+  }
+  const std::vector<RowSpec> rows(2);
+  CHECK_THROWS_WITH(sampler.start(shard, make_settings(rows), 3, 3),
+                    Catch::Contains("rank 3 of 3"));
+}
