@@ -2,7 +2,8 @@
 // the rollout engines' logprobs of a fixed probe are from the trainer's (0 at one f32 rank), and an
 // engine shard corrupted after a publish with checksums off (TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS)
 // stops the job, naming the step, the version, the replica and the difference, before any step
-// trains on that engine's samples; at one rank and in a tensor-parallel replica of 2 ranks.
+// trains on that engine's samples; at one rank, on one of two data-parallel replicas, and in a
+// tensor-parallel replica of 2 ranks.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -52,6 +53,14 @@ TEST_CASE("the weight_sync canary logs 0 at one f32 rank and passes a bf16 engin
     CHECK(m["weight_sync/canary_max_abs"].get<double>() == 0);
     CHECK(m["time/canary_s"].get<double>() > 0);
   }
+  // Resumed from its last checkpoint, the job checks the weights it resumes with, then goes on.
+  const auto resumed = train(tmp, 1, "f32", "trainer.steps=3");
+  INFO(resumed.out);
+  REQUIRE(resumed.status == 0);
+  CHECK_THAT(resumed.out, Catch::Contains("resumed from"));
+  const auto c = step_lines(tmp.file("f32/metrics.jsonl"));
+  REQUIRE(c.size() == 3);
+  CHECK(c[2]["weight_sync/canary_max_abs"].get<double>() == 0);
 
   const auto bf16 = train(tmp, 1, "bf16", "rollout.dtype=bf16");
   INFO(bf16.out);
@@ -85,6 +94,21 @@ TEST_CASE("the weight_sync canary stops a job whose engine weights were corrupte
                                     "weight_sync.canary_tolerance = 2 "));
   CHECK_THAT(r.out, Catch::Contains("on replica 0 (rank 0) by up to "));
   CHECK(step_lines(tmp.file("run/metrics.jsonl")).size() == 1);
+}
+
+TEST_CASE("the weight_sync canary names the one replica of 2 data-parallel ranks that differs",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("canary-dp");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  // Two replicas of one rank, bf16 engines; rank 1's copy corrupted after the first publish.
+  const auto r = train(tmp, 2, "run", "rollout.dtype=bf16",
+                       "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS=1:1:model.norm.weight");
+  INFO(r.out);
+  CHECK(r.status != 0);
+  CHECK_THAT(r.out, Catch::Contains("after the publish of step 1 (weight version 1)"));
+  CHECK_THAT(r.out, Catch::Contains("on replica 1 (rank 1) by up to "));
+  CHECK_THAT(r.out, !Catch::Contains("replica 0"));
+  CHECK(step_lines(tmp.file("run/metrics.jsonl")).empty());
 }
 
 TEST_CASE("the weight_sync canary catches a corrupted shard of a tensor-parallel engine",
