@@ -1,10 +1,11 @@
-// The logprob canary of a colocated job (weight_sync.canary): after a publish every rollout
+// The logprob canary of a job (weight_sync.canary): after a publish every rollout
 // engine generates a fixed probe greedily, the trainer scores the same tokens under its own
 // weights, and a difference above weight_sync.canary_tolerance stops the job before it trains on
 // that engine's samples (docs/weight-sync.md, "The logprob canary").
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/comm.h"
@@ -15,6 +16,7 @@
 namespace tandem::trainer {
 
 struct JobConfig;
+class RemoteRollout;
 
 struct CanaryResult {
   double max_abs = 0;  // the largest |engine - trainer| logprob of a probe token, over every rank
@@ -33,13 +35,18 @@ class Canary {
   // with trainer.logprobs under `policy`, and gathers every rank's largest difference. Every rank
   // calls it after the same publish (the engine's ranks make the same engine calls, and the
   // exchange is a collective over world). step: the training step that made `version` (0: the
-  // weights the job started or resumed with). Throws tandem::Error on every rank when a rank's
-  // difference is above the tolerance (or not a number), naming the step, the version, each such
-  // replica with its ranks, and the difference.
+  // weights the job started or resumed with). workers (disaggregated, one rank): the same probe
+  // on each rollout worker that holds the weights pushed last, each scored alike. Throws
+  // tandem::Error on every rank when a rank's or a worker's difference is above the tolerance (or
+  // not a number), naming the step, the version, each such replica with its ranks or worker, and
+  // the difference.
   CanaryResult check(rollout::Engine& engine, PolicyTrainer& trainer, const model::Weights& policy,
-                     int64_t step, uint64_t version);
+                     int64_t step, uint64_t version, RemoteRollout* workers = nullptr);
 
  private:
+  double difference(const rollout::RequestOutput& out, const std::string& engine,
+                    PolicyTrainer& trainer, const model::Weights& policy) const;
+
   const JobConfig& job_;
   std::vector<int32_t> probe_;
   Communicator* world_;

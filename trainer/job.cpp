@@ -518,10 +518,10 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
 
   state_.config = to_toml(job);
   resume();
-  if (state_.step == 0) check_canary(0);
   if (job.placement.mode == "disaggregated")
     remote_ = std::make_unique<RemoteRollout>(job, m_, policy_,
                                               static_cast<uint64_t>(state_.weight_version));
+  check_canary(state_.step);  // the weights the job starts or resumes with
   if (role_ == Role::writer) {
     metrics_out_.emplace((fs::path(job.logging.dir) / "metrics.jsonl").string());
     samples_out_.emplace((fs::path(job.logging.dir) / "samples.jsonl").string());
@@ -546,7 +546,6 @@ void Job::resume() {
   if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
   trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
   publish();
-  check_canary(state_.step);
   std::fprintf(stderr, "tandem: resumed from %s at step %lld\n", from.c_str(),
                static_cast<long long>(state_.step));
 }
@@ -665,7 +664,7 @@ PublishStats Job::publish() {
 std::optional<CanaryResult> Job::check_canary(int64_t step) {
   if (!canary_) return std::nullopt;
   return canary_->check(*engine_, *trainer_, policy_, step,
-                        static_cast<uint64_t>(state_.weight_version));
+                        static_cast<uint64_t>(state_.weight_version), remote_.get());
 }
 
 // The update and publish phases. The training phase does not need the engine's KV cache and
