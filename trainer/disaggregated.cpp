@@ -223,28 +223,59 @@ void RemoteRollout::catch_up() {
   }
 }
 
+rollout::rpc::GenerateRequest RemoteRollout::call_of(rollout::Request request) const {
+  const rollout::SamplingParams& p = request.params;
+  rollout::rpc::GenerateRequest r;
+  r.request_id = request.id;
+  r.prompt_tokens = std::move(request.prompt);
+  r.params.n = p.n;
+  r.params.temperature = p.temperature;
+  r.params.top_p = p.top_p;
+  r.params.min_p = p.min_p;
+  r.params.top_k = p.top_k;
+  r.params.max_tokens = p.max_tokens;
+  r.params.stop_token_ids = p.stop_token_ids;
+  r.params.stop = p.stop;
+  r.params.seed = static_cast<int64_t>(p.seed);
+  r.params.logprobs = true;
+  r.params.stop_at_eos = false;  // the job's stop ids are the end ids of its own engine
+  r.min_weight_version = current_;
+  return r;
+}
+
+rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& a,
+                                                std::vector<int32_t> prompt) const {
+  rollout::RequestOutput o;
+  o.id = std::move(a.request_id);
+  o.prompt = std::move(prompt);
+  o.num_cached_prompt_tokens = a.cached_prompt_tokens;
+  o.status = a.aborted ? rollout::RequestStatus::aborted : rollout::RequestStatus::done;
+  if (a.aborted) o.error = "aborted on its worker";
+  for (size_t k = 0; k < a.samples.size(); ++k) {
+    rollout::rpc::Sample& s = a.samples[k];
+    TANDEM_CHECK(s.first_weight_version >= current_,
+                 "a worker answered request {} with weight version {}, older than the {} it "
+                 "was asked for",
+                 o.id, s.first_weight_version, current_);
+    rollout::SampleOutput so;
+    so.index = static_cast<int>(k);
+    so.tokens = std::move(s.tokens);
+    so.text = std::move(s.text);
+    so.logprobs.assign(s.logprobs.begin(), s.logprobs.end());
+    so.finish_reason = finish_of(s.finish_reason);
+    so.stop_string = std::move(s.stop_string);
+    so.weight_version = static_cast<uint64_t>(s.weight_version);
+    so.first_weight_version = static_cast<uint64_t>(s.first_weight_version);
+    o.samples.push_back(std::move(so));
+  }
+  return o;
+}
+
 std::vector<rollout::RequestOutput> RemoteRollout::generate(
     std::vector<rollout::Request> requests) {
   catch_up();
-  std::vector<rollout::rpc::GenerateRequest> calls(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const rollout::SamplingParams& p = requests[i].params;
-    rollout::rpc::GenerateRequest& r = calls[i];
-    r.request_id = requests[i].id;
-    r.prompt_tokens = std::move(requests[i].prompt);
-    r.params.n = p.n;
-    r.params.temperature = p.temperature;
-    r.params.top_p = p.top_p;
-    r.params.min_p = p.min_p;
-    r.params.top_k = p.top_k;
-    r.params.max_tokens = p.max_tokens;
-    r.params.stop_token_ids = p.stop_token_ids;
-    r.params.stop = p.stop;
-    r.params.seed = static_cast<int64_t>(p.seed);
-    r.params.logprobs = true;
-    r.params.stop_at_eos = false;  // the job's stop ids are the end ids of its own engine
-    r.min_weight_version = current_;
-  }
+  std::vector<rollout::rpc::GenerateRequest> calls;
+  for (rollout::Request& r : requests) calls.push_back(call_of(std::move(r)));
   std::vector<rollout::rpc::GenerateResponse> answers;
   try {
     answers = pool_->generate_all(calls);
@@ -252,34 +283,28 @@ std::vector<rollout::RequestOutput> RemoteRollout::generate(
     TANDEM_FAIL("rollout on the workers of placement.workers failed: {} ({})", e.what(),
                 job_.where("placement.workers"));
   }
-  std::vector<rollout::RequestOutput> outputs(answers.size());
-  for (size_t i = 0; i < answers.size(); ++i) {
-    rollout::rpc::GenerateResponse& a = answers[i];
-    rollout::RequestOutput& o = outputs[i];
-    o.id = std::move(a.request_id);
-    o.prompt = std::move(calls[i].prompt_tokens);
-    o.num_cached_prompt_tokens = a.cached_prompt_tokens;
-    o.status = a.aborted ? rollout::RequestStatus::aborted : rollout::RequestStatus::done;
-    if (a.aborted) o.error = "aborted on its worker";
-    for (size_t k = 0; k < a.samples.size(); ++k) {
-      rollout::rpc::Sample& s = a.samples[k];
-      TANDEM_CHECK(s.first_weight_version >= current_,
-                   "a worker answered request {} with weight version {}, older than the {} it "
-                   "was asked for",
-                   o.id, s.first_weight_version, current_);
-      rollout::SampleOutput so;
-      so.index = static_cast<int>(k);
-      so.tokens = std::move(s.tokens);
-      so.text = std::move(s.text);
-      so.logprobs.assign(s.logprobs.begin(), s.logprobs.end());
-      so.finish_reason = finish_of(s.finish_reason);
-      so.stop_string = std::move(s.stop_string);
-      so.weight_version = static_cast<uint64_t>(s.weight_version);
-      so.first_weight_version = static_cast<uint64_t>(s.first_weight_version);
-      o.samples.push_back(std::move(so));
-    }
-  }
+  std::vector<rollout::RequestOutput> outputs;
+  for (size_t i = 0; i < answers.size(); ++i)
+    outputs.push_back(output_of(answers[i], std::move(calls[i].prompt_tokens)));
   return outputs;
+}
+
+std::vector<std::pair<std::string, rollout::RequestOutput>> RemoteRollout::generate_on_each(
+    const rollout::Request& request) {
+  catch_up();
+  std::vector<std::pair<std::string, rollout::RequestOutput>> out;
+  for (const auto& w : workers_) {
+    if (w->stale) continue;
+    rollout::rpc::GenerateResponse answer;
+    try {
+      answer = w->client->generate(call_of(request));
+    } catch (const std::exception& e) {
+      TANDEM_FAIL("rollout worker {} did not generate the weight_sync canary's probe: {} ({})",
+                  w->address, e.what(), job_.where("placement.workers"));
+    }
+    out.emplace_back(w->address, output_of(answer, request.prompt));
+  }
+  return out;
 }
 
 void RemoteRollout::add_metrics(nlohmann::ordered_json& line) const {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/loader.h"
@@ -44,6 +45,11 @@ class RemoteRollout {
   // worker that missed them answers StaleWeights and the request goes elsewhere). Outputs in
   // order; throws tandem::Error when a request fails on placement.attempts workers.
   std::vector<rollout::RequestOutput> generate(std::vector<rollout::Request> requests);
+  // The same request on every worker that holds the weights last pushed, one after another (the
+  // weight_sync canary's probe): each worker's address and output. Throws naming a worker whose
+  // call fails.
+  std::vector<std::pair<std::string, rollout::RequestOutput>> generate_on_each(
+      const rollout::Request& request);
 
   // Writes `policy` (f32) into <logging.dir>/rollout-weights/v<N> (atomically; the previous one
   // removed) and updates every worker to it: begin_weight_update, then commit_weight_update
@@ -57,6 +63,10 @@ class RemoteRollout {
 
  private:
   struct Worker;
+  // A request as the workers' protocol asks it (for the weights last pushed), and an answer back.
+  rollout::rpc::GenerateRequest call_of(rollout::Request request) const;
+  rollout::RequestOutput output_of(rollout::rpc::GenerateResponse& answer,
+                                   std::vector<int32_t> prompt) const;
   // Writes the policy and updates every worker to it; each worker's error ("" when it took it).
   std::vector<std::string> update_all(const model::Weights& policy, uint64_t version);
   // Warns of the workers that missed the last push; throws when none took it.

@@ -28,6 +28,7 @@
 #include "rewards/reward_set.h"
 #include "rollout/engine.h"
 #include "trainer/append_file.h"
+#include "trainer/canary.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data.h"
 #include "trainer/disaggregated.h"
@@ -172,6 +173,7 @@ struct Selected {
 struct Updated {
   TrainStepMetrics train;
   PublishStats published;
+  std::optional<CanaryResult> canary;  // with weight_sync.canary
   double train_s = 0, publish_s = 0;
 };
 
@@ -396,6 +398,8 @@ class Job {
   Collected collect();
   Updated update_and_publish(const Selected& selected);
   PublishStats publish();
+  // weight_sync.canary after a publish (none when off); `step` made the weights.
+  std::optional<CanaryResult> check_canary(int64_t step);
   void record(const Collected& c, const Selected& s, const Updated& u, double step_s, Role role);
   void evaluate();
   void checkpoint();
@@ -427,6 +431,7 @@ class Job {
   // Disaggregated (placement.mode): the workers that generate the training rollouts; engine_
   // then serves eval only.
   std::unique_ptr<RemoteRollout> remote_;
+  std::unique_ptr<Canary> canary_;  // weight_sync.canary: probes the engine after each publish
   // One rank: AdamW. Several: each rank's range of the optimizer state (ZeRO).
   std::unique_ptr<AdamW> adamw_;
   std::unique_ptr<ShardedAdamW> sharded_;
@@ -507,11 +512,16 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
                  static_cast<long long>(skipped),
                  static_cast<long long>(job.data.max_prompt_tokens));
 
+  if (job.weight_sync.canary)  // the probe: the first training prompt
+    canary_ = std::make_unique<Canary>(job, render_prompt(m_.tok(), data_.train[0], format_).tokens,
+                                       comm, rollout_->tp());
+
   state_.config = to_toml(job);
   resume();
   if (job.placement.mode == "disaggregated")
     remote_ = std::make_unique<RemoteRollout>(job, m_, policy_,
                                               static_cast<uint64_t>(state_.weight_version));
+  check_canary(state_.step);  // the weights the job starts or resumes with
   if (role_ == Role::writer) {
     metrics_out_.emplace((fs::path(job.logging.dir) / "metrics.jsonl").string());
     samples_out_.emplace((fs::path(job.logging.dir) / "samples.jsonl").string());
@@ -651,6 +661,12 @@ PublishStats Job::publish() {
   return st;
 }
 
+std::optional<CanaryResult> Job::check_canary(int64_t step) {
+  if (!canary_) return std::nullopt;
+  return canary_->check(*engine_, *trainer_, policy_, step,
+                        static_cast<uint64_t>(state_.weight_version), remote_.get());
+}
+
 // The update and publish phases. The training phase does not need the engine's KV cache and
 // activations: with placement.release_memory they are freed for the trainer, and the trainer's
 // activations for the rollout and eval that follow.
@@ -666,6 +682,7 @@ Updated Job::update_and_publish(const Selected& selected) {
   u.published = publish();
   u.publish_s = seconds_since(t1);
   u.train_s = seconds_since(t0);
+  u.canary = check_canary(state_.step + 1);
   return u;
 }
 
@@ -821,6 +838,10 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   j["weight_sync/copied_tensors"] = u.published.copied;
   j["weight_sync/shared_tensors"] = u.published.shared;
   j["time/publish_s"] = u.publish_s;
+  if (u.canary) {
+    j["weight_sync/canary_max_abs"] = u.canary->max_abs;
+    j["time/canary_s"] = u.canary->seconds;
+  }
   j["time/step_s"] = step_s;
   if (remote_) remote_->add_metrics(j);
   write_metrics(j);

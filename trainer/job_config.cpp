@@ -529,6 +529,35 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("distributed.master", TANDEM_MEMBER(distributed.master),
               "HOST:PORT of the coordinator (rank 0), over the launcher's MASTER_ADDR/"
               "MASTER_PORT or Slurm node list; empty: from the launcher."));
+  // weight_sync
+  add(bind<J>("weight_sync.bucket_mb", TANDEM_MEMBER(weight_sync.bucket_mb),
+              "MiB a rank sends, and receives, in one round of a publish at most (its two send "
+              "and two receive buffers are this size). Only bytes between ranks go through "
+              "buckets: a colocated job's pieces are all within the rank."))
+      .range(1, 1 << 20);
+  add(bind<J>("weight_sync.staged", TANDEM_MEMBER(weight_sync.staged),
+              "Receive into a staging buffer and write the engines' weights only once every rank "
+              "has received everything (and the checksums match): a failed publish leaves every "
+              "engine on its old version. false: receive straight into the weights (less "
+              "memory)."));
+  add(bind<J>("weight_sync.checksums", TANDEM_MEMBER(weight_sync.checksums),
+              "Compare a checksum of every piece stream between two ranks before the weights are "
+              "written (one hash per element on both sides); pieces within a rank are not "
+              "summed."));
+  add(bind<J>("weight_sync.canary", TANDEM_MEMBER(weight_sync.canary),
+              "After each publish every rollout engine generates a fixed probe greedily and the "
+              "trainer scores the same tokens: the largest logprob difference is logged "
+              "(weight_sync/canary_max_abs) and, above canary_tolerance, the job stops before "
+              "training on that engine's samples (docs/weight-sync.md)."));
+  add(bind<J>("weight_sync.canary_tokens", TANDEM_MEMBER(weight_sync.canary_tokens),
+              "Tokens of the canary's probe (at most rollout.max_new_tokens)."))
+      .range(1, 4096);
+  add(bind<J>("weight_sync.canary_tolerance", TANDEM_MEMBER(weight_sync.canary_tolerance),
+              "The largest |engine - trainer| logprob of a probe token that passes; 0: by "
+              "rollout.dtype, 1e-3 for f32 (bitwise 0 on one rank, about 1e-6 with rollout_tp > "
+              "1) and 2 for bf16 (up to 0.78 measured: a bf16 copy loses the updates below its "
+              "rounding step)."))
+      .range(0, 1e6);
   return v;
 }
 
@@ -557,6 +586,9 @@ std::shared_ptr<const config::Schema> make_schema() {
               "prompts, pass@k.");
   s->describe("placement", "Where rollout and training run.");
   s->describe("distributed", "Multi-rank jobs: rendezvous and timeouts (docs/distributed.md).");
+  s->describe("weight_sync",
+              "The publish of the trainer's weights into the rollout engines' after each step, "
+              "and its checks (docs/weight-sync.md).");
   for (const auto& b : job_bindings()) s->add(b.field);
   return s;
 }
@@ -631,6 +663,15 @@ void check_job(const Config& c, JobConfig& j) {
                        "mode is \"{}\" ({})",
                        pl.mode, c.where("placement.mode")));
   }
+
+  WeightSyncSection& ws = j.weight_sync;
+  if (ws.canary && ws.canary_tokens > ro.max_new_tokens)
+    c.fail("weight_sync.canary_tokens",
+           fmt::format("{} is more than rollout.max_new_tokens = {} ({}): the probe is one "
+                       "completion of the rollout engine",
+                       ws.canary_tokens, ro.max_new_tokens, c.where("rollout.max_new_tokens")));
+  if (ws.canary_tolerance == 0)
+    ws.canary_tolerance = ro.dtype == "bf16" ? kCanaryToleranceBf16 : kCanaryToleranceF32;
 
   const auto& items = c.get_tables("rewards");
   if (items.empty())

@@ -1,6 +1,7 @@
 // The tandem job's config: the schema of a GRPO job's TOML file (model, data, rollout, trainer,
-// rewards, checkpoint, logging, eval, placement), its typed form JobConfig, loading with dotted
-// overrides and the cross-field checks, and printing the resolved job back as TOML.
+// rewards, checkpoint, logging, eval, placement, distributed, weight_sync), its typed form
+// JobConfig, loading with dotted overrides and the cross-field checks, and printing the resolved
+// job back as TOML.
 #pragma once
 
 #include <cstdint>
@@ -151,6 +152,27 @@ struct PlacementSection {
   double connect_timeout_s = 30;  // start-up: how long to wait for every worker to answer
 };
 
+// The publish of the trainer's weights into the rollout engines' after each step
+// (docs/weight-sync.md): weight_sync::SyncOptions and the logprob canary (trainer/canary.h).
+struct WeightSyncSection {
+  int64_t bucket_mb = 64;  // MiB a rank sends, and receives, in one round at most
+  bool staged = true;      // write the engines' weights only once every byte has arrived
+  bool checksums = false;  // compare a checksum of every piece stream between ranks
+  bool canary = false;     // score a fixed probe by every engine and by the trainer after each sync
+  int64_t canary_tokens = 16;  // greedy tokens of the probe
+  // The largest |engine - trainer| logprob of a probe token that passes; 0: by rollout.dtype
+  // (kCanaryToleranceF32 or kCanaryToleranceBf16, set when the config is loaded).
+  double canary_tolerance = 0.0;
+};
+
+// The canary's tolerances by the engine weights' dtype (docs/weight-sync.md, "The logprob
+// canary"): f32 engine weights give the trainer's logprobs bitwise on one rank and within about
+// 1e-6 when a tensor-parallel engine sums its shards in another order; bf16 weights lose the
+// updates below their rounding step, and moved a greedy token's logprob by up to 0.78 in the
+// first steps of configs/default.toml.
+constexpr double kCanaryToleranceF32 = 1e-3;
+constexpr double kCanaryToleranceBf16 = 2.0;
+
 // Multi-rank jobs (docs/distributed.md): the Communicator's store, coordinator and timeout.
 struct DistributedSection {
   double timeout_s = 300;     // bound of the rendezvous, the store and every collective
@@ -169,6 +191,7 @@ struct JobConfig {
   EvalSection eval;
   PlacementSection placement;
   DistributedSection distributed;
+  WeightSyncSection weight_sync;
   std::string source;  // the file it came from
   // Where each key's value came from ("job.toml:4:8", "override 'model.path=x'", or
   // "job.toml (default)"), for errors found later: "model.path 'x' does not exist (job.toml:4:8)".

@@ -115,7 +115,7 @@ void flatten(const toml::table& t, const std::string& prefix,
 
 bool counts_on_resume(const std::string& key) {
   if (key.starts_with("checkpoint.") || key.starts_with("logging.") ||
-      key.starts_with("distributed."))
+      key.starts_with("distributed.") || key.starts_with("weight_sync."))
     return false;
   // placement.ranks: a checkpoint resumes on any world size (its optimizer ranges are resharded).
   for (const char* k : {"trainer.steps", "eval.every", "eval.max_prompts", "eval.pass_k",

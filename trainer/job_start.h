@@ -44,9 +44,10 @@ JobStart start_job(const JobConfig& job);
 // The keys whose values differ between two job configs given as TOML (to_toml's), as lines
 // "key: before -> after" in key order; keys absent on one side show as "(unset)". Keys that may
 // change on resume without changing what is trained do not count: checkpoint.*, logging.*,
-// trainer.steps (extending a run; with it trainer.schedule.total_steps when that is steps times
-// the same factor on both sides, as its default is), eval.every, eval.max_prompts, eval.pass_k,
-// eval.temperature and placement.release_memory.
+// distributed.*, weight_sync.*, trainer.steps (extending a run; with it
+// trainer.schedule.total_steps when that is steps times the same factor on both sides, as its
+// default is), eval.every, eval.max_prompts, eval.pass_k, eval.temperature and
+// placement.release_memory.
 std::vector<std::string> resume_config_differences(const std::string& before_toml,
                                                    const std::string& after_toml);
 

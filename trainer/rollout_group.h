@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -18,6 +19,10 @@
 namespace tandem::trainer {
 
 struct JobConfig;
+struct WeightSyncSection;
+
+// The Publisher's options of a job's [weight_sync] section.
+weight_sync::SyncOptions sync_options(const WeightSyncSection& ws);
 
 // A model's parameters as weight_sync names them: the storage tensors (fused qkv and gate_up)
 // with their shapes and dtype, the tensors themselves, and the dimensions of a tensor-parallel
@@ -63,6 +68,8 @@ class RolloutGroup {
 
  private:
   enum class Kind { shared, copied, cast };
+  // The corruption TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS asks of this rank (empty: none).
+  std::function<void(uint64_t version)> corrupt_for_tests(int rank);
 
   const model::Weights& policy_;
   const int rank_, world_, tp_, replica_;
@@ -70,6 +77,7 @@ class RolloutGroup {
   std::unique_ptr<model::Weights> engine_weights_;  // null: the engine reads policy_ itself
   std::unique_ptr<weight_sync::Publisher> publisher_;
   std::vector<Kind> kinds_;  // [parameter this rank holds]
+  std::function<void(uint64_t version)> corrupt_;
 };
 
 }  // namespace tandem::trainer

@@ -1,6 +1,7 @@
 // The disaggregated job over real processes: two `tandem serve` workers on a tiny random model
 // generate the rollouts of `tandem train`; the steps train the batches of the colocated job, and
-// every step finishes with all its samples when one worker is killed mid-run; start-up refusals.
+// every step finishes with all its samples when one worker is killed mid-run; start-up refusals;
+// the weight_sync canary on every worker.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -63,11 +64,13 @@ every = 0
 )");
 }
 
-// `tandem serve` of `model` on a free loopback port; its port.
+// `tandem serve` of `model` (its weights in `dtype`) on a free loopback port; its port.
 int start_worker(std::unique_ptr<tandem::test::Subprocess>& worker,
-                 const tandem::test::TempDir& tmp, const std::string& model) {
-  const std::string config = tmp.write("serve.toml", fmt::format(R"([model]
+                 const tandem::test::TempDir& tmp, const std::string& model,
+                 const std::string& dtype = "f32") {
+  const std::string config = tmp.write("serve-" + dtype + ".toml", fmt::format(R"([model]
 path = "{}"
+dtype = "{}"
 [engine]
 num_blocks = 256
 max_context = 256
@@ -78,7 +81,7 @@ max_prompt_tokens = 128
 max_new_tokens = 64
 max_n = 8
 )",
-                                                                 model));
+                                                                               model, dtype));
   worker = std::make_unique<tandem::test::Subprocess>(
       std::vector<std::string>{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config});
   const std::string line = worker->wait_for_line("listening on ", 30000);
@@ -228,4 +231,43 @@ TEST_CASE("a disaggregated job refuses a worker that serves a model of another s
   CHECK(r.out.find("it serves '" + tmp.file("other") + "' and the job trains '" +
                    tmp.file("model") + "'") != std::string::npos);
   CHECK(worker->stop() == 0);
+}
+
+TEST_CASE(
+    "the weight_sync canary probes every worker of a disaggregated job and names one that differs",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-canary");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  std::unique_ptr<tandem::test::Subprocess> w0, w1;
+  const int port0 = start_worker(w0, tmp, tmp.file("model"));
+  const int port1 = start_worker(w1, tmp, tmp.file("model"), "bf16");
+  const std::string canary = " trainer.steps=2 weight_sync.canary=true weight_sync.canary_tokens=8";
+  {  // an f32 worker: the job's kernels on the same weights
+    const auto r = train(tmp, job, "f32",
+                         fmt::format("placement.mode=disaggregated "
+                                     "'placement.workers=[\"127.0.0.1:{}\"]'",
+                                     port0) +
+                             canary);
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+    const auto b = step_lines(tmp.file("f32/metrics.jsonl"));
+    REQUIRE(b.size() == 2);
+    for (const auto& m : b) {
+      INFO(m.dump());
+      CHECK(m["weight_sync/canary_max_abs"].get<double>() < 1e-4);
+    }
+  }
+  // With a bf16 worker beside it, the job's f32 tolerance (rollout.dtype = f32) refuses that one
+  // before the first step.
+  const auto r = train(tmp, job, "mixed", disaggregated(port0, port1) + canary);
+  INFO(r.out);
+  CHECK(r.status != 0);
+  CHECK_THAT(r.out, Catch::Contains("weight_sync canary: after the publish of step 0 (weight "
+                                    "version 0)"));
+  CHECK_THAT(r.out, Catch::Contains(fmt::format("on rollout worker 127.0.0.1:{} by up to", port1)));
+  CHECK_THAT(r.out, !Catch::Contains(fmt::format("rollout worker 127.0.0.1:{} by up to", port0)));
+  CHECK(step_lines(tmp.file("mixed/metrics.jsonl")).empty());
+  CHECK(w0->stop() == 0);
+  CHECK(w1->stop() == 0);
 }

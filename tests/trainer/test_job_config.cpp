@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "trainer/job_config.h"
+#include "trainer/rollout_group.h"
 
 using namespace tandem::trainer;
 
@@ -216,4 +217,56 @@ TEST_CASE("docs config.md documents every key of the job schema", "[unit]") {
       "docs/config.md is out of date: run TANDEM_REGENERATE_DOCS=1 build/bin/tandem_tests "
       "\"docs config.md documents every key of the job schema\"");
   CHECK_THAT(doc, Catch::Contains(generated));
+}
+
+TEST_CASE("job config weight_sync section reaches the publisher and names bad values", "[unit]") {
+  const JobConfig d = parse_job_config(kMinimal, "job.toml");
+  CHECK(d.weight_sync.bucket_mb == 64);
+  CHECK(d.weight_sync.staged);
+  CHECK(!d.weight_sync.checksums);
+  CHECK(!d.weight_sync.canary);
+  CHECK(d.weight_sync.canary_tokens == 16);
+  // 0: by rollout.dtype.
+  CHECK(d.weight_sync.canary_tolerance == kCanaryToleranceF32);
+  CHECK(parse_job_config(kMinimal + "[rollout]\ndtype = \"bf16\"\n", "job.toml")
+            .weight_sync.canary_tolerance == kCanaryToleranceBf16);
+
+  const JobConfig j = parse_job_config(
+      kMinimal +
+          "[weight_sync]\nbucket_mb = 2\nstaged = false\nchecksums = true\ncanary = true\n"
+          "canary_tokens = 8\ncanary_tolerance = 0.5\n",
+      "job.toml");
+  CHECK(j.weight_sync.canary);
+  CHECK(j.weight_sync.canary_tokens == 8);
+  CHECK(j.weight_sync.canary_tolerance == 0.5);
+  const tandem::weight_sync::SyncOptions o = sync_options(j.weight_sync);
+  CHECK(o.bucket_bytes == int64_t{2} << 20);
+  CHECK(!o.staged);
+  CHECK(o.checksums);
+  // Printed back, the resolved job parses to the same section.
+  const JobConfig back = parse_job_config(to_toml(j), "printed.toml");
+  CHECK(back.weight_sync.bucket_mb == 2);
+  CHECK(back.weight_sync.canary_tolerance == 0.5);
+
+  CHECK_THAT(error_of(kMinimal + "[weight_sync]\nbucket_mb = 0\n"),
+             Catch::Contains("job.toml:7:13: weight_sync.bucket_mb: expected an integer >= 1"));
+  CHECK_THAT(
+      error_of(kMinimal + "[weight_sync]\ncanary_tolerance = -1\n"),
+      Catch::Contains("job.toml:7:20: weight_sync.canary_tolerance: expected a number >= 0"));
+  CHECK_THAT(error_of(kMinimal + "[weight_sync]\ncanary = \"yes\"\n"),
+             Catch::Contains("job.toml:7:10: weight_sync.canary: expected a boolean"));
+  CHECK_THAT(error_of(kMinimal + "[weight_sync]\ncanary_toke = 4\n"),
+             Catch::Contains("unknown key 'weight_sync.canary_toke' (did you mean "
+                             "'weight_sync.canary_tokens'?)"));
+  // The probe is one completion of the engine: no longer than rollout.max_new_tokens.
+  CHECK_THAT(error_of(kMinimal + "[rollout]\nmax_new_tokens = 8\n[weight_sync]\ncanary = true\n"),
+             Catch::Contains("job.toml (default): weight_sync.canary_tokens: 16 is more than "
+                             "rollout.max_new_tokens = 8 (job.toml:7:18)"));
+  CHECK_THAT(error_of(kMinimal + "[rollout]\nmax_new_tokens = 8\n",
+                      {"weight_sync.canary=true", "weight_sync.canary_tokens=9"}),
+             Catch::Contains("override 'weight_sync.canary_tokens=9': weight_sync.canary_tokens: "
+                             "9 is more than rollout.max_new_tokens = 8"));
+  // Off, the probe's length is not checked.
+  CHECK(parse_job_config(kMinimal + "[rollout]\nmax_new_tokens = 8\n", "job.toml")
+            .weight_sync.canary_tokens == 16);
 }
