@@ -4,6 +4,7 @@
 // process, each with its own communicator and sockets, as bench comm), beside a raw Gloo
 // all-gather of the same bytes in the same run, the bucket size swept.
 #include <fmt/format.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +30,14 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU seconds of this process so far (all threads; the kernel's socket copies included).
+double process_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
 model::ModelConfig config_of(const ModelShape& s, int64_t layers, bool bias) {
@@ -183,63 +192,85 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
     for (size_t p = 0; p < specs.size(); ++p)
       shards[static_cast<size_t>(r)].push_back(Tensor::empty(dst.shard(p, r).shape, DType::bf16));
   });
-  // One timed sync per bucket size after a warm-up one (each moves a gigabyte and more; the
-  // default invocation stays under a minute on 2 busy cores).
+  // Per bucket size: a warm-up sync, then `reps` timed ones, each beside a raw all_gather run just
+  // before it (the machine's load changes between variants), each moving a gigabyte and more.
   const int reps = 1;
-  // The peer: every rank all-gathers remote / (N (N - 1)) bytes, so that each rank receives
-  // remote / N bytes, as it does in the reshard.
+  // The peer: every rank all-gathers remote / (N (N - 1)) bytes of bf16, so that each rank
+  // receives (and sends) remote / N bytes, as it does in the reshard; it casts nothing, reads no
+  // f32 and writes nothing within a rank.
   const int64_t per_rank = remote / (kRanks * (kRanks - 1)) / 2 * 2;
-  std::vector<double> gather_s;
-  {
-    std::vector<std::vector<double>> t(kRanks);
+  std::vector<Tensor> gathered(kRanks);
+  // Seconds of the slowest rank and CPU seconds of the process (all ranks) of one call of fn on
+  // every rank, started together.
+  struct Timed {
+    double seconds, cpu_seconds;
+  };
+  auto timed = [&](const std::function<void(int)>& fn) {
+    std::vector<double> t(kRanks);
+    const double cpu0 = process_cpu_seconds();
     on_ranks([&](int r) {
-      Communicator& c = *comms[static_cast<size_t>(r)];
-      Tensor out = Tensor::zeros({kRanks * per_rank / 2}, DType::bf16);
-      Tensor in = out.narrow(r * (per_rank / 2), per_rank / 2);
-      for (int i = 0; i <= reps; ++i) {
-        c.barrier();
-        const auto t0 = Clock::now();
-        c.all_gather(in, out);
-        if (i > 0) t[static_cast<size_t>(r)].push_back(seconds_since(t0));
-      }
+      comms[static_cast<size_t>(r)]->barrier();
+      const auto t0 = Clock::now();
+      fn(r);
+      t[static_cast<size_t>(r)] = seconds_since(t0);
     });
-    for (int i = 0; i < reps; ++i) {
-      double worst = 0;
-      for (int r = 0; r < kRanks; ++r)
-        worst = std::max(worst, t[static_cast<size_t>(r)][static_cast<size_t>(i)]);
-      gather_s.push_back(worst);
-    }
-  }
+    return Timed{*std::max_element(t.begin(), t.end()), process_cpu_seconds() - cpu0};
+  };
+  auto all_gather = [&](int r) {
+    Tensor& out = gathered[static_cast<size_t>(r)];
+    if (!out.defined()) out = Tensor::zeros({kRanks * per_rank / 2}, DType::bf16);
+    comms[static_cast<size_t>(r)]->all_gather(out.narrow(r * (per_rank / 2), per_rank / 2), out);
+  };
+  timed(all_gather);  // warm-up
   for (const Variant& v : wanted) {
-    std::vector<std::vector<double>> t(kRanks);
-    int64_t added = 0;
+    std::vector<std::unique_ptr<weight_sync::Publisher>> pubs(kRanks);
+    std::vector<weight_sync::SyncStats> last(kRanks);
     on_ranks([&](int r) {
       weight_sync::SyncOptions so;
       so.bucket_bytes = v.mib << 20;
       so.staged = v.staged;
-      weight_sync::Publisher pub(plan, comms[static_cast<size_t>(r)].get(),
-                                 weight_sync::bind(src, r, mp), shards[static_cast<size_t>(r)], so);
-      if (r == 0) added = pub.added_bytes();
-      for (int i = 0; i <= reps; ++i) {
-        comms[static_cast<size_t>(r)]->barrier();
-        const auto t0 = Clock::now();
-        pub.publish(static_cast<uint64_t>(i + 1));
-        if (i > 0) t[static_cast<size_t>(r)].push_back(seconds_since(t0));
-      }
+      pubs[static_cast<size_t>(r)] = std::make_unique<weight_sync::Publisher>(
+          plan, comms[static_cast<size_t>(r)].get(), weight_sync::bind(src, r, mp),
+          shards[static_cast<size_t>(r)], so);
+      pubs[static_cast<size_t>(r)]->publish(1);  // warm-up
     });
-    std::vector<double> worst;
+    std::vector<double> ours, peer;
+    Timed mine{}, theirs{};
     for (int i = 0; i < reps; ++i) {
-      double w = 0;
-      for (int r = 0; r < kRanks; ++r)
-        w = std::max(w, t[static_cast<size_t>(r)][static_cast<size_t>(i)]);
-      worst.push_back(w);
+      theirs = timed(all_gather);
+      mine = timed([&](int r) {
+        last[static_cast<size_t>(r)] =
+            pubs[static_cast<size_t>(r)]->publish(static_cast<uint64_t>(i + 2));
+      });
+      peer.push_back(theirs.seconds);
+      ours.push_back(mine.seconds);
     }
+    int64_t local = 0;
+    for (const weight_sync::SyncStats& st : last) local += st.bytes_copied;
     const std::string case_name = fmt::format(
-        "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB between ranks, {} MB added on rank 0)", name,
-        v.label(), remote / 1000000, added / 1000000);
-    Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(worst), 0,
-                                     static_cast<double>(remote), "gloo all_gather",
-                                     median(gather_s)});
+        "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB of bf16 between ranks, the peer's bytes; the "
+        "peer does not read the {} MB of f32 they are cast from, nor cast the {} MB within ranks; "
+        "{} MB added on rank 0)",
+        name, v.label(), remote / 1000000, 2 * remote / 1000000, local / 1000000,
+        pubs[0]->added_bytes() / 1000000);
+    // Where the time went: CPU seconds of the 4 ranks together (the last sync), and per rank the
+    // phases of its last sync.
+    fmt::print(stderr,
+               "bench sync: {}: {:.0f} ms, {:.2f} CPU s; the all_gather {:.0f} ms, {:.2f} "
+               "CPU s\n",
+               v.label(), mine.seconds * 1e3, mine.cpu_seconds, theirs.seconds * 1e3,
+               theirs.cpu_seconds);
+    for (int r = 0; r < kRanks; ++r) {
+      const weight_sync::SyncStats& st = last[static_cast<size_t>(r)];
+      fmt::print(stderr,
+                 "bench sync: {} rank {}: {:.0f} ms = rounds {:.0f} (packing {:.0f} CPU ms, mostly "
+                 "overlapped) + agreement {:.0f} + staging copy {:.0f} + local pieces {:.0f}\n",
+                 v.label(), r, st.seconds * 1e3, st.rounds_seconds * 1e3,
+                 st.packing_cpu_seconds * 1e3, st.agree_seconds * 1e3, st.unstage_seconds * 1e3,
+                 st.local_seconds * 1e3);
+    }
+    Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(ours), 0,
+                                     static_cast<double>(remote), "gloo all_gather", median(peer)});
     ++emitted;
   }
 }

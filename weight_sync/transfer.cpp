@@ -1,8 +1,11 @@
 // Publisher: the per-pair wire streams of a plan, their rounds, packing (cast on the way) on a
-// helper thread while the previous round is in flight, staging, checksums and the final agreement.
+// helper thread while the previous round is in flight, staging, checksums and the final agreement;
+// the pieces within the rank, straight from source to destination on SyncOptions::threads threads.
 #include "weight_sync/transfer.h"
 
 #include <fmt/format.h>
+
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,37 +14,40 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "weight_sync/cast.h"
 
 namespace tandem::weight_sync {
 namespace {
 
 constexpr int64_t kAlign = 8;  // wire offsets of pieces; chunk sizes are multiples of it
+// The pieces within a rank are cast or copied by SyncOptions::threads threads from this many bytes
+// written, and with streaming stores from kStreamBytes (beyond any cache).
+constexpr int64_t kParallelBytes = int64_t{4} << 20;
+constexpr int64_t kStreamBytes = int64_t{64} << 20;
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU seconds of the calling thread (time it spent running, not waiting for a core).
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
 
 int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// f32_to_bf16_bits (core/half.h) written without a branch, so that the compiler vectorizes it
-// (one clone per x86 vector width): the same bits for every input, NaN included.
-#if defined(__x86_64__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-void f32_to_bf16(const float* s, uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, s + i, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    d[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
 // n elements from s (dtype sd) into d (dtype dd) on the CPU, rounding as the kernels' cast does,
-// on the calling thread (the packing thread; no thread pool of its own to contend with).
-void convert(const void* s, DType sd, void* d, DType dd, int64_t n) {
+// on the calling thread (no thread pool of its own to contend with). stream: see f32_to_bf16.
+void convert(const void* s, DType sd, void* d, DType dd, int64_t n, bool stream) {
   if (n <= 0) return;
   if (sd == dd) {
     std::memcpy(d, s, static_cast<size_t>(n) * dtype_size(sd));
   } else if (sd == DType::f32 && dd == DType::bf16) {
-    f32_to_bf16(static_cast<const float*>(s), static_cast<uint16_t*>(d), n);
+    f32_to_bf16(static_cast<const float*>(s), static_cast<uint16_t*>(d), n, stream);
   } else {
     ops::cast(Tensor::wrap(const_cast<void*>(s), {n}, sd), Tensor::wrap(d, {n}, dd));
   }
@@ -204,6 +210,9 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
   } else {
     for (Tensor& t : recv_) t = Tensor::empty({recv_bucket_}, DType::u8);
   }
+  // Touched here, so that the first publish does not pay for the pages.
+  for (Tensor* t : {&send_[0], &send_[1], &recv_[0], &recv_[1], &staging_})
+    if (t->defined() && t->nbytes() > 0) std::memset(t->data(), 0, t->nbytes());
   if (comm_ != nullptr) {
     // Ranks that planned differently would exchange garbage: compare the plans first.
     verify_same_config(*comm_, fmt::format("weight_sync plan {} -> {} digest {:016x} bucket {}",
@@ -232,8 +241,8 @@ void Publisher::pack(int round, char* bucket, std::vector<uint64_t>* sums) {
     const auto& dparams = plan_.dst().params();
     overlaps(s, esize_, lo, hi, [&](const WirePiece& w, int64_t first, int64_t n, int64_t byte) {
       const DType dd = dparams[w.param].dtype;
-      convert(data_at(src_[w.param], w.src_offset + first), src_[w.param].dtype(), at + byte, dd,
-              n);
+      convert(data_at(src_[w.param], w.src_offset + first), src_[w.param].dtype(), at + byte, dd, n,
+              false);
       if (sums != nullptr)
         (*sums)[q * dparams.size() + w.param] += checksum(at + byte, dd, w.dst_offset + first, n);
     });
@@ -263,15 +272,31 @@ void Publisher::unpack(int round, const char* bucket, std::vector<uint64_t>* sum
   }
 }
 
+void Publisher::copy_local_cpu(int64_t lo, int64_t hi, bool stream) const {
+  int64_t at = 0;
+  for (const LocalCopy& c : local_) {
+    if (at >= hi) break;
+    const Tensor &from = src_[c.param], &to = dst_[c.param];
+    if (!from.device().is_cpu() || !to.device().is_cpu()) continue;
+    const Piece& pc = c.piece;
+    const int64_t a = std::max(lo, at), b = std::min(hi, at + pc.length);
+    if (a < b)
+      convert(data_at(from, pc.src_offset + a - at), from.dtype(),
+              const_cast<char*>(data_at(to, pc.dst_offset + a - at)), to.dtype(), b - a, stream);
+    at += pc.length;
+  }
+}
+
 int64_t Publisher::copy_local() {
-  int64_t bytes = 0;
+  int64_t bytes = 0, cpu_elements = 0, cpu_bytes = 0;
   for (const LocalCopy& c : local_) {
     const Piece& pc = c.piece;
     const Tensor &from = src_[c.param], &to = dst_[c.param];
-    bytes += pc.length * static_cast<int64_t>(dtype_size(to.dtype()));
+    const int64_t b = pc.length * static_cast<int64_t>(dtype_size(to.dtype()));
+    bytes += b;
     if (from.device().is_cpu() && to.device().is_cpu()) {
-      convert(data_at(from, pc.src_offset), from.dtype(),
-              const_cast<char*>(data_at(to, pc.dst_offset)), to.dtype(), pc.length);
+      cpu_elements += pc.length;
+      cpu_bytes += b;
       continue;
     }
     Tensor s = from.view({from.numel()}).narrow(pc.src_offset, pc.length);
@@ -281,6 +306,18 @@ int64_t Publisher::copy_local() {
     else
       ops::cast(s, d);
   }
+  // The CPU pieces as one run of elements cut into equal parts, one per thread (memory-bound:
+  // a second core adds bandwidth); more than the caches hold is written with streaming stores.
+  const bool stream = cpu_bytes >= kStreamBytes;
+  const int64_t threads = cpu_bytes >= kParallelBytes ? std::max(1, options_.threads) : 1;
+  const int64_t part = (cpu_elements + threads - 1) / threads / 64 * 64 + 64;
+  std::vector<std::future<void>> helpers;  // waited for on every path (their destructors)
+  for (int64_t t = 1; t < threads; ++t)
+    helpers.push_back(std::async(std::launch::async, [this, t, part, stream] {
+      copy_local_cpu(t * part, (t + 1) * part, stream);
+    }));
+  copy_local_cpu(0, part, stream);
+  for (std::future<void>& h : helpers) h.get();
   return bytes;
 }
 
@@ -301,7 +338,12 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
   const auto W = static_cast<size_t>(world_);
   std::vector<uint64_t>* out = options_.checksums ? &sums.out : nullptr;
   std::vector<uint64_t>* in = options_.checksums ? &sums.in : nullptr;
-  pack(0, static_cast<char*>(send_[0].data()), out);
+  auto timed_pack = [&](int round) {
+    const double t0 = thread_cpu_seconds();
+    pack(round, static_cast<char*>(send_[round % 2].data()), out);
+    return thread_cpu_seconds() - t0;
+  };
+  st.packing_cpu_seconds += timed_pack(0);
   for (int round = 0; round < rounds_; ++round) {
     if (options_.on_round) options_.on_round(round, rounds_);
     char* sending = static_cast<char*>(send_[round % 2].data());
@@ -326,9 +368,9 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
     if (!ops.empty()) ++st.rounds;
     // While this round is in flight: pack the next one into the other send bucket and
     // (unstaged) unpack the previous one from the other receive bucket.
+    double packing = 0;
     auto overlap = std::async(std::launch::async, [&, round] {
-      if (round + 1 < rounds_)
-        pack(round + 1, static_cast<char*>(send_[(round + 1) % 2].data()), out);
+      if (round + 1 < rounds_) packing = timed_pack(round + 1);
       if (!options_.staged && round > 0)
         unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()), in);
     });
@@ -341,6 +383,7 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
       }
     });
     overlap.get();
+    st.packing_cpu_seconds += packing;
     if (options_.on_received)
       for (const P2POp& op : ops)
         if (op.kind == P2POp::Kind::recv)
@@ -409,28 +452,35 @@ void Publisher::agree(uint64_t version, int64_t mismatched, const std::string& f
 }
 
 SyncStats Publisher::publish(uint64_t version) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   SyncStats st;
   st.version = version;
   if (remote_) {
     const size_t n = options_.checksums ? static_cast<size_t>(world_) * plan_.size() : 0;
     Sums sums{std::vector<uint64_t>(n, 0), std::vector<uint64_t>(n, 0)};
     run_rounds(version, st, sums);
+    st.rounds_seconds = seconds_since(t0);
+    const auto t1 = Clock::now();
     int64_t mismatched = 0;
     const std::string first =
         options_.checksums ? compare_checksums(version, st, sums, mismatched) : "";
     // Every rank learns whether every rank got everything right before any destination changes.
     agree(version, mismatched, first);
+    st.agree_seconds = seconds_since(t1);
+    const auto t2 = Clock::now();
     if (options_.staged)
       for (size_t q = 0; q < in_.size(); ++q)
         if (in_[q].bytes > 0)
           unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
                         static_cast<const char*>(staging_.data()) + staging_at_[q], nullptr, true);
+    st.unstage_seconds = seconds_since(t2);
   }
+  const auto t3 = Clock::now();
   st.bytes_copied = copy_local();
+  st.local_seconds = seconds_since(t3);
   st.pieces_shared = shared_;
   version_ = version;
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.seconds = seconds_since(t0);
   return st;
 }
 
