@@ -262,12 +262,14 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
                theirs.cpu_seconds);
     for (int r = 0; r < kRanks; ++r) {
       const weight_sync::SyncStats& st = last[static_cast<size_t>(r)];
-      fmt::print(stderr,
-                 "bench sync: {} rank {}: {:.0f} ms = rounds {:.0f} (packing {:.0f} CPU ms, mostly "
-                 "overlapped) + agreement {:.0f} + staging copy {:.0f} + local pieces {:.0f}\n",
-                 v.label(), r, st.seconds * 1e3, st.rounds_seconds * 1e3,
-                 st.packing_cpu_seconds * 1e3, st.agree_seconds * 1e3, st.unstage_seconds * 1e3,
-                 st.local_seconds * 1e3);
+      fmt::print(
+          stderr,
+          "bench sync: {} rank {}: {:.0f} ms = rounds {:.0f} (packing {:.0f} CPU ms, mostly "
+          "overlapped) + agreement {:.0f} + staging copy {:.0f} + local pieces {:.0f}; {} of {} "
+          "MB received straight into the destination\n",
+          v.label(), r, st.seconds * 1e3, st.rounds_seconds * 1e3, st.packing_cpu_seconds * 1e3,
+          st.agree_seconds * 1e3, st.unstage_seconds * 1e3, st.local_seconds * 1e3,
+          st.bytes_received_direct / 1000000, st.bytes_received / 1000000);
     }
     Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(ours), 0,
                                      static_cast<double>(remote), "gloo all_gather", median(peer)});

@@ -264,12 +264,30 @@ void Publisher::unpack_stream(int peer, int64_t lo, int64_t hi, const char* at,
   });
 }
 
-void Publisher::unpack(int round, const char* bucket, std::vector<uint64_t>* sums) {
+void Publisher::unpack(int round, const char* bucket, const std::vector<char*>& direct,
+                       std::vector<uint64_t>* sums) {
   for (size_t q = 0; q < in_.size(); ++q) {
     const Stream& s = in_[q];
     const int64_t lo = round * s.chunk, hi = std::min(s.bytes, lo + s.chunk);
-    if (lo < hi) unpack_stream(static_cast<int>(q), lo, hi, bucket + recv_slot_[q], sums, true);
+    if (lo >= hi) continue;
+    if (direct[q] != nullptr) {
+      if (sums != nullptr) unpack_stream(static_cast<int>(q), lo, hi, direct[q], sums, false);
+    } else {
+      unpack_stream(static_cast<int>(q), lo, hi, bucket + recv_slot_[q], sums, true);
+    }
   }
+}
+
+char* Publisher::direct_target(int peer, int64_t lo, int64_t hi) const {
+  const Stream& s = in_[static_cast<size_t>(peer)];
+  auto it = std::upper_bound(s.pieces.begin(), s.pieces.end(), lo,
+                             [](int64_t v, const WirePiece& p) { return v < p.wire; });
+  if (it == s.pieces.begin()) return nullptr;
+  --it;
+  const auto es = static_cast<int64_t>(esize_[it->param]);
+  if (hi > it->wire + it->length * es) return nullptr;
+  // lo and the piece's start are both 8-aligned: lo - wire is whole elements.
+  return const_cast<char*>(data_at(dst_[it->param], it->dst_offset + (lo - it->wire) / es));
 }
 
 void Publisher::copy_local_cpu(int64_t lo, int64_t hi, bool stream) const {
@@ -344,6 +362,9 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
     return thread_cpu_seconds() - t0;
   };
   st.packing_cpu_seconds += timed_pack(0);
+  // Unstaged, [round % 2][peer]: where a round's bytes from the peer were received straight into
+  // the destination (they lie inside one piece), else null (through the receive bucket).
+  std::vector<char*> direct[2] = {std::vector<char*>(W, nullptr), std::vector<char*>(W, nullptr)};
   for (int round = 0; round < rounds_; ++round) {
     if (options_.on_round) options_.on_round(round, rounds_);
     char* sending = static_cast<char*>(send_[round % 2].data());
@@ -360,10 +381,14 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
       const Stream& i = in_[q];
       const int64_t lo = round * i.chunk, hi = std::min(i.bytes, lo + i.chunk);
       if (lo >= hi) continue;
-      char* to = options_.staged ? static_cast<char*>(staging_.data()) + staging_at_[q] + lo
-                                 : static_cast<char*>(recv_[round % 2].data()) + recv_slot_[q];
+      char*& into = direct[round % 2][q];
+      into = options_.staged ? nullptr : direct_target(static_cast<int>(q), lo, hi);
+      char* to = options_.staged   ? static_cast<char*>(staging_.data()) + staging_at_[q] + lo
+                 : into != nullptr ? into
+                                   : static_cast<char*>(recv_[round % 2].data()) + recv_slot_[q];
       ops.push_back(recv_from(static_cast<int>(q), Tensor::wrap(to, {hi - lo}, DType::u8)));
       st.bytes_received += hi - lo;
+      if (into != nullptr) st.bytes_received_direct += hi - lo;
     }
     if (!ops.empty()) ++st.rounds;
     // While this round is in flight: pack the next one into the other send bucket and
@@ -372,7 +397,8 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
     auto overlap = std::async(std::launch::async, [&, round] {
       if (round + 1 < rounds_) packing = timed_pack(round + 1);
       if (!options_.staged && round > 0)
-        unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()), in);
+        unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()),
+               direct[(round - 1) % 2], in);
     });
     on_comm(version, fmt::format("round {} of {}", round, rounds_), [&] {
       try {
@@ -397,7 +423,8 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
           unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
                         static_cast<const char*>(staging_.data()) + staging_at_[q], in, false);
   } else if (rounds_ > 0) {
-    unpack(rounds_ - 1, static_cast<const char*>(recv_[(rounds_ - 1) % 2].data()), in);
+    unpack(rounds_ - 1, static_cast<const char*>(recv_[(rounds_ - 1) % 2].data()),
+           direct[(rounds_ - 1) % 2], in);
   }
 }
 

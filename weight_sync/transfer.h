@@ -31,8 +31,9 @@ struct SyncOptions {
   int64_t bucket_bytes = int64_t{64} << 20;
   // Receive into a staging buffer (the bytes this rank receives from other ranks, once) and write
   // the destination only once every rank has received everything and the checksums (if on)
-  // match: a failed sync leaves every destination on the old version. Off: receive through two
-  // bucket buffers straight into the destination (less memory; a failed sync leaves the
+  // match: a failed sync leaves every destination on the old version. Off: receive a round's
+  // bytes from a peer straight into the destination where they lie inside one piece, else
+  // through two bucket buffers (less memory and no staging copy; a failed sync leaves the
   // destination partly written, and publish says so).
   bool staged = true;
   // A checksum of every piece stream (per parameter and pair of ranks, keyed by destination
@@ -53,11 +54,12 @@ struct SyncOptions {
 
 struct SyncStats {
   uint64_t version = 0;
-  int rounds = 0;              // rounds of send/recv this rank took part in
-  int64_t bytes_sent = 0;      // to other ranks (destination dtype; padding not counted)
-  int64_t bytes_received = 0;  // from other ranks
-  int64_t bytes_copied = 0;    // written by pieces within this rank
-  int64_t pieces_shared = 0;   // pieces within this rank that needed no copy (same memory)
+  int rounds = 0;                     // rounds of send/recv this rank took part in
+  int64_t bytes_sent = 0;             // to other ranks (destination dtype; padding not counted)
+  int64_t bytes_received = 0;         // from other ranks
+  int64_t bytes_received_direct = 0;  // of those, unstaged, straight into the destination
+  int64_t bytes_copied = 0;           // written by pieces within this rank
+  int64_t pieces_shared = 0;          // pieces within this rank that needed no copy (same memory)
   int64_t checksums_compared = 0;
   double seconds = 0;
   // Where `seconds` went: the rounds (sending and receiving, and packing the first round), the
@@ -109,7 +111,13 @@ class Publisher {
 
  private:
   void pack(int round, char* bucket, std::vector<uint64_t>* sums);
-  void unpack(int round, const char* bucket, std::vector<uint64_t>* sums);
+  // direct[peer]: where that peer's bytes of the round were received into the destination, else
+  // null (in the bucket).
+  void unpack(int round, const char* bucket, const std::vector<char*>& direct,
+              std::vector<uint64_t>* sums);
+  // Unstaged: where in the destination bytes [lo, hi) of the stream from `peer` go, when they lie
+  // inside one piece (so they can be received there directly); else null.
+  char* direct_target(int peer, int64_t lo, int64_t hi) const;
   // Stream bytes [lo, hi) from `peer`, found at `at`: summed into sums (if given), written into
   // the destination (if write).
   void unpack_stream(int peer, int64_t lo, int64_t hi, const char* at, std::vector<uint64_t>* sums,
