@@ -1,5 +1,6 @@
-// `tandem bench sync`: weight publishing through weight_sync. One rank, f32 master weights to
-// bf16 engine weights (SmolLM2-135M and Qwen2.5-0.5B shapes, random weights), beside memcpy; and
+// `tandem bench sync`: weight publishing through weight_sync. The f32 -> bf16 cast alone by each
+// of its paths, and one rank, f32 master weights to bf16 engine weights (SmolLM2-135M and
+// Qwen2.5-0.5B shapes, random weights), beside memcpy; and
 // ZeRO over 4 ranks to 2 tensor-parallel replicas of 2 over Gloo on loopback (threads of this
 // process, each with its own communicator and sockets, as bench comm), beside a raw Gloo
 // all-gather of the same bytes in the same run, the bucket size swept.
@@ -21,6 +22,7 @@
 #include "model/weights.h"
 #include "trainer/optimizer.h"
 #include "trainer/rollout_group.h"
+#include "weight_sync/cast.h"
 #include "weight_sync/transfer.h"
 
 namespace tandem::bench {
@@ -92,6 +94,41 @@ int64_t parameter_bytes(const model::Weights& w) {
   int64_t n = 0;
   for (const model::NamedTensor& s : w.storage()) n += static_cast<int64_t>(s.tensor.nbytes());
   return n;
+}
+
+// The publisher's cast alone on one thread over every parameter of `master` (the arena, padding
+// included), by each path weight_sync/cast.h has on this CPU, beside memcpy of the f32 bytes.
+void cast_paths(const Options& opt, const char* name, const model::Weights& master, int& emitted) {
+  const float* from = master.storage()[0].tensor.data_as<float>();
+  const int64_t n = parameter_bytes(master) / 4;
+  std::vector<uint16_t> to(static_cast<size_t>(n));
+  struct Path {
+    const char* label;
+    std::function<void()> run;
+  };
+  std::vector<Path> paths = {
+      {"portable", [&] { weight_sync::f32_to_bf16_portable(from, to.data(), n); }}};
+  if (weight_sync::has_avx512_bf16()) {
+    paths.push_back(
+        {"avx512-bf16", [&] { weight_sync::f32_to_bf16_avx512_bf16(from, to.data(), n, false); }});
+    paths.push_back({"avx512-bf16 streaming stores",
+                     [&] { weight_sync::f32_to_bf16_avx512_bf16(from, to.data(), n, true); }});
+  }
+  const int reps = 3;
+  for (const Path& path : paths) {
+    const std::string case_name = fmt::format("{} f32->bf16 one thread {}", name, path.label);
+    if (!Runner(opt, {}).wants("cast", case_name)) continue;
+    std::vector<double> t;
+    for (int i = 0; i <= reps; ++i) {
+      const auto t0 = Clock::now();
+      path.run();
+      if (i > 0) t.push_back(seconds_since(t0));
+    }
+    Runner(opt, {}).emit(Measurement{
+        "sync", "cast", case_name, median(t), 0, static_cast<double>(2 * n), "memcpy f32 bytes",
+        memcpy_seconds(reinterpret_cast<const char*>(from), 4 * n, reps)});
+    ++emitted;
+  }
 }
 
 // One rank: the publisher's f32 -> bf16 cast of every parameter of `master`, beside memcpy of
@@ -284,6 +321,7 @@ int run_sync_bench(const Options& opt) {
   {
     model::Weights smollm(config_of(kSmolLM2_135M, 30, false), DType::f32);
     fill_random(smollm);
+    cast_paths(opt, "smollm2-135m", smollm, emitted);
     one_rank(opt, "smollm2-135m", smollm, emitted);
   }
   // SmolLM2's 9 query heads do not split over tp = 2: the reshard runs on the Qwen2.5 shape

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -24,6 +25,7 @@ constexpr int64_t kAlign = 8;  // wire offsets of pieces; chunk sizes are multip
 // written, and with streaming stores from kStreamBytes (beyond any cache).
 constexpr int64_t kParallelBytes = int64_t{4} << 20;
 constexpr int64_t kStreamBytes = int64_t{64} << 20;
+constexpr int64_t kLocalBlock = int64_t{1} << 18;  // elements a thread takes at a time
 
 using Clock = std::chrono::steady_clock;
 
@@ -166,6 +168,11 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
       len = align_up(len + pc.length * static_cast<int64_t>(esize_[p]));
     }
   }
+  local_at_.assign(1, 0);
+  for (const LocalCopy& c : local_)
+    local_at_.push_back(
+        local_at_.back() +
+        (src_[c.param].device().is_cpu() && dst_[c.param].device().is_cpu() ? c.piece.length : 0));
   std::vector<int64_t> peers_out(W, 0), peers_in(W, 0);
   for (size_t s = 0; s < W; ++s)
     for (size_t d = 0; d < W; ++d)
@@ -291,29 +298,27 @@ char* Publisher::direct_target(int peer, int64_t lo, int64_t hi) const {
 }
 
 void Publisher::copy_local_cpu(int64_t lo, int64_t hi, bool stream) const {
-  int64_t at = 0;
-  for (const LocalCopy& c : local_) {
-    if (at >= hi) break;
-    const Tensor &from = src_[c.param], &to = dst_[c.param];
-    if (!from.device().is_cpu() || !to.device().is_cpu()) continue;
-    const Piece& pc = c.piece;
-    const int64_t a = std::max(lo, at), b = std::min(hi, at + pc.length);
-    if (a < b)
-      convert(data_at(from, pc.src_offset + a - at), from.dtype(),
-              const_cast<char*>(data_at(to, pc.dst_offset + a - at)), to.dtype(), b - a, stream);
-    at += pc.length;
+  auto i = static_cast<size_t>(std::upper_bound(local_at_.begin(), local_at_.end(), lo) -
+                               local_at_.begin() - 1);
+  for (; i < local_.size() && local_at_[i] < hi; ++i) {
+    const int64_t at = local_at_[i], length = local_at_[i + 1] - at;
+    if (length == 0) continue;  // not on the CPU
+    const Tensor &from = src_[local_[i].param], &to = dst_[local_[i].param];
+    const Piece& pc = local_[i].piece;
+    const int64_t a = std::max(lo, at), b = std::min(hi, at + length);
+    convert(data_at(from, pc.src_offset + a - at), from.dtype(),
+            const_cast<char*>(data_at(to, pc.dst_offset + a - at)), to.dtype(), b - a, stream);
   }
 }
 
 int64_t Publisher::copy_local() {
-  int64_t bytes = 0, cpu_elements = 0, cpu_bytes = 0;
-  for (const LocalCopy& c : local_) {
-    const Piece& pc = c.piece;
-    const Tensor &from = src_[c.param], &to = dst_[c.param];
+  int64_t bytes = 0, cpu_bytes = 0;
+  for (size_t i = 0; i < local_.size(); ++i) {
+    const Piece& pc = local_[i].piece;
+    const Tensor &from = src_[local_[i].param], &to = dst_[local_[i].param];
     const int64_t b = pc.length * static_cast<int64_t>(dtype_size(to.dtype()));
     bytes += b;
-    if (from.device().is_cpu() && to.device().is_cpu()) {
-      cpu_elements += pc.length;
+    if (local_at_[i + 1] > local_at_[i]) {
       cpu_bytes += b;
       continue;
     }
@@ -324,17 +329,20 @@ int64_t Publisher::copy_local() {
     else
       ops::cast(s, d);
   }
-  // The CPU pieces as one run of elements cut into equal parts, one per thread (memory-bound:
-  // a second core adds bandwidth); more than the caches hold is written with streaming stores.
+  // The CPU pieces as one run of elements, taken in blocks by `threads` threads from a shared
+  // counter (memory-bound: a second core adds bandwidth; a thread without a core on a busy
+  // machine holds up no one); more than the caches hold is written with streaming stores.
   const bool stream = cpu_bytes >= kStreamBytes;
-  const int64_t threads = cpu_bytes >= kParallelBytes ? std::max(1, options_.threads) : 1;
-  const int64_t part = (cpu_elements + threads - 1) / threads / 64 * 64 + 64;
+  const int threads = cpu_bytes >= kParallelBytes ? std::max(1, options_.threads) : 1;
+  const int64_t total = local_at_.back();
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t lo; (lo = next.fetch_add(kLocalBlock)) < total;)
+      copy_local_cpu(lo, std::min(total, lo + kLocalBlock), stream);
+  };
   std::vector<std::future<void>> helpers;  // waited for on every path (their destructors)
-  for (int64_t t = 1; t < threads; ++t)
-    helpers.push_back(std::async(std::launch::async, [this, t, part, stream] {
-      copy_local_cpu(t * part, (t + 1) * part, stream);
-    }));
-  copy_local_cpu(0, part, stream);
+  for (int t = 1; t < threads; ++t) helpers.push_back(std::async(std::launch::async, work));
+  work();
   for (std::future<void>& h : helpers) h.get();
   return bytes;
 }

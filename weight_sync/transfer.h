@@ -124,7 +124,7 @@ class Publisher {
                      bool write) const;
   // The pieces within this rank; returns the bytes written.
   int64_t copy_local();
-  // Elements [lo, hi) of the CPU pieces within this rank, taken one after the other.
+  // Elements [lo, hi) of the CPU pieces within this rank, taken one after the other (local_at_).
   void copy_local_cpu(int64_t lo, int64_t hi, bool stream) const;
 
   // The checksum tables of one publish, [peer * parameters + parameter]: of what this rank sent
@@ -160,6 +160,8 @@ class Publisher {
     Piece piece;
   };
   std::vector<LocalCopy> local_;  // pieces within this rank that copy
+  // [i]: CPU elements of local_[0, i) (a piece not on the CPU counts 0); one more than local_.
+  std::vector<int64_t> local_at_;
   int64_t shared_ = 0;
   Tensor send_[2], recv_[2], staging_;  // u8
   std::vector<size_t> esize_;           // [param]: destination element bytes
