@@ -1,9 +1,11 @@
-// `tandem bench sync`: weight publishing through weight_sync. One rank, f32 master weights to
-// bf16 engine weights (SmolLM2-135M and Qwen2.5-0.5B shapes, random weights), beside memcpy; and
+// `tandem bench sync`: weight publishing through weight_sync. The f32 -> bf16 cast alone by each
+// of its paths, and one rank, f32 master weights to bf16 engine weights (SmolLM2-135M and
+// Qwen2.5-0.5B shapes, random weights), beside memcpy; and
 // ZeRO over 4 ranks to 2 tensor-parallel replicas of 2 over Gloo on loopback (threads of this
 // process, each with its own communicator and sockets, as bench comm), beside a raw Gloo
 // all-gather of the same bytes in the same run, the bucket size swept.
 #include <fmt/format.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +22,7 @@
 #include "model/weights.h"
 #include "trainer/optimizer.h"
 #include "trainer/rollout_group.h"
+#include "weight_sync/cast.h"
 #include "weight_sync/transfer.h"
 
 namespace tandem::bench {
@@ -29,6 +32,14 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU seconds of this process so far (all threads; the kernel's socket copies included).
+double process_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
 model::ModelConfig config_of(const ModelShape& s, int64_t layers, bool bias) {
@@ -83,6 +94,41 @@ int64_t parameter_bytes(const model::Weights& w) {
   int64_t n = 0;
   for (const model::NamedTensor& s : w.storage()) n += static_cast<int64_t>(s.tensor.nbytes());
   return n;
+}
+
+// The publisher's cast alone on one thread over every parameter of `master` (the arena, padding
+// included), by each path weight_sync/cast.h has on this CPU, beside memcpy of the f32 bytes.
+void cast_paths(const Options& opt, const char* name, const model::Weights& master, int& emitted) {
+  const float* from = master.storage()[0].tensor.data_as<float>();
+  const int64_t n = parameter_bytes(master) / 4;
+  std::vector<uint16_t> to(static_cast<size_t>(n));
+  struct Path {
+    const char* label;
+    std::function<void()> run;
+  };
+  std::vector<Path> paths = {
+      {"portable", [&] { weight_sync::f32_to_bf16_portable(from, to.data(), n); }}};
+  if (weight_sync::has_avx512_bf16()) {
+    paths.push_back(
+        {"avx512-bf16", [&] { weight_sync::f32_to_bf16_avx512_bf16(from, to.data(), n, false); }});
+    paths.push_back({"avx512-bf16 streaming stores",
+                     [&] { weight_sync::f32_to_bf16_avx512_bf16(from, to.data(), n, true); }});
+  }
+  const int reps = 3;
+  for (const Path& path : paths) {
+    const std::string case_name = fmt::format("{} f32->bf16 one thread {}", name, path.label);
+    if (!Runner(opt, {}).wants("cast", case_name)) continue;
+    std::vector<double> t;
+    for (int i = 0; i <= reps; ++i) {
+      const auto t0 = Clock::now();
+      path.run();
+      if (i > 0) t.push_back(seconds_since(t0));
+    }
+    Runner(opt, {}).emit(Measurement{
+        "sync", "cast", case_name, median(t), 0, static_cast<double>(2 * n), "memcpy f32 bytes",
+        memcpy_seconds(reinterpret_cast<const char*>(from), 4 * n, reps)});
+    ++emitted;
+  }
 }
 
 // One rank: the publisher's f32 -> bf16 cast of every parameter of `master`, beside memcpy of
@@ -183,63 +229,87 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
     for (size_t p = 0; p < specs.size(); ++p)
       shards[static_cast<size_t>(r)].push_back(Tensor::empty(dst.shard(p, r).shape, DType::bf16));
   });
-  // One timed sync per bucket size after a warm-up one (each moves a gigabyte and more; the
-  // default invocation stays under a minute on 2 busy cores).
+  // Per bucket size: a warm-up sync, then `reps` timed ones, each beside a raw all_gather run just
+  // before it (the machine's load changes between variants), each moving a gigabyte and more.
   const int reps = 1;
-  // The peer: every rank all-gathers remote / (N (N - 1)) bytes, so that each rank receives
-  // remote / N bytes, as it does in the reshard.
+  // The peer: every rank all-gathers remote / (N (N - 1)) bytes of bf16, so that each rank
+  // receives (and sends) remote / N bytes, as it does in the reshard; it casts nothing, reads no
+  // f32 and writes nothing within a rank.
   const int64_t per_rank = remote / (kRanks * (kRanks - 1)) / 2 * 2;
-  std::vector<double> gather_s;
-  {
-    std::vector<std::vector<double>> t(kRanks);
+  std::vector<Tensor> gathered(kRanks);
+  // Seconds of the slowest rank and CPU seconds of the process (all ranks) of one call of fn on
+  // every rank, started together.
+  struct Timed {
+    double seconds, cpu_seconds;
+  };
+  auto timed = [&](const std::function<void(int)>& fn) {
+    std::vector<double> t(kRanks);
+    const double cpu0 = process_cpu_seconds();
     on_ranks([&](int r) {
-      Communicator& c = *comms[static_cast<size_t>(r)];
-      Tensor out = Tensor::zeros({kRanks * per_rank / 2}, DType::bf16);
-      Tensor in = out.narrow(r * (per_rank / 2), per_rank / 2);
-      for (int i = 0; i <= reps; ++i) {
-        c.barrier();
-        const auto t0 = Clock::now();
-        c.all_gather(in, out);
-        if (i > 0) t[static_cast<size_t>(r)].push_back(seconds_since(t0));
-      }
+      comms[static_cast<size_t>(r)]->barrier();
+      const auto t0 = Clock::now();
+      fn(r);
+      t[static_cast<size_t>(r)] = seconds_since(t0);
     });
-    for (int i = 0; i < reps; ++i) {
-      double worst = 0;
-      for (int r = 0; r < kRanks; ++r)
-        worst = std::max(worst, t[static_cast<size_t>(r)][static_cast<size_t>(i)]);
-      gather_s.push_back(worst);
-    }
-  }
+    return Timed{*std::max_element(t.begin(), t.end()), process_cpu_seconds() - cpu0};
+  };
+  auto all_gather = [&](int r) {
+    Tensor& out = gathered[static_cast<size_t>(r)];
+    if (!out.defined()) out = Tensor::zeros({kRanks * per_rank / 2}, DType::bf16);
+    comms[static_cast<size_t>(r)]->all_gather(out.narrow(r * (per_rank / 2), per_rank / 2), out);
+  };
+  timed(all_gather);  // warm-up
   for (const Variant& v : wanted) {
-    std::vector<std::vector<double>> t(kRanks);
-    int64_t added = 0;
+    std::vector<std::unique_ptr<weight_sync::Publisher>> pubs(kRanks);
+    std::vector<weight_sync::SyncStats> last(kRanks);
     on_ranks([&](int r) {
       weight_sync::SyncOptions so;
       so.bucket_bytes = v.mib << 20;
       so.staged = v.staged;
-      weight_sync::Publisher pub(plan, comms[static_cast<size_t>(r)].get(),
-                                 weight_sync::bind(src, r, mp), shards[static_cast<size_t>(r)], so);
-      if (r == 0) added = pub.added_bytes();
-      for (int i = 0; i <= reps; ++i) {
-        comms[static_cast<size_t>(r)]->barrier();
-        const auto t0 = Clock::now();
-        pub.publish(static_cast<uint64_t>(i + 1));
-        if (i > 0) t[static_cast<size_t>(r)].push_back(seconds_since(t0));
-      }
+      pubs[static_cast<size_t>(r)] = std::make_unique<weight_sync::Publisher>(
+          plan, comms[static_cast<size_t>(r)].get(), weight_sync::bind(src, r, mp),
+          shards[static_cast<size_t>(r)], so);
+      pubs[static_cast<size_t>(r)]->publish(1);  // warm-up
     });
-    std::vector<double> worst;
+    std::vector<double> ours, peer;
+    Timed mine{}, theirs{};
     for (int i = 0; i < reps; ++i) {
-      double w = 0;
-      for (int r = 0; r < kRanks; ++r)
-        w = std::max(w, t[static_cast<size_t>(r)][static_cast<size_t>(i)]);
-      worst.push_back(w);
+      theirs = timed(all_gather);
+      mine = timed([&](int r) {
+        last[static_cast<size_t>(r)] =
+            pubs[static_cast<size_t>(r)]->publish(static_cast<uint64_t>(i + 2));
+      });
+      peer.push_back(theirs.seconds);
+      ours.push_back(mine.seconds);
     }
+    int64_t local = 0;
+    for (const weight_sync::SyncStats& st : last) local += st.bytes_copied;
     const std::string case_name = fmt::format(
-        "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB between ranks, {} MB added on rank 0)", name,
-        v.label(), remote / 1000000, added / 1000000);
-    Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(worst), 0,
-                                     static_cast<double>(remote), "gloo all_gather",
-                                     median(gather_s)});
+        "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB of bf16 between ranks, the peer's bytes; the "
+        "peer does not read the {} MB of f32 they are cast from, nor cast the {} MB within ranks; "
+        "{} MB added on rank 0)",
+        name, v.label(), remote / 1000000, 2 * remote / 1000000, local / 1000000,
+        pubs[0]->added_bytes() / 1000000);
+    // Where the time went: CPU seconds of the 4 ranks together (the last sync), and per rank the
+    // phases of its last sync.
+    fmt::print(stderr,
+               "bench sync: {}: {:.0f} ms, {:.2f} CPU s; the all_gather {:.0f} ms, {:.2f} "
+               "CPU s\n",
+               v.label(), mine.seconds * 1e3, mine.cpu_seconds, theirs.seconds * 1e3,
+               theirs.cpu_seconds);
+    for (int r = 0; r < kRanks; ++r) {
+      const weight_sync::SyncStats& st = last[static_cast<size_t>(r)];
+      fmt::print(
+          stderr,
+          "bench sync: {} rank {}: {:.0f} ms = rounds {:.0f} (packing {:.0f} CPU ms, mostly "
+          "overlapped) + agreement {:.0f} + staging copy {:.0f} + local pieces {:.0f}; {} of {} "
+          "MB received straight into the destination\n",
+          v.label(), r, st.seconds * 1e3, st.rounds_seconds * 1e3, st.packing_cpu_seconds * 1e3,
+          st.agree_seconds * 1e3, st.unstage_seconds * 1e3, st.local_seconds * 1e3,
+          st.bytes_received_direct / 1000000, st.bytes_received / 1000000);
+    }
+    Runner(opt, {}).emit(Measurement{"sync", "reshard", case_name, median(ours), 0,
+                                     static_cast<double>(remote), "gloo all_gather", median(peer)});
     ++emitted;
   }
 }
@@ -251,6 +321,7 @@ int run_sync_bench(const Options& opt) {
   {
     model::Weights smollm(config_of(kSmolLM2_135M, 30, false), DType::f32);
     fill_random(smollm);
+    cast_paths(opt, "smollm2-135m", smollm, emitted);
     one_rank(opt, "smollm2-135m", smollm, emitted);
   }
   // SmolLM2's 9 query heads do not split over tp = 2: the reshard runs on the Qwen2.5 shape

@@ -5,65 +5,16 @@
 
 #include <algorithm>
 #include <string_view>
+#include <vector>
 
 #include "core/error.h"
+#include "model/tensor_parallel.h"
 
 namespace tandem::weight_sync {
 namespace {
 
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-// Rows [start, start + units * unit_rows) of a row-split parameter: `units` heads (or rows) of
-// unit_rows rows each, dealt out evenly over the tp ranks.
-struct Segment {
-  int64_t start, units, unit_rows;
-  const char* what;           // "query heads"
-  bool replicate_when_fewer;  // key/value heads: tp a multiple of units is fine
-};
-
-// The units [first, first + count) of a segment rank t holds.
-std::pair<int64_t, int64_t> units_of(const ParamSpec& p, const Segment& s, int tp, int t) {
-  if (s.units % tp == 0) return {t * (s.units / tp), s.units / tp};
-  TANDEM_CHECK(s.replicate_when_fewer && tp % s.units == 0,
-               "weight_sync: tensor parallel tp = {} does not divide the {} {} of {} (shape {}): "
-               "choose a tp that divides {}{}",
-               tp, s.units, s.what, p.name, p.shape, s.units,
-               s.replicate_when_fewer ? " or a multiple of it" : "");
-  return {t / (tp / s.units), 1};
-}
-
-Shard row_shard(const ParamSpec& p, std::span<const Segment> segments, int tp, int t) {
-  const int64_t cols = p.shape.numel() / p.shape[0];
-  Shard s;
-  int64_t local_rows = 0;
-  for (const Segment& seg : segments) {
-    const auto [first, count] = units_of(p, seg, tp, t);
-    const int64_t rows = count * seg.unit_rows;
-    s.runs.push_back({(seg.start + first * seg.unit_rows) * cols, rows * cols, local_rows * cols});
-    local_rows += rows;
-  }
-  s.shape = p.shape;
-  s.shape[0] = local_rows;
-  return s;
-}
-
-// Columns of a (R, K) parameter split evenly: rank t holds columns [t K / tp, (t + 1) K / tp) of
-// every row, K being `units` units (heads) of K / units columns.
-Shard column_shard(const ParamSpec& p, int64_t units, const char* what, int tp, int t) {
-  TANDEM_CHECK(p.shape.ndim() == 2, "weight_sync: {} should be a matrix, got shape {}", p.name,
-               p.shape);
-  TANDEM_CHECK(units % tp == 0,
-               "weight_sync: tensor parallel tp = {} does not divide the {} {} of {} (shape {}): "
-               "choose a tp that divides {}",
-               tp, units, what, p.name, p.shape, units);
-  const int64_t R = p.shape[0], K = p.shape[1], k = K / tp;
-  Shard s;
-  s.shape = {R, k};
-  s.runs.reserve(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) s.runs.push_back({r * K + t * k, k, r * k});
-  return s;
 }
 
 void check_rows(const ParamSpec& p, int64_t rows, const char* formula) {
@@ -80,53 +31,146 @@ void check_cols(const ParamSpec& p, int64_t cols, const char* formula) {
                p.name, p.shape, formula, cols);
 }
 
-// Rank t's shard of p under the tensor-parallel split.
-Shard tp_shard(const TpDims& d, const ParamSpec& p, int tp, int t) {
+// The model the dimensions describe, as far as its tensor-parallel split goes: the split itself
+// (who holds which heads, MLP rows and vocabulary rows) is model::tp_split and model::tp_slice's,
+// defined once there.
+model::ModelConfig config_of(const TpDims& d) {
+  model::ModelConfig c;
+  c.num_heads = d.heads;
+  c.num_kv_heads = d.kv_heads;
+  c.head_dim = d.head_dim;
+  c.intermediate_size = d.intermediate;
+  c.vocab_size = d.vocab;
+  return c;
+}
+
+// A dimension a parameter is split along.
+enum class Split { query_heads, kv_heads, intermediate, vocab };
+
+// Throws naming the parameter when model::tp_split refuses tp for dimension `split` of d (the
+// other dimensions given a size every tp fits), with the model's reason and the sizes that fit.
+void check_fits(const TpDims& d, Split split, const char* what, const ParamSpec& p, int tp) {
+  model::ModelConfig c;
+  c.num_heads = c.num_kv_heads = c.intermediate_size = c.vocab_size = tp;
+  int64_t units = 0;
+  switch (split) {
+    case Split::query_heads:
+      units = c.num_heads = d.heads;
+      break;
+    case Split::kv_heads:
+      units = c.num_kv_heads = d.kv_heads;
+      break;
+    case Split::intermediate:
+      units = c.intermediate_size = d.intermediate;
+      break;
+    case Split::vocab:
+      units = c.vocab_size = d.vocab;
+      break;
+  }
+  try {
+    model::tp_split(c, 0, tp);
+  } catch (const Error& e) {
+    TANDEM_FAIL(
+        "weight_sync: tensor parallel tp = {} does not divide the {} {} of {} (shape {}): {}", tp,
+        units, what, p.name, p.shape, e.what());
+  }
+}
+
+// How a parameter is cut, by its storage name: row segments, each `first_row` rows into the
+// parameter and cut as the unfused HF parameter `part` is (fused q/k/v and gate/up have several),
+// or columns cut as `part` is; or replicated (no parts).
+struct Cut {
+  struct Part {
+    int64_t first_row;
+    std::string_view part;  // an HF name model::tp_slice knows
+  };
+  std::vector<Part> parts;
+  bool columns = false;
+};
+
+constexpr std::string_view kQ = "model.layers.0.self_attn.q_proj.weight";
+constexpr std::string_view kK = "model.layers.0.self_attn.k_proj.weight";
+constexpr std::string_view kV = "model.layers.0.self_attn.v_proj.weight";
+constexpr std::string_view kO = "model.layers.0.self_attn.o_proj.weight";
+constexpr std::string_view kGate = "model.layers.0.mlp.gate_proj.weight";
+constexpr std::string_view kUp = "model.layers.0.mlp.up_proj.weight";
+constexpr std::string_view kDown = "model.layers.0.mlp.down_proj.weight";
+constexpr std::string_view kEmbed = "model.embed_tokens.weight";
+
+// Checks p's shape against the dimensions and tp against the dimensions p is split along (naming
+// p), and says how p is cut.
+Cut cut_of(const TpDims& d, const ParamSpec& p, int tp) {
   const int64_t H = d.heads, Hkv = d.kv_heads, D = d.head_dim, F = d.intermediate, V = d.vocab;
   const std::string_view n = p.name;
   if (ends_with(n, "self_attn.qkv_proj.weight") || ends_with(n, "self_attn.qkv_proj.bias")) {
     check_rows(p, (H + 2 * Hkv) * D, "(H + 2 Hkv) D");
-    const Segment segs[] = {{0, H, D, "query heads", false},
-                            {H * D, Hkv, D, "key/value heads", true},
-                            {(H + Hkv) * D, Hkv, D, "key/value heads", true}};
-    return row_shard(p, segs, tp, t);
+    check_fits(d, Split::query_heads, "query heads", p, tp);
+    check_fits(d, Split::kv_heads, "key/value heads", p, tp);
+    return {{{0, kQ}, {H * D, kK}, {(H + Hkv) * D, kV}}};
   }
   if (ends_with(n, "self_attn.q_proj.weight") || ends_with(n, "self_attn.q_proj.bias")) {
     check_rows(p, H * D, "H D");
-    const Segment segs[] = {{0, H, D, "query heads", false}};
-    return row_shard(p, segs, tp, t);
+    check_fits(d, Split::query_heads, "query heads", p, tp);
+    return {{{0, kQ}}};
   }
   for (const char* kv : {"self_attn.k_proj.weight", "self_attn.k_proj.bias",
                          "self_attn.v_proj.weight", "self_attn.v_proj.bias"})
     if (ends_with(n, kv)) {
       check_rows(p, Hkv * D, "Hkv D");
-      const Segment segs[] = {{0, Hkv, D, "key/value heads", true}};
-      return row_shard(p, segs, tp, t);
+      check_fits(d, Split::kv_heads, "key/value heads", p, tp);
+      return {{{0, kK}}};
     }
   if (ends_with(n, "mlp.gate_up_proj.weight")) {
     check_rows(p, 2 * F, "2 F");
-    const Segment segs[] = {{0, F, 1, "gate rows", false}, {F, F, 1, "up rows", false}};
-    return row_shard(p, segs, tp, t);
+    check_fits(d, Split::intermediate, "gate rows", p, tp);
+    return {{{0, kGate}, {F, kUp}}};
   }
   if (ends_with(n, "mlp.gate_proj.weight") || ends_with(n, "mlp.up_proj.weight")) {
     check_rows(p, F, "F");
-    const Segment segs[] = {{0, F, 1, "rows (intermediate size)", false}};
-    return row_shard(p, segs, tp, t);
+    check_fits(d, Split::intermediate, "rows (intermediate size)", p, tp);
+    return {{{0, kGate}}};
   }
   if (ends_with(n, "embed_tokens.weight") || ends_with(n, "lm_head.weight")) {
     check_rows(p, V, "V");
-    const Segment segs[] = {{0, V, 1, "vocabulary rows", false}};
-    return row_shard(p, segs, tp, t);
+    check_fits(d, Split::vocab, "vocabulary rows", p, tp);
+    return {{{0, kEmbed}}};
   }
   if (ends_with(n, "self_attn.o_proj.weight")) {
     check_cols(p, H * D, "H D");
-    return column_shard(p, H, "query heads", tp, t);
+    check_fits(d, Split::query_heads, "query heads", p, tp);
+    return {{{0, kO}}, true};
   }
   if (ends_with(n, "mlp.down_proj.weight")) {
     check_cols(p, F, "F");
-    return column_shard(p, F, "columns (intermediate size)", tp, t);
+    check_fits(d, Split::intermediate, "columns (intermediate size)", p, tp);
+    return {{{0, kDown}}, true};
   }
-  return Shard{p.shape, {{0, p.shape.numel(), 0}}};
+  return {};
+}
+
+// The shard of p that `split`'s rank holds, cut as `cut` says.
+Shard shard_of(const model::ModelConfig& model, const model::TpSplit& split, const ParamSpec& p,
+               const Cut& cut) {
+  if (cut.parts.empty()) return Shard{p.shape, {{0, p.shape.numel(), 0}}};
+  Shard s;
+  if (cut.columns) {
+    const model::TpSlice c = model::tp_slice(model, split, cut.parts[0].part);
+    const int64_t R = p.shape[0], K = p.shape[1];
+    s.shape = {R, c.length};
+    s.runs.reserve(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) s.runs.push_back({r * K + c.begin, c.length, r * c.length});
+    return s;
+  }
+  const int64_t cols = p.shape.numel() / p.shape[0];
+  int64_t local_rows = 0;
+  for (const Cut::Part& part : cut.parts) {
+    const model::TpSlice rows = model::tp_slice(model, split, part.part);
+    s.runs.push_back({(part.first_row + rows.begin) * cols, rows.length * cols, local_rows * cols});
+    local_rows += rows.length;
+  }
+  s.shape = p.shape;
+  s.shape[0] = local_rows;
+  return s;
 }
 
 }  // namespace
@@ -196,11 +240,17 @@ Layout Layout::tensor_parallel(const TpDims& dims, std::vector<ParamSpec> params
                "intermediate size and vocabulary, got {}, {}, {}, {}, {}",
                dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate, dims.vocab);
   Layout l(fmt::format("tp{}x{}", tp, replicas), tp * replicas, std::move(params));
-  for (size_t p = 0; p < l.params_.size(); ++p)
-    for (int t = 0; t < tp; ++t) {
-      const Shard s = tp_shard(dims, l.params_[p], tp, t);
+  // Every parameter checked (naming it) before the model's split of any rank.
+  std::vector<Cut> cuts;
+  for (const ParamSpec& p : l.params_) cuts.push_back(cut_of(dims, p, tp));
+  const model::ModelConfig model = config_of(dims);
+  for (int t = 0; t < tp; ++t) {
+    const model::TpSplit split = model::tp_split(model, t, tp);
+    for (size_t p = 0; p < l.params_.size(); ++p) {
+      const Shard s = shard_of(model, split, l.params_[p], cuts[p]);
       for (int k = 0; k < replicas; ++k) l.set_shard(p, k * tp + t, s);
     }
+  }
   return l;
 }
 

@@ -34,8 +34,8 @@ struct Shard {
   int64_t held() const;   // elements the runs cover
 };
 
-// The model dimensions a tensor-parallel split needs (from model::ModelConfig; weight_sync knows
-// nothing of models beyond the storage names).
+// The model dimensions a tensor-parallel split needs (from model::ModelConfig; the split itself is
+// model/tensor_parallel.h's).
 struct TpDims {
   int64_t heads = 0;         // H
   int64_t kv_heads = 0;      // Hkv
@@ -64,8 +64,10 @@ class Layout {
   // query heads, then its key heads, then its value heads (a key/value head replicated over
   // tp/Hkv ranks when Hkv < tp); gate_up_proj by rows, rank t holding its F/tp gate rows then its
   // up rows; o_proj and down_proj by columns (their input dimension); embed_tokens and lm_head by
-  // vocabulary rows; everything else (norms) replicated. Throws tandem::Error naming the
-  // parameter and the sizes when tp does not divide them.
+  // vocabulary rows; everything else (norms) replicated. The ranges are model::tp_split's and
+  // model::tp_slice's (model/tensor_parallel.h, the decoder's own split), laid out in the fused
+  // storage tensors. Throws tandem::Error naming the parameter and the sizes when tp does not
+  // divide them (model::tp_split's rule), before anything else.
   static Layout tensor_parallel(const TpDims& dims, std::vector<ParamSpec> params, int tp,
                                 int replicas);
 

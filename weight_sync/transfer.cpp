@@ -1,47 +1,55 @@
 // Publisher: the per-pair wire streams of a plan, their rounds, packing (cast on the way) on a
-// helper thread while the previous round is in flight, staging, checksums and the final agreement.
+// helper thread while the previous round is in flight, staging, checksums and the final agreement;
+// the pieces within the rank, straight from source to destination on SyncOptions::threads threads.
 #include "weight_sync/transfer.h"
 
 #include <fmt/format.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "weight_sync/cast.h"
 
 namespace tandem::weight_sync {
 namespace {
 
 constexpr int64_t kAlign = 8;  // wire offsets of pieces; chunk sizes are multiples of it
+// The pieces within a rank are cast or copied by SyncOptions::threads threads from this many bytes
+// written, and with streaming stores from kStreamBytes (beyond any cache).
+constexpr int64_t kParallelBytes = int64_t{4} << 20;
+constexpr int64_t kStreamBytes = int64_t{64} << 20;
+constexpr int64_t kLocalBlock = int64_t{1} << 18;  // elements a thread takes at a time
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU seconds of the calling thread (time it spent running, not waiting for a core).
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
 
 int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// f32_to_bf16_bits (core/half.h) written without a branch, so that the compiler vectorizes it
-// (one clone per x86 vector width): the same bits for every input, NaN included.
-#if defined(__x86_64__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-void f32_to_bf16(const float* s, uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, s + i, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    d[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
 // n elements from s (dtype sd) into d (dtype dd) on the CPU, rounding as the kernels' cast does,
-// on the calling thread (the packing thread; no thread pool of its own to contend with).
-void convert(const void* s, DType sd, void* d, DType dd, int64_t n) {
+// on the calling thread (no thread pool of its own to contend with). stream: see f32_to_bf16.
+void convert(const void* s, DType sd, void* d, DType dd, int64_t n, bool stream) {
   if (n <= 0) return;
   if (sd == dd) {
     std::memcpy(d, s, static_cast<size_t>(n) * dtype_size(sd));
   } else if (sd == DType::f32 && dd == DType::bf16) {
-    f32_to_bf16(static_cast<const float*>(s), static_cast<uint16_t*>(d), n);
+    f32_to_bf16(static_cast<const float*>(s), static_cast<uint16_t*>(d), n, stream);
   } else {
     ops::cast(Tensor::wrap(const_cast<void*>(s), {n}, sd), Tensor::wrap(d, {n}, dd));
   }
@@ -160,6 +168,11 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
       len = align_up(len + pc.length * static_cast<int64_t>(esize_[p]));
     }
   }
+  local_at_.assign(1, 0);
+  for (const LocalCopy& c : local_)
+    local_at_.push_back(
+        local_at_.back() +
+        (src_[c.param].device().is_cpu() && dst_[c.param].device().is_cpu() ? c.piece.length : 0));
   std::vector<int64_t> peers_out(W, 0), peers_in(W, 0);
   for (size_t s = 0; s < W; ++s)
     for (size_t d = 0; d < W; ++d)
@@ -204,6 +217,9 @@ Publisher::Publisher(ReshardPlan plan, Communicator* comm, std::vector<Tensor> s
   } else {
     for (Tensor& t : recv_) t = Tensor::empty({recv_bucket_}, DType::u8);
   }
+  // Touched here, so that the first publish does not pay for the pages.
+  for (Tensor* t : {&send_[0], &send_[1], &recv_[0], &recv_[1], &staging_})
+    if (t->defined() && t->nbytes() > 0) std::memset(t->data(), 0, t->nbytes());
   if (comm_ != nullptr) {
     // Ranks that planned differently would exchange garbage: compare the plans first.
     verify_same_config(*comm_, fmt::format("weight_sync plan {} -> {} digest {:016x} bucket {}",
@@ -232,8 +248,8 @@ void Publisher::pack(int round, char* bucket, std::vector<uint64_t>* sums) {
     const auto& dparams = plan_.dst().params();
     overlaps(s, esize_, lo, hi, [&](const WirePiece& w, int64_t first, int64_t n, int64_t byte) {
       const DType dd = dparams[w.param].dtype;
-      convert(data_at(src_[w.param], w.src_offset + first), src_[w.param].dtype(), at + byte, dd,
-              n);
+      convert(data_at(src_[w.param], w.src_offset + first), src_[w.param].dtype(), at + byte, dd, n,
+              false);
       if (sums != nullptr)
         (*sums)[q * dparams.size() + w.param] += checksum(at + byte, dd, w.dst_offset + first, n);
     });
@@ -255,23 +271,55 @@ void Publisher::unpack_stream(int peer, int64_t lo, int64_t hi, const char* at,
   });
 }
 
-void Publisher::unpack(int round, const char* bucket, std::vector<uint64_t>* sums) {
+void Publisher::unpack(int round, const char* bucket, const std::vector<char*>& direct,
+                       std::vector<uint64_t>* sums) {
   for (size_t q = 0; q < in_.size(); ++q) {
     const Stream& s = in_[q];
     const int64_t lo = round * s.chunk, hi = std::min(s.bytes, lo + s.chunk);
-    if (lo < hi) unpack_stream(static_cast<int>(q), lo, hi, bucket + recv_slot_[q], sums, true);
+    if (lo >= hi) continue;
+    if (direct[q] != nullptr) {
+      if (sums != nullptr) unpack_stream(static_cast<int>(q), lo, hi, direct[q], sums, false);
+    } else {
+      unpack_stream(static_cast<int>(q), lo, hi, bucket + recv_slot_[q], sums, true);
+    }
+  }
+}
+
+char* Publisher::direct_target(int peer, int64_t lo, int64_t hi) const {
+  const Stream& s = in_[static_cast<size_t>(peer)];
+  auto it = std::upper_bound(s.pieces.begin(), s.pieces.end(), lo,
+                             [](int64_t v, const WirePiece& p) { return v < p.wire; });
+  if (it == s.pieces.begin()) return nullptr;
+  --it;
+  const auto es = static_cast<int64_t>(esize_[it->param]);
+  if (hi > it->wire + it->length * es) return nullptr;
+  // lo and the piece's start are both 8-aligned: lo - wire is whole elements.
+  return const_cast<char*>(data_at(dst_[it->param], it->dst_offset + (lo - it->wire) / es));
+}
+
+void Publisher::copy_local_cpu(int64_t lo, int64_t hi, bool stream) const {
+  auto i = static_cast<size_t>(std::upper_bound(local_at_.begin(), local_at_.end(), lo) -
+                               local_at_.begin() - 1);
+  for (; i < local_.size() && local_at_[i] < hi; ++i) {
+    const int64_t at = local_at_[i], length = local_at_[i + 1] - at;
+    if (length == 0) continue;  // not on the CPU
+    const Tensor &from = src_[local_[i].param], &to = dst_[local_[i].param];
+    const Piece& pc = local_[i].piece;
+    const int64_t a = std::max(lo, at), b = std::min(hi, at + length);
+    convert(data_at(from, pc.src_offset + a - at), from.dtype(),
+            const_cast<char*>(data_at(to, pc.dst_offset + a - at)), to.dtype(), b - a, stream);
   }
 }
 
 int64_t Publisher::copy_local() {
-  int64_t bytes = 0;
-  for (const LocalCopy& c : local_) {
-    const Piece& pc = c.piece;
-    const Tensor &from = src_[c.param], &to = dst_[c.param];
-    bytes += pc.length * static_cast<int64_t>(dtype_size(to.dtype()));
-    if (from.device().is_cpu() && to.device().is_cpu()) {
-      convert(data_at(from, pc.src_offset), from.dtype(),
-              const_cast<char*>(data_at(to, pc.dst_offset)), to.dtype(), pc.length);
+  int64_t bytes = 0, cpu_bytes = 0;
+  for (size_t i = 0; i < local_.size(); ++i) {
+    const Piece& pc = local_[i].piece;
+    const Tensor &from = src_[local_[i].param], &to = dst_[local_[i].param];
+    const int64_t b = pc.length * static_cast<int64_t>(dtype_size(to.dtype()));
+    bytes += b;
+    if (local_at_[i + 1] > local_at_[i]) {
+      cpu_bytes += b;
       continue;
     }
     Tensor s = from.view({from.numel()}).narrow(pc.src_offset, pc.length);
@@ -281,6 +329,21 @@ int64_t Publisher::copy_local() {
     else
       ops::cast(s, d);
   }
+  // The CPU pieces as one run of elements, taken in blocks by `threads` threads from a shared
+  // counter (memory-bound: a second core adds bandwidth; a thread without a core on a busy
+  // machine holds up no one); more than the caches hold is written with streaming stores.
+  const bool stream = cpu_bytes >= kStreamBytes;
+  const int threads = cpu_bytes >= kParallelBytes ? std::max(1, options_.threads) : 1;
+  const int64_t total = local_at_.back();
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t lo; (lo = next.fetch_add(kLocalBlock)) < total;)
+      copy_local_cpu(lo, std::min(total, lo + kLocalBlock), stream);
+  };
+  std::vector<std::future<void>> helpers;  // waited for on every path (their destructors)
+  for (int t = 1; t < threads; ++t) helpers.push_back(std::async(std::launch::async, work));
+  work();
+  for (std::future<void>& h : helpers) h.get();
   return bytes;
 }
 
@@ -301,7 +364,15 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
   const auto W = static_cast<size_t>(world_);
   std::vector<uint64_t>* out = options_.checksums ? &sums.out : nullptr;
   std::vector<uint64_t>* in = options_.checksums ? &sums.in : nullptr;
-  pack(0, static_cast<char*>(send_[0].data()), out);
+  auto timed_pack = [&](int round) {
+    const double t0 = thread_cpu_seconds();
+    pack(round, static_cast<char*>(send_[round % 2].data()), out);
+    return thread_cpu_seconds() - t0;
+  };
+  st.packing_cpu_seconds += timed_pack(0);
+  // Unstaged, [round % 2][peer]: where a round's bytes from the peer were received straight into
+  // the destination (they lie inside one piece), else null (through the receive bucket).
+  std::vector<char*> direct[2] = {std::vector<char*>(W, nullptr), std::vector<char*>(W, nullptr)};
   for (int round = 0; round < rounds_; ++round) {
     if (options_.on_round) options_.on_round(round, rounds_);
     char* sending = static_cast<char*>(send_[round % 2].data());
@@ -318,19 +389,24 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
       const Stream& i = in_[q];
       const int64_t lo = round * i.chunk, hi = std::min(i.bytes, lo + i.chunk);
       if (lo >= hi) continue;
-      char* to = options_.staged ? static_cast<char*>(staging_.data()) + staging_at_[q] + lo
-                                 : static_cast<char*>(recv_[round % 2].data()) + recv_slot_[q];
+      char*& into = direct[round % 2][q];
+      into = options_.staged ? nullptr : direct_target(static_cast<int>(q), lo, hi);
+      char* to = options_.staged   ? static_cast<char*>(staging_.data()) + staging_at_[q] + lo
+                 : into != nullptr ? into
+                                   : static_cast<char*>(recv_[round % 2].data()) + recv_slot_[q];
       ops.push_back(recv_from(static_cast<int>(q), Tensor::wrap(to, {hi - lo}, DType::u8)));
       st.bytes_received += hi - lo;
+      if (into != nullptr) st.bytes_received_direct += hi - lo;
     }
     if (!ops.empty()) ++st.rounds;
     // While this round is in flight: pack the next one into the other send bucket and
     // (unstaged) unpack the previous one from the other receive bucket.
+    double packing = 0;
     auto overlap = std::async(std::launch::async, [&, round] {
-      if (round + 1 < rounds_)
-        pack(round + 1, static_cast<char*>(send_[(round + 1) % 2].data()), out);
+      if (round + 1 < rounds_) packing = timed_pack(round + 1);
       if (!options_.staged && round > 0)
-        unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()), in);
+        unpack(round - 1, static_cast<const char*>(recv_[(round - 1) % 2].data()),
+               direct[(round - 1) % 2], in);
     });
     on_comm(version, fmt::format("round {} of {}", round, rounds_), [&] {
       try {
@@ -341,6 +417,7 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
       }
     });
     overlap.get();
+    st.packing_cpu_seconds += packing;
     if (options_.on_received)
       for (const P2POp& op : ops)
         if (op.kind == P2POp::Kind::recv)
@@ -354,7 +431,8 @@ void Publisher::run_rounds(uint64_t version, SyncStats& st, Sums& sums) {
           unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
                         static_cast<const char*>(staging_.data()) + staging_at_[q], in, false);
   } else if (rounds_ > 0) {
-    unpack(rounds_ - 1, static_cast<const char*>(recv_[(rounds_ - 1) % 2].data()), in);
+    unpack(rounds_ - 1, static_cast<const char*>(recv_[(rounds_ - 1) % 2].data()),
+           direct[(rounds_ - 1) % 2], in);
   }
 }
 
@@ -409,28 +487,35 @@ void Publisher::agree(uint64_t version, int64_t mismatched, const std::string& f
 }
 
 SyncStats Publisher::publish(uint64_t version) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   SyncStats st;
   st.version = version;
   if (remote_) {
     const size_t n = options_.checksums ? static_cast<size_t>(world_) * plan_.size() : 0;
     Sums sums{std::vector<uint64_t>(n, 0), std::vector<uint64_t>(n, 0)};
     run_rounds(version, st, sums);
+    st.rounds_seconds = seconds_since(t0);
+    const auto t1 = Clock::now();
     int64_t mismatched = 0;
     const std::string first =
         options_.checksums ? compare_checksums(version, st, sums, mismatched) : "";
     // Every rank learns whether every rank got everything right before any destination changes.
     agree(version, mismatched, first);
+    st.agree_seconds = seconds_since(t1);
+    const auto t2 = Clock::now();
     if (options_.staged)
       for (size_t q = 0; q < in_.size(); ++q)
         if (in_[q].bytes > 0)
           unpack_stream(static_cast<int>(q), 0, in_[q].bytes,
                         static_cast<const char*>(staging_.data()) + staging_at_[q], nullptr, true);
+    st.unstage_seconds = seconds_since(t2);
   }
+  const auto t3 = Clock::now();
   st.bytes_copied = copy_local();
+  st.local_seconds = seconds_since(t3);
   st.pieces_shared = shared_;
   version_ = version;
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.seconds = seconds_since(t0);
   return st;
 }
 

@@ -31,8 +31,9 @@ struct SyncOptions {
   int64_t bucket_bytes = int64_t{64} << 20;
   // Receive into a staging buffer (the bytes this rank receives from other ranks, once) and write
   // the destination only once every rank has received everything and the checksums (if on)
-  // match: a failed sync leaves every destination on the old version. Off: receive through two
-  // bucket buffers straight into the destination (less memory; a failed sync leaves the
+  // match: a failed sync leaves every destination on the old version. Off: receive a round's
+  // bytes from a peer straight into the destination where they lie inside one piece, else
+  // through two bucket buffers (less memory and no staging copy; a failed sync leaves the
   // destination partly written, and publish says so).
   bool staged = true;
   // A checksum of every piece stream (per parameter and pair of ranks, keyed by destination
@@ -40,6 +41,10 @@ struct SyncOptions {
   // computed by the sender while packing and by the receiver on arrival, compared before the
   // destination is written. Costs one hash per element on both sides.
   bool checksums = false;
+  // Threads (the caller's included) that cast and copy the pieces within this rank when they
+  // write at least 4 MiB (memory-bound: a second core adds bandwidth). The packing for other
+  // ranks stays on one helper thread.
+  int threads = 2;
   // Called before each round with its index and the number of rounds (progress, tests).
   std::function<void(int round, int rounds)> on_round;
   // Called after each round with the bytes received from each peer, before anything reads them
@@ -49,13 +54,20 @@ struct SyncOptions {
 
 struct SyncStats {
   uint64_t version = 0;
-  int rounds = 0;              // rounds of send/recv this rank took part in
-  int64_t bytes_sent = 0;      // to other ranks (destination dtype; padding not counted)
-  int64_t bytes_received = 0;  // from other ranks
-  int64_t bytes_copied = 0;    // written by pieces within this rank
-  int64_t pieces_shared = 0;   // pieces within this rank that needed no copy (same memory)
+  int rounds = 0;                     // rounds of send/recv this rank took part in
+  int64_t bytes_sent = 0;             // to other ranks (destination dtype; padding not counted)
+  int64_t bytes_received = 0;         // from other ranks
+  int64_t bytes_received_direct = 0;  // of those, unstaged, straight into the destination
+  int64_t bytes_copied = 0;           // written by pieces within this rank
+  int64_t pieces_shared = 0;          // pieces within this rank that needed no copy (same memory)
   int64_t checksums_compared = 0;
   double seconds = 0;
+  // Where `seconds` went: the rounds (sending and receiving, and packing the first round), the
+  // checksum exchange and agreement, the copy out of the staging buffer, the pieces within this
+  // rank (wall clock). packing_cpu_seconds: the CPU time of the packing (cast) alone, mostly on
+  // the helper thread during the rounds.
+  double rounds_seconds = 0, agree_seconds = 0, unstage_seconds = 0, local_seconds = 0;
+  double packing_cpu_seconds = 0;
 };
 
 class Publisher {
@@ -99,13 +111,21 @@ class Publisher {
 
  private:
   void pack(int round, char* bucket, std::vector<uint64_t>* sums);
-  void unpack(int round, const char* bucket, std::vector<uint64_t>* sums);
+  // direct[peer]: where that peer's bytes of the round were received into the destination, else
+  // null (in the bucket).
+  void unpack(int round, const char* bucket, const std::vector<char*>& direct,
+              std::vector<uint64_t>* sums);
+  // Unstaged: where in the destination bytes [lo, hi) of the stream from `peer` go, when they lie
+  // inside one piece (so they can be received there directly); else null.
+  char* direct_target(int peer, int64_t lo, int64_t hi) const;
   // Stream bytes [lo, hi) from `peer`, found at `at`: summed into sums (if given), written into
   // the destination (if write).
   void unpack_stream(int peer, int64_t lo, int64_t hi, const char* at, std::vector<uint64_t>* sums,
                      bool write) const;
   // The pieces within this rank; returns the bytes written.
   int64_t copy_local();
+  // Elements [lo, hi) of the CPU pieces within this rank, taken one after the other (local_at_).
+  void copy_local_cpu(int64_t lo, int64_t hi, bool stream) const;
 
   // The checksum tables of one publish, [peer * parameters + parameter]: of what this rank sent
   // to each peer, and of what it received from each.
@@ -140,6 +160,8 @@ class Publisher {
     Piece piece;
   };
   std::vector<LocalCopy> local_;  // pieces within this rank that copy
+  // [i]: CPU elements of local_[0, i) (a piece not on the CPU counts 0); one more than local_.
+  std::vector<int64_t> local_at_;
   int64_t shared_ = 0;
   Tensor send_[2], recv_[2], staging_;  // u8
   std::vector<size_t> esize_;           // [param]: destination element bytes

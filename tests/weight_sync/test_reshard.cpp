@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/tensor_parallel.h"
 #include "model/weights.h"
 #include "tests/testutil.h"
 #include "tests/weight_sync/sync_util.h"
@@ -199,6 +200,28 @@ TEST_CASE("tensor parallel layout shards are the fused tensors sliced by heads r
           REQUIRE(l.shard(p, r).shape == expected.shape());
           CHECK(bitwise_equal(shard_image(l.shard(p, r), w.storage()[p].tensor, DType::f32),
                               expected));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("tensor parallel layout shards are the model's own tensor parallel shards", "[unit]") {
+  // model::cut_tp_shard (model/tensor_parallel.h) is the one definition of the split; the layout
+  // derives its ranges from it, for every storage tensor, fused ones included.
+  for (const bool untied : {false, true}) {
+    model::Weights w(sync_model_config(untied), DType::f32);
+    fill_sync_weights(w, 11);
+    for (const int tp : {1, 2, 4}) {
+      const Layout l = Layout::tensor_parallel(tp_dims(w.config()), param_specs(w), tp, 1);
+      for (int t = 0; t < tp; ++t) {
+        const auto shard = model::cut_tp_shard(w, t, tp);
+        REQUIRE(shard->storage().size() == l.params().size());
+        for (size_t p = 0; p < l.params().size(); ++p) {
+          INFO(l.params()[p].name << " tp " << tp << " rank " << t);
+          REQUIRE(shard->storage()[p].name == l.params()[p].name);
+          CHECK(bitwise_equal(shard_image(l.shard(p, t), w.storage()[p].tensor, DType::f32),
+                              shard->storage()[p].tensor));
         }
       }
     }

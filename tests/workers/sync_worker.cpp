@@ -161,6 +161,12 @@ int run(const std::string& name, const CommOptions& options, int victim, bool st
     if (q != rank) expected_in += plan.bytes(q, rank);
   expect(st.bytes_received == expected_in,
          fmt::format("received {} bytes, the plan says {}", st.bytes_received, expected_in));
+  // Unstaged, both ways of receiving are exercised: straight into the destination (a round's
+  // bytes inside one piece) and through the buckets.
+  if (!staged && expected_in > 0)
+    expect(st.bytes_received_direct > 0 && st.bytes_received_direct < st.bytes_received,
+           fmt::format("received {} of {} bytes straight into the destination",
+                       st.bytes_received_direct, st.bytes_received));
 
   // A second version through the same buffers.
   model::Weights old(test::sync_model_config(), DType::f32);
