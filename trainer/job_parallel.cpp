@@ -1,0 +1,93 @@
+// What the data-parallel ranks of a colocated job share: each rank's share of a round's groups,
+// the exchange of their rewards and scores, and whether any rank asks to stop.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "core/tensor.h"
+#include "trainer/job_runner.h"
+
+namespace tandem::trainer::job_detail {
+
+std::pair<size_t, size_t> Job::share(size_t count, int rank) const {
+  const auto n = static_cast<size_t>(world_), r = static_cast<size_t>(rank);
+  return {count * r / n, count * (r + 1) / n};
+}
+
+bool Job::any_rank(bool mine) {
+  if (comm_ == nullptr) return mine;
+  const double flag = mine ? 1 : 0;
+  for (const double f : gather_doubles(*comm_, std::span<const double>(&flag, 1)))
+    if (f != 0) return true;
+  return false;
+}
+
+// Each sample travels as its reward, its reward functions' total, truncation and length, then
+// each function's value and whether it failed: 4 + 2F doubles, all-gathered in rank order.
+std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& prompts,
+                                 rewards::RewardBreakdown& breakdown) {
+  const size_t F = job_.rewards.size(), K = 4 + 2 * F, G = static_cast<size_t>(job_.rollout.n);
+  std::vector<double> out;
+  size_t i = 0;
+  for (const Group& g : mine) {
+    TANDEM_CHECK(g.samples.size() == G, "rollout of prompt '{}' gave {} samples, not {}",
+                 g.prompt.example.id, g.samples.size(), G);
+    for (const Sample& x : g.samples) {
+      out.insert(out.end(), {static_cast<double>(x.reward), breakdown.total[i],
+                             x.truncated ? 1.0 : 0.0, static_cast<double>(x.length)});
+      for (size_t f = 0; f < F; ++f) out.push_back(breakdown.values[f][i]);
+      for (size_t f = 0; f < F; ++f) out.push_back(breakdown.failed[f][i]);
+      ++i;
+    }
+  }
+  std::vector<int64_t> counts;
+  for (int r = 0; r < world_; ++r) {
+    const auto [a, b] = share(prompts.size(), r);
+    counts.push_back(static_cast<int64_t>((b - a) * G * K));
+  }
+  std::vector<double> all(prompts.size() * G * K);
+  comm_->all_gather_v(Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::i64),
+                      Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::i64),
+                      counts);
+
+  rewards::RewardBreakdown round;
+  for (const RewardSpec& r : job_.rewards) round.names.push_back(r.name);
+  round.values.resize(F);
+  round.failed.resize(F);
+  round.call_errors = breakdown.call_errors;
+  round.call_errors.resize(F);
+  const auto [first, last] = share(prompts.size(), rank_);
+  std::vector<Group> groups;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    if (p >= first && p < last) {
+      groups.push_back(std::move(mine[p - first]));
+    } else {
+      Group g;
+      g.prompt = prompts[p];
+      g.local = false;
+      groups.push_back(std::move(g));
+    }
+    for (size_t k = 0; k < G; ++k) {
+      const double* x = all.data() + (p * G + k) * K;
+      if (!groups.back().local) {
+        Sample sample;
+        sample.reward = static_cast<float>(x[0]);
+        sample.truncated = x[2] != 0;
+        sample.length = static_cast<int64_t>(x[3]);
+        groups.back().samples.push_back(std::move(sample));
+      }
+      round.total.push_back(x[1]);
+      for (size_t f = 0; f < F; ++f) {
+        round.values[f].push_back(x[4 + f]);
+        round.failed[f].push_back(static_cast<uint8_t>(x[4 + F + f]));
+      }
+    }
+  }
+  breakdown = std::move(round);
+  return groups;
+}
+
+}  // namespace tandem::trainer::job_detail

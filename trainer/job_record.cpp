@@ -1,0 +1,173 @@
+// The record phase of a job's step on rank 0: the metrics line (metrics.jsonl and TensorBoard),
+// the report, the progress line and a sample.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include <sys/resource.h>
+
+#include "trainer/job_runner.h"
+#include "trainer/report.h"
+
+namespace tandem::trainer::job_detail {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The process's peak resident memory so far (Linux reports ru_maxrss in KiB).
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+std::string format_eta(double seconds) {
+  if (seconds < 60) return fmt::format("{:.0f}s", seconds);
+  if (seconds < 3600)
+    return fmt::format("{:.0f}m{:02.0f}s", std::floor(seconds / 60), std::fmod(seconds, 60));
+  return fmt::format("{:.1f}h", seconds / 3600);
+}
+
+}  // namespace
+
+// One line of metrics.jsonl, and its numbers as TensorBoard scalars.
+void Job::write_metrics(const nlohmann::ordered_json& line) {
+  metrics_out_->write_line(line.dump());
+  if (tensorboard_)
+    tensorboard_->write(
+        line,
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+}
+
+// The record phase: the step's metrics line, the report, the progress line and a sample.
+void Job::record(const Collected& c, const Selected& s, const Updated& u, double step_s,
+                 Role role) {
+  if (role != Role::writer) return;
+  const TrainStepMetrics& tm = u.train;
+  int64_t samples = 0, tokens = 0, max_len = 0, truncated = 0;
+  for (const Group& g : c.groups) {
+    for (const Sample& x : g.samples) {
+      const auto len = x.length;
+      ++samples;
+      tokens += len;
+      max_len = std::max(max_len, len);
+      truncated += x.truncated ? 1 : 0;
+    }
+  }
+  const double n_samples = std::max<double>(static_cast<double>(samples), 1.0);
+  nlohmann::ordered_json j;
+  j["step"] = state_.step;
+  j["loss"] = tm.loss;
+  j["reward/mean"] = s.rewards.mean;
+  j["reward/std"] = s.rewards.std;
+  const nlohmann::json reward_metrics = c.breakdown.metrics();
+  for (auto it = reward_metrics.begin(); it != reward_metrics.end(); ++it) j[it.key()] = *it;
+  j["advantage/mean"] = s.advantages.advantage_mean;
+  j["advantage/std"] = s.advantages.advantage_std;
+  j["advantage/min"] = s.advantages.advantage_min;
+  j["advantage/max"] = s.advantages.advantage_max;
+  j["zero_variance_group_fraction"] = s.rewards.zero_variance_fraction;
+  j["pg_clipfrac_low"] = tm.policy.pg_clipfrac_low();
+  j["pg_clipfrac_high"] = tm.policy.pg_clipfrac_high();
+  j["kl_old"] = tm.policy.approx_kl_old();
+  j["kl_ref"] = tm.policy.kl_ref_mean();
+  j["entropy"] = tm.policy.entropy_mean();
+  j["grad_norm"] = tm.grad_norm;
+  j["lr"] = tm.lr;
+  j["skipped_steps"] = tm.skipped_steps;
+  j["response_length/mean"] = static_cast<double>(tokens) / n_samples;
+  j["response_length/max"] = max_len;
+  j["response_tokens"] = tokens;
+  j["truncation_rate"] = static_cast<double>(truncated) / n_samples;
+  j["old_logp_recomputed"] = tm.old_recomputed ? 1 : 0;
+  if (tm.old_recomputed) {  // otherwise the old logprobs are the rollout's: nothing to compare
+    j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
+    j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
+    j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
+  }
+  j["samples_trained"] = s.batch();
+  j["samples_masked_truncated"] = s.masked_truncated;
+  j["samples_dropped_remainder"] = s.dropped_remainder;
+  j["data/prompts_skipped_too_long"] = c.prompts_skipped;
+  j["packed_tokens"] = tm.packed_tokens;
+  j["update_skipped"] = s.batch() == 0 ? 1 : 0;
+  j["dynamic_sampling/groups_generated"] = c.groups.size();
+  j["dynamic_sampling/groups_kept"] = c.groups_kept;
+  j["dynamic_sampling/refill_rounds"] = c.refill_rounds;
+  j["memory/peak_rss_mib"] = peak_rss_mib();  // rank 0's
+  j["memory/optimizer_state_mib"] =
+      static_cast<double>(sharded_
+                              ? sharded_->state_bytes()
+                              : static_cast<int64_t>(adamw_->m().nbytes() + adamw_->v().nbytes())) /
+      (1024.0 * 1024.0);
+  j["distributed/ranks"] = world_;
+  j["distributed/rollout_tp"] = rollout_->tp();
+  j["tokens_per_s"] = static_cast<double>(tokens) / std::max(step_s, 1e-9);
+  j["time/rollout_s"] = c.rollout_s;
+  j["time/reward_s"] = c.reward_s;
+  j["time/train_s"] = u.train_s;
+  j["time/old_logp_s"] = tm.seconds_old;
+  j["time/ref_logp_s"] = tm.seconds_ref;
+  j["time/update_s"] = tm.seconds_update;
+  j["weight_sync/bytes"] = u.published.bytes_written;
+  j["weight_sync/cast_tensors"] = u.published.cast;
+  j["weight_sync/copied_tensors"] = u.published.copied;
+  j["weight_sync/shared_tensors"] = u.published.shared;
+  j["time/publish_s"] = u.publish_s;
+  if (u.canary) {
+    j["weight_sync/canary_max_abs"] = u.canary->max_abs;
+    j["time/canary_s"] = u.canary->seconds;
+  }
+  j["time/step_s"] = step_s;
+  if (remote_) remote_->add_metrics(j);
+  write_metrics(j);
+  if (hooks_.on_step) hooks_.on_step(j);
+  write_report((fs::path(job_.logging.dir) / "metrics.jsonl").string(),
+               (fs::path(job_.logging.dir) / "report.html").string(),
+               fmt::format("tandem: {}", job_.source));
+
+  if (s.batch() == 0)
+    std::fprintf(stderr,
+                 "tandem: step %lld: no sample to train on (%lld groups generated, none with "
+                 "reward variance after %lld refill rounds): update skipped\n",
+                 static_cast<long long>(state_.step), static_cast<long long>(c.groups.size()),
+                 static_cast<long long>(c.refill_rounds));
+  if (s.dropped_remainder > 0)
+    std::fprintf(stderr,
+                 "tandem: step %lld: %lld samples left out so that trainer.minibatches = %lld "
+                 "divides the %lld that enter the loss\n",
+                 static_cast<long long>(state_.step), static_cast<long long>(s.dropped_remainder),
+                 static_cast<long long>(job_.trainer.step.minibatches),
+                 static_cast<long long>(s.batch() + static_cast<size_t>(s.dropped_remainder)));
+  const double per_step = seconds_since(start_) / static_cast<double>(state_.step - first_step_);
+  const std::string groups = job_.trainer.shaping.dynamic_sampling
+                                 ? fmt::format(" | groups {}/{} ({} refills)", c.groups_kept,
+                                               c.groups.size(), c.refill_rounds)
+                                 : "";
+  std::fprintf(
+      stderr,
+      "step %lld/%lld | reward %.3f%s | kl %.4f | entropy %.3f | len %.1f | %.0f tok/s | "
+      "%.1fs (rollout %.1f, train %.1f) | eta %s\n",
+      static_cast<long long>(state_.step), static_cast<long long>(job_.trainer.steps),
+      s.rewards.mean, groups.c_str(), tm.policy.kl_ref_mean(), tm.policy.entropy_mean(),
+      j["response_length/mean"].get<double>(), j["tokens_per_s"].get<double>(), step_s, c.rollout_s,
+      u.train_s,
+      format_eta(per_step * static_cast<double>(job_.trainer.steps - state_.step)).c_str());
+  if (job_.logging.samples_every > 0 && state_.step % job_.logging.samples_every == 0 &&
+      !c.groups.empty() && !c.groups[0].samples.empty()) {
+    const Group& g = c.groups[0];
+    samples_out_->write_line(nlohmann::json{
+        {"step", state_.step},
+        {"prompt", g.prompt.rendered.text},
+        {"completion", g.samples[0].text},
+        {"answer", g.prompt.example.answer},
+        {"reward",
+         g.samples[0].reward}}.dump());
+  }
+}
+
+}  // namespace tandem::trainer::job_detail
