@@ -115,6 +115,10 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
     const double weight_bytes = static_cast<double>(m.weights->nbytes());
     const double flops_per_token = 2.0 * static_cast<double>(m.weights->num_parameters());
     for (int64_t B : batches) {
+      const std::string case_name =
+          fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype),
+                      opt.precision_suffix(), B, prompt_len, new_tokens);
+      if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
       const auto prompts = make_prompts(m.tok(), B, prompt_len);
       const Timing t = run_engine(*m.weights, prompts, 1, new_tokens, repeats);
       const double steps = static_cast<double>(new_tokens - 1);
@@ -124,17 +128,15 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
       const double bw_bound = static_cast<double>(B) * ceilings.gbytes * 1e9 / weight_bytes;
       const double flop_bound = ceilings.gflops * 1e9 / flops_per_token;
       const double bound = std::min(bw_bound, flop_bound);
-      nlohmann::ordered_json j{
-          {"bench", "rollout"},
-          {"case", fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype),
-                               opt.precision_suffix(), B, prompt_len, new_tokens)},
-          {"metric", "decode_tokens_per_s"},
-          {"unit", "tokens/s"},
-          {"value", value},
-          {"batch", B},
-          {"threads", num_threads()},
-          {"prefill_tokens_per_s",
-           static_cast<double>(B * prompt_len) / std::max(t.prefill, 1e-9)}};
+      nlohmann::ordered_json j{{"bench", "rollout"},
+                               {"case", case_name},
+                               {"metric", "decode_tokens_per_s"},
+                               {"unit", "tokens/s"},
+                               {"value", value},
+                               {"batch", B},
+                               {"threads", num_threads()},
+                               {"prefill_tokens_per_s",
+                                static_cast<double>(B * prompt_len) / std::max(t.prefill, 1e-9)}};
       if (!peer_gguf.empty()) {
         const fs::path pf = fs::temp_directory_path() / fmt::format("tandem-bench-prompts-{}.json",
                                                                     static_cast<long>(getpid()));
@@ -178,24 +180,25 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
     // length (nothing to share). The prompt's KV blocks are computed and held once per group, so
     // prompt KV memory scales like the prefill tokens.
     const int64_t G = 8;
+    const std::string group_case =
+        fmt::format("{} {}{} group n={} sharing one prompt of {} vs {} prompts", model_name,
+                    dtype_name(dtype), opt.precision_suffix(), G, prompt_len, G);
+    if (!opt.filter.empty() && group_case.find(opt.filter) == std::string::npos) continue;
     const auto one = make_prompts(m.tok(), 1, prompt_len);
     const auto eight = make_prompts(m.tok(), G, prompt_len);
     const Timing grouped = run_engine(*m.weights, one, static_cast<int>(G), 1, repeats);
     const Timing separate = run_engine(*m.weights, eight, 1, 1, repeats);
-    nlohmann::ordered_json s{
-        {"bench", "rollout"},
-        {"case",
-         fmt::format("{} {}{} group n={} sharing one prompt of {} vs {} prompts", model_name,
-                     dtype_name(dtype), opt.precision_suffix(), G, prompt_len, G)},
-        {"metric", "prefill_seconds_saved_fraction"},
-        {"unit", "fraction"},
-        {"value", 1.0 - grouped.prefill / separate.prefill},
-        {"prefill_tokens_grouped", grouped.stats.prefill_tokens},
-        {"prefill_tokens_separate", separate.stats.prefill_tokens},
-        {"prefill_tokens_and_prompt_kv_saved_fraction",
-         1.0 - static_cast<double>(grouped.stats.prefill_tokens) /
-                   static_cast<double>(separate.stats.prefill_tokens)},
-        {"goal", 7.0 / 8.0}};
+    nlohmann::ordered_json s{{"bench", "rollout"},
+                             {"case", group_case},
+                             {"metric", "prefill_seconds_saved_fraction"},
+                             {"unit", "fraction"},
+                             {"value", 1.0 - grouped.prefill / separate.prefill},
+                             {"prefill_tokens_grouped", grouped.stats.prefill_tokens},
+                             {"prefill_tokens_separate", separate.stats.prefill_tokens},
+                             {"prefill_tokens_and_prompt_kv_saved_fraction",
+                              1.0 - static_cast<double>(grouped.stats.prefill_tokens) /
+                                        static_cast<double>(separate.stats.prefill_tokens)},
+                             {"goal", 7.0 / 8.0}};
     print_line(opt, s);
   }
   return errors == 0 ? 0 : 1;

@@ -1,6 +1,8 @@
 // Devices, streams and raw memory on CPU and (when compiled in) CUDA.
 #include "core/device.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -61,12 +63,26 @@ void Stream::synchronize() const {
 #endif
 }
 
+namespace {
+
+// Host allocations from this size on are placed on 2 MiB boundaries and offered to the kernel as
+// transparent huge pages: the weights (one arena) and other large buffers are streamed once per
+// decode step, and with 4 KiB pages every 4 KiB read is a TLB miss (a page walk) beside it.
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kHugeMinBytes = size_t{4} << 20;
+
+}  // namespace
+
 void* device_alloc(Device d, size_t bytes) {
   if (bytes == 0) bytes = 1;
   if (d.is_cpu()) {
-    const size_t rounded = (bytes + 255) / 256 * 256;
-    void* p = std::aligned_alloc(256, rounded);
+    const bool huge = bytes >= kHugeMinBytes;
+    const size_t align = huge ? kHugePage : 256;
+    const size_t rounded = (bytes + align - 1) / align * align;
+    void* p = std::aligned_alloc(align, rounded);
     TANDEM_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+    // Advice only: where THP is off (or the call is refused) the pages stay 4 KiB.
+    if (huge) (void)madvise(p, rounded, MADV_HUGEPAGE);
     return p;
   }
 #if TANDEM_HAS_CUDA

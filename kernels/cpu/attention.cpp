@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
+#include <type_traits>
 #include <vector>
 
 // GCC 12's shuffle intrinsics pass _mm512_undefined_ps() as the unused merge source, which its
@@ -38,47 +38,44 @@ bool cpu_has_avx512() {
 
 // ---------------------------------------------------------------------------------------------
 // Key blocks. Keys are gathered transposed, kt (D, 16), so that the 16 scores of a block come
-// out of one vector loop; values row-major, vb (16, D). Lanes >= n are zero in kt; vb rows >= n
-// are never read. Both the packed and the paged path gather with this one function.
+// out of one vector loop; values are read by row, vr[j] (D floats) for j < n: f32 values where
+// they lie, others widened into vb (16, D). Lanes >= n are zero in kt. Both the packed and the
+// paged path gather with this one function.
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return static_cast<float>(x); }
 
 template <class T>
 void gather_block_portable(const T* const* krows, const T* const* vrows, int n, int64_t D,
-                           float* kt, float* vb) {
+                           float* kt, float* vb, const float** vr) {
   for (int j = 0; j < kBlk; ++j) {
     if (j < n) {
       const T* kr = krows[j];
       for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = widen(kr[d]);
-      const T* vr = vrows[j];
-      for (int64_t d = 0; d < D; ++d) vb[j * D + d] = widen(vr[d]);
+      if constexpr (std::is_same_v<T, float>) {
+        vr[j] = vrows[j];
+      } else {
+        for (int64_t d = 0; d < D; ++d) vb[j * D + d] = widen(vrows[j][d]);
+        vr[j] = vb + j * D;
+      }
     } else {
       for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = 0.0f;
     }
   }
 }
 
-// The same gather for f32 keys and values with D a multiple of 16: the keys transposed in
-// registers, the values copied row by row.
-void gather_block_avx512(const float* const* krows, const float* const* vrows, int n, int64_t D,
-                         float* kt, float* vb) {
-  transpose_rows_avx512(krows, n, D, kt);
-  for (int j = 0; j < n; ++j)
-    std::memcpy(vb + j * D, vrows[j], static_cast<size_t>(D) * sizeof(float));
-}
-
-// One key block: the AVX-512 gather where it applies, else the portable one.
+// One key block: for f32 keys with D a multiple of 16, the keys transposed in registers; else
+// the portable gather.
 void gather_block(const float* const* krows, const float* const* vrows, int n, int64_t D, float* kt,
-                  float* vb) {
-  if (D % kBlk == 0 && g_simd_enabled && cpu_has_avx512())
-    gather_block_avx512(krows, vrows, n, D, kt, vb);
-  else
-    gather_block_portable(krows, vrows, n, D, kt, vb);
+                  float* vb, const float** vr) {
+  if (D % kBlk != 0 || !g_simd_enabled || !cpu_has_avx512())
+    return gather_block_portable(krows, vrows, n, D, kt, vb, vr);
+  transpose_rows_avx512(krows, n, D, kt);
+  for (int j = 0; j < n; ++j) vr[j] = vrows[j];
 }
 void gather_block(const bf16* const* krows, const bf16* const* vrows, int n, int64_t D, float* kt,
-                  float* vb) {
-  gather_block_portable(krows, vrows, n, D, kt, vb);
+                  float* vb, const float** vr) {
+  gather_block_portable(krows, vrows, n, D, kt, vb, vr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -110,7 +107,7 @@ inline float softmax_update(const float* d, int n, float m_old, float m_new, flo
   return alpha;
 }
 
-void row_step_portable(const float* q, const float* kt, const float* vb, int n, int64_t D,
+void row_step_portable(const float* q, const float* kt, const float* const* vr, int n, int64_t D,
                        float scale, float* state) {
   float part[4][kBlk] = {};
   for (int64_t d = 0; d < D; ++d) {
@@ -131,26 +128,24 @@ void row_step_portable(const float* q, const float* kt, const float* vb, int n, 
   float* acc = state;
   for (int64_t d = 0; d < D; ++d) {
     float a = acc[d] * alpha;
-    for (int j = 0; j < n; ++j) a = std::fma(p[j], vb[j * D + d], a);
+    for (int j = 0; j < n; ++j) a = std::fma(p[j], vr[j][d], a);
     acc[d] = a;
   }
 }
 
 // The value update of R rows with acc chunks of 16 lanes kept in registers across the j loop
-// (NC = D / 16 chunks per row, R * NC <= 16), sharing the loads of vb.
+// (NC = D / 16 chunks per row, R * NC <= 16), sharing the loads of the value rows.
 template <int R, int NC>
 __attribute__((target("avx512f,fma"), always_inline)) inline void pv_rows_avx512(
-    float* const* acc, const float (*p)[kBlk], const float* vb, int n, int64_t D,
-    const float* alpha) {
+    float* const* acc, const float (*p)[kBlk], const float* const* vr, int n, const float* alpha) {
   __m512 a[R][NC];
   for (int r = 0; r < R; ++r) {
     const __m512 va = _mm512_set1_ps(alpha[r]);
     for (int c = 0; c < NC; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), va);
   }
   for (int j = 0; j < n; ++j) {
-    const float* vr = vb + j * D;
     for (int c = 0; c < NC; ++c) {
-      const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+      const __m512 vv = _mm512_loadu_ps(vr[j] + 16 * c);
       for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, a[r][c]);
     }
   }
@@ -167,8 +162,9 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void pv_rows_avx512
 // a single-row step.
 template <int R>
 __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const* q, const float* kt,
-                                                             const float* vb, int n, int64_t D,
-                                                             float scale, float* const* state) {
+                                                             const float* const* vr, int n,
+                                                             int64_t D, float scale,
+                                                             float* const* state) {
   __m512 part[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
@@ -207,10 +203,10 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
     alpha[r] = softmax_update(s[r], n, m_old[r], m_new[r], &state[r][D + 1], p[r]);
     state[r][D] = m_new[r];
   }
-  if (D == 64) return pv_rows_avx512<R, 4>(state, p, vb, n, D, alpha);
+  if (D == 64) return pv_rows_avx512<R, 4>(state, p, vr, n, alpha);
   if (D == 128) {
-    for (int r = 0; r + 1 < R; r += 2) pv_rows_avx512<2, 8>(state + r, p + r, vb, n, D, alpha + r);
-    if (R % 2 == 1) pv_rows_avx512<1, 8>(state + R - 1, p + R - 1, vb, n, D, alpha + R - 1);
+    for (int r = 0; r + 1 < R; r += 2) pv_rows_avx512<2, 8>(state + r, p + r, vr, n, alpha + r);
+    if (R % 2 == 1) pv_rows_avx512<1, 8>(state + R - 1, p + R - 1, vr, n, alpha + R - 1);
     return;
   }
   for (int r = 0; r < R; ++r) {
@@ -219,12 +215,12 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
     for (; c + 16 <= D; c += 16) {
       __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), _mm512_set1_ps(alpha[r]));
       for (int j = 0; j < n; ++j)
-        a = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), _mm512_loadu_ps(vb + j * D + c), a);
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), _mm512_loadu_ps(vr[j] + c), a);
       _mm512_storeu_ps(acc + c, a);
     }
     for (; c < D; ++c) {
       float a = acc[c] * alpha[r];
-      for (int j = 0; j < n; ++j) a = std::fma(p[r][j], vb[j * D + c], a);
+      for (int j = 0; j < n; ++j) a = std::fma(p[r][j], vr[j][c], a);
       acc[c] = a;
     }
   }
@@ -235,25 +231,25 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
 constexpr int kMaxRows = 4;
 
 // R rows (any R) against one key block, each with n valid keys.
-void rows_step(int R, const float* const* q, const float* kt, const float* vb, int n, int64_t D,
-               float scale, float* const* state) {
+void rows_step(int R, const float* const* q, const float* kt, const float* const* vr, int n,
+               int64_t D, float scale, float* const* state) {
   if (!attention_simd_active()) {
-    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, vb, n, D, scale, state[r]);
+    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, vr, n, D, scale, state[r]);
     return;
   }
   for (int r0 = 0; r0 < R; r0 += kMaxRows) {
     switch (std::min(kMaxRows, R - r0)) {
       case 1:
-        rows_step_avx512<1>(q + r0, kt, vb, n, D, scale, state + r0);
+        rows_step_avx512<1>(q + r0, kt, vr, n, D, scale, state + r0);
         break;
       case 2:
-        rows_step_avx512<2>(q + r0, kt, vb, n, D, scale, state + r0);
+        rows_step_avx512<2>(q + r0, kt, vr, n, D, scale, state + r0);
         break;
       case 3:
-        rows_step_avx512<3>(q + r0, kt, vb, n, D, scale, state + r0);
+        rows_step_avx512<3>(q + r0, kt, vr, n, D, scale, state + r0);
         break;
       default:
-        rows_step_avx512<4>(q + r0, kt, vb, n, D, scale, state + r0);
+        rows_step_avx512<4>(q + r0, kt, vr, n, D, scale, state + r0);
         break;
     }
   }
@@ -430,7 +426,8 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
           krows[j] = kc + off;
           vrows[j] = vc + off;
         }
-        gather_block(krows, vrows, n, D, kt, vb);
+        const float* vr[kBlk];
+        gather_block(krows, vrows, n, D, kt, vb, vr);
         for (int64_t g0 = 0; g0 < G; g0 += kMaxRows) {
           const int R = static_cast<int>(std::min<int64_t>(kMaxRows, G - g0));
           const float* qs[kMaxRows];
@@ -439,7 +436,7 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             qs[r] = qp + (b * H + kvh * G + g0 + r) * D;
             ss[r] = state + (g0 + r) * state_stride(D);
           }
-          rows_step(R, qs, kt, vb, n, D, scale, ss);
+          rows_step(R, qs, kt, vr, n, D, scale, ss);
         }
       }
       for (int64_t g = 0; g < G; ++g)
@@ -495,7 +492,8 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
               krows[j] = kp + off;
               vrows[j] = vp + off;
             }
-            gather_block(krows, vrows, n, D, kt, vb);
+            const float* vr[kBlk];
+            gather_block(krows, vrows, n, D, kt, vb, vr);
             // Rows that see the whole block go in groups of up to kMaxRows; the diagonal block's
             // rows, each with its own count of visible keys, one by one.
             const float* qs[kMaxRows];
@@ -511,19 +509,19 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
                   const float* qr = qp + ((sp.start + i) * H + h) * D;
                   if (nv < n) {
                     float* st = row_state(ti, g, i);
-                    rows_step(1, &qr, kt, vb, nv, D, scale, &st);
+                    rows_step(1, &qr, kt, vr, nv, D, scale, &st);
                     continue;
                   }
                   qs[R] = qr;
                   ss[R] = row_state(ti, g, i);
                   if (++R == kMaxRows) {
-                    rows_step(R, qs, kt, vb, n, D, scale, ss);
+                    rows_step(R, qs, kt, vr, n, D, scale, ss);
                     R = 0;
                   }
                 }
               }
             }
-            if (R > 0) rows_step(R, qs, kt, vb, n, D, scale, ss);
+            if (R > 0) rows_step(R, qs, kt, vr, n, D, scale, ss);
           }
           for (int ti = 0; ti < ntiles; ++ti) {
             const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(sp.len, r0 + kBlk);

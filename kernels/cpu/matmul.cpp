@@ -112,6 +112,10 @@ constexpr int64_t kPrefetchMinBytes = int64_t{2} << 20;
 constexpr int64_t kDirectBf16MaxRows = 12;
 // Smallest work (multiply-adds) worth a thread of its own.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
+// Smallest share of w (bytes) worth a thread of its own: with few x rows (decode) a product is
+// bound by reading w, which two cores read faster than one long before the multiply-adds would
+// pay for the second thread (SmolLM2's k and v projections at one token: 442 KB).
+constexpr int64_t kMinWBytesPerThread = int64_t{64} << 10;
 
 // Grow-only per-thread buffers: the widened x block, the f32 copy of a bf16 w panel,
 // and the transposes of the backward products. They grow to the largest shape seen and are
@@ -171,7 +175,9 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
   const int64_t blocks = (M + max_block - 1) / max_block;
   const int64_t block_rows = ((M + blocks - 1) / blocks + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t panel_work = std::max<int64_t>(1, M * kTileCols * K);
-  const int64_t min_panels = std::max<int64_t>(1, kMinWorkPerThread / panel_work);
+  const int64_t panel_bytes = std::max<int64_t>(1, kTileCols * K * (w.bf16 ? 2 : 4));
+  const int64_t min_panels = std::max<int64_t>(
+      1, std::min(kMinWorkPerThread / panel_work, kMinWBytesPerThread / panel_bytes));
   parallel_for(
       panels,
       [&](int64_t p0, int64_t p1) {

@@ -101,11 +101,40 @@ TANDEM_CPU_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float
   }
 }
 
+// The largest value of x that is not NaN (-inf if none), in lanes, so that the loop vectorises.
+TANDEM_CPU_CLONES float largest_number(const float* x, int64_t V) {
+  const int64_t full = V - V % L;
+  float mx[L];
+  for (int j = 0; j < L; ++j) mx[j] = -kInf;
+  for (int64_t v0 = 0; v0 < full; v0 += L)
+    for (int j = 0; j < L; ++j) mx[j] = x[v0 + j] > mx[j] ? x[v0 + j] : mx[j];
+  for (int64_t v = full; v < V; ++v) mx[v - full] = x[v] > mx[v - full] ? x[v] : mx[v - full];
+  float m = mx[0];
+  for (int j = 1; j < L; ++j) m = mx[j] > m ? mx[j] : m;
+  return m;
+}
+
+// The first v with x[v] == m; V if none. Blocks of L are tested whole (a loop that vectorises)
+// before the block that holds it is searched.
+TANDEM_CPU_CLONES int64_t first_equal(const float* x, int64_t V, float m) {
+  const int64_t full = V - V % L;
+  int64_t v0 = 0;
+  for (; v0 < full; v0 += L) {
+    int hits = 0;
+    for (int j = 0; j < L; ++j) hits |= x[v0 + j] == m ? 1 : 0;
+    if (hits != 0) break;
+  }
+  for (int64_t v = v0; v < V; ++v)
+    if (x[v] == m) return v;
+  return V;
+}
+
+// The v a scan `if (x[v] > x[best]) best = v` from best = 0 ends at: the first of the largest
+// values that are not NaN, or 0 when x[0] is NaN (nothing compares greater than NaN).
 int32_t first_argmax(const float* x, int64_t V) {
-  int64_t best = 0;
-  for (int64_t v = 1; v < V; ++v)
-    if (x[v] > x[best]) best = v;
-  return static_cast<int32_t>(best);
+  if (std::isnan(x[0])) return 0;
+  const int64_t v = first_equal(x, V, largest_number(x, V));
+  return static_cast<int32_t>(v < V ? v : 0);
 }
 
 void sample_row(const float* x, int64_t V, const RowSettings& s, int32_t* token, float* logprob) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <set>
 
@@ -152,6 +153,52 @@ TEST_CASE("sample with temperature 0 picks the first argmax with its temperature
   Tensor lp = Tensor::zeros({B}, DType::f32), lse = Tensor::zeros({B}, DType::f32);
   ops::logprob_gather(logits, d.token, lp, lse, Tensor(), 1.0f);
   CHECK(bitwise_equal(lp, d.logprob));
+}
+
+TEST_CASE("sample with temperature 0 ends where a scan for a greater logit ends", "[unit]") {
+  // The greedy token is found by a vectorised max and search; its result is the one of the scan
+  // `if (x[v] > x[best]) best = v` for ties inside and across 16-lane blocks, in the tail, signed
+  // zeros, -inf and NaN logits.
+  const int64_t V = 1003;
+  std::vector<std::vector<float>> rows;
+  auto row = [&](uint64_t seed) {
+    const Tensor t = random_tensor({V}, DType::f32, seed, -5.0, 5.0);
+    return std::vector<float>(t.data_as<float>(), t.data_as<float>() + V);
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const int64_t at : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{500}, V - 1}) {
+    std::vector<float> r = row(static_cast<uint64_t>(at) + 11);
+    r[static_cast<size_t>(at)] = 9.0f;
+    r[static_cast<size_t>(std::min(at + 7, V - 1))] = 9.0f;  // a later tie
+    rows.push_back(r);
+  }
+  rows.push_back(std::vector<float>(V, -inf));
+  rows.push_back(std::vector<float>(V, 0.0f));
+  rows.back()[3] = -0.0f;
+  rows.push_back(row(40));
+  rows.back()[0] = nan;  // nothing is greater than NaN: the scan stays at 0
+  rows.push_back(row(41));
+  rows.back()[100] = nan;
+  rows.back()[101] = 99.0f;
+  rows.push_back(std::vector<float>(V, nan));
+  rows.back()[0] = -inf;
+  rows.push_back(std::vector<float>(V, nan));
+  rows.back()[V - 1] = 1.0f;
+  const int64_t B = static_cast<int64_t>(rows.size());
+  Tensor logits = Tensor::empty({B, V}, DType::f32);
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(rows[static_cast<size_t>(b)].begin(), rows[static_cast<size_t>(b)].end(),
+              logits.data_as<float>() + b * V);
+  const Drawn d = run_sample(logits, std::vector<RowSpec>(B, RowSpec{.temperature = 0.0f}));
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<float>& r = rows[static_cast<size_t>(b)];
+    int32_t best = 0;
+    for (int32_t v = 1; v < V; ++v)
+      if (r[static_cast<size_t>(v)] > r[static_cast<size_t>(best)]) best = v;
+    INFO("row " << b);
+    CHECK(d.token.data_as<int32_t>()[b] == best);
+  }
 }
 
 TEST_CASE("sample with top_k 1 always draws the argmax", "[unit]") {
