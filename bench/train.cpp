@@ -168,28 +168,27 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     // Each step against the GEMM rate measured just before it, then the median.
     j["fraction_of_limit"] = median(fractions);
     j["step_fractions_of_limit"] = fractions;
-    // Each phase: its median time over the steps, its FLOPs, and its rate against the median
-    // GEMM rate (the ceiling); phases without FLOPs (memory-bound) have rate 0.
+    // Each phase: its median time over the steps (on the row, as bench step has them, and a row
+    // of its own with its FLOPs and its rate against the median GEMM rate, the ceiling; phases
+    // without FLOPs, memory-bound, have rate 0).
     const double ceiling_gflops = limit * flops_per_token / 1e9;
-    nlohmann::ordered_json phases = nlohmann::ordered_json::array();
-    for (const auto& [phase, ts] : phase_times) {
-      const double s = median(ts), gflop = phase_flops[phase] / 1e9;
-      phases.push_back({{"phase", phase},
-                        {"ms", 1e3 * s},
-                        {"share_of_step", s / step_s},
-                        {"gflop", gflop},
-                        {"gflop_per_s", s > 0 ? gflop / s : 0.0},
-                        {"fraction_of_ceiling", s > 0 ? gflop / s / ceiling_gflops : 0.0},
-                        {"ms_at_ceiling", 1e3 * gflop / ceiling_gflops}});
-    }
+    nlohmann::ordered_json phases;
+    for (const auto& [phase, ts] : phase_times) phases[phase] = median(ts);
     j["phases"] = phases;
     print_line(opt, j);
-    if (!opt.json) {
-      for (const auto& p : phases)
-        std::printf("  %-42s %8.1f ms %5.1f%% %7.1f GFLOP %6.1f GFLOP/s %4.0f%% of the ceiling\n",
-                    p["phase"].get<std::string>().c_str(), p["ms"].get<double>(),
-                    100 * p["share_of_step"].get<double>(), p["gflop"].get<double>(),
-                    p["gflop_per_s"].get<double>(), 100 * p["fraction_of_ceiling"].get<double>());
+    for (const auto& [phase, ts] : phase_times) {
+      const double s = median(ts), gflop = phase_flops[phase] / 1e9;
+      print_line(opt, nlohmann::ordered_json{
+                          {"bench", "train"},
+                          {"case", fmt::format("{}: {}", case_name, phase)},
+                          {"metric", "phase_seconds_per_step"},
+                          {"unit", "s"},
+                          {"value", s},
+                          {"fraction_of_step", s / step_s},
+                          {"gflop", gflop},
+                          {"gflop_per_s", s > 0 ? gflop / s : 0.0},
+                          {"gemm_ceiling_gflop_per_s", ceiling_gflops},
+                          {"fraction_of_gemm_ceiling", s > 0 ? gflop / s / ceiling_gflops : 0.0}});
     }
   }
   return errors == 0 ? 0 : 1;
