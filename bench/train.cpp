@@ -2,14 +2,16 @@
 // for a model's shape (default: the bundled SmolLM2-135M) on B x L tokens, beside PyTorch
 // (transformers' LlamaForCausalLM on the CPU, same shapes, bench/peers/torch_train.py) and the
 // FLOP ceiling (6 x parameters per token at the GEMM rate, measured again right before each
-// step: this machine kind's speed drifts by a fifth within minutes). On a CPU with AMX-BF16 or
-// AVX512-BF16 a second line does the same with the matmuls in bf16 (ops::MatmulPrecision), beside
-// PyTorch under bf16 autocast.
+// step: this machine kind's speed drifts by a fifth within minutes), with the step broken into
+// phases (ops::set_op_timing: each phase's time, FLOPs and rate against that ceiling). On a CPU
+// with AMX-BF16 or AVX512-BF16 a second line does the same with the matmuls in bf16
+// (ops::MatmulPrecision), beside PyTorch under bf16 autocast.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <tuple>
 
 #include "bench/bench.h"
@@ -21,6 +23,28 @@
 #include "trainer/optimizer.h"
 
 namespace tandem::bench {
+
+namespace {
+
+// The phase of the step an op's time belongs to: the matmuls by direction, with the head (the
+// products whose N is the vocabulary) apart, then attention, the other layer ops, the head's
+// log-softmax, the optimizer.
+std::string phase_of(const ops::OpTime& t, int64_t vocab) {
+  const bool head = t.n == vocab;
+  if (t.op == "matmul") return head ? "lm_head forward" : "matmul forward";
+  if (t.op == "matmul_backward_input") return head ? "lm_head dX" : "matmul backward dX";
+  if (t.op == "matmul_backward_weight") return head ? "lm_head dW" : "matmul backward dW";
+  if (t.op == "attention") return "attention forward";
+  if (t.op == "attention_backward") return "attention backward";
+  if (t.op == "logprob_gather") return "logprob forward";
+  if (t.op == "logprob_gather_backward") return "logprob backward";
+  if (t.op == "adamw") return "AdamW";
+  if (t.op == "global_norm" || t.op == "sum_squares") return "gradient norm";
+  if (t.op.ends_with("_backward")) return "norms, rope, SwiGLU, embedding backward";
+  return "norms, rope, SwiGLU, embedding forward";
+}
+
+}  // namespace
 
 int run_train_bench(const Options& opt, const std::string& model_path) {
   namespace fs = std::filesystem;
@@ -50,6 +74,11 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
   Tensor dlp = Tensor::empty({T}, DType::f32);
   std::fill_n(dlp.data_as<float>(), T, 1.0f / static_cast<float>(T));
   const double flops_per_token = 6.0 * static_cast<double>(m.weights->num_parameters());
+  // Causal attention's multiply-adds, forward: QK^T and PV over each sequence's triangle;
+  // backward: five such products (the scores again, dV, dP, dQ, dK).
+  const double attention_flops = 2.0 * 2.0 * static_cast<double>(c.num_layers * c.num_heads) *
+                                 static_cast<double>(c.head_dim) * static_cast<double>(B) *
+                                 static_cast<double>(L * (L + 1) / 2);
   const auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -72,6 +101,8 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     const ops::ScopedMatmulPrecision precision(bf16 ? ops::MatmulPrecision::bf16
                                                     : ops::MatmulPrecision::f32);
     std::vector<double> times, limits, fractions;
+    std::map<std::string, std::vector<double>> phase_times;
+    std::map<std::string, double> phase_flops;
     std::string gemm_source;
     for (int i = 0; i <= steps; ++i) {
       double gemm_gflops = 0;
@@ -79,13 +110,26 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
         std::tie(gemm_gflops, gemm_source) =
             bf16 ? measure_cpu_bf16_gemm_ceiling(opt) : measure_cpu_gemm_ceiling(opt);
       }
+      ops::take_op_times();
+      ops::set_op_timing(true);
       const auto t0 = std::chrono::steady_clock::now();
       grads.zero();
       dec.forward(batch, lp, ent);
       dec.backward(dlp, Tensor(), grads);
       adamw.step(grads, 1e-5f);
-      if (i == 0) continue;
       const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ops::set_op_timing(false);
+      if (i == 0) continue;
+      std::map<std::string, double> step_phases;
+      double in_ops = 0;
+      for (const ops::OpTime& o : ops::take_op_times()) {
+        const std::string phase = phase_of(o, c.vocab_size);
+        step_phases[phase] += o.seconds;
+        in_ops += o.seconds;
+        if (i == 1) phase_flops[phase] += 2.0 * static_cast<double>(o.m * o.n * o.k * o.calls);
+      }
+      step_phases["outside the ops (gradient zeroing, glue)"] = t - in_ops;
+      for (const auto& [phase, s] : step_phases) phase_times[phase].push_back(s);
       times.push_back(t);
       limits.push_back(gemm_gflops * 1e9 / flops_per_token);
       fractions.push_back(static_cast<double>(T) / t / limits.back());
@@ -93,6 +137,8 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     const double step_s = median(times);
     const double value = static_cast<double>(T) / step_s;
     const double limit = median(limits);
+    phase_flops["attention forward"] = attention_flops;
+    phase_flops["attention backward"] = 2.5 * attention_flops;
 
     nlohmann::ordered_json j{
         {"bench", "train"},         {"case", case_name}, {"metric", "train_tokens_per_s"},
@@ -122,7 +168,28 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     // Each step against the GEMM rate measured just before it, then the median.
     j["fraction_of_limit"] = median(fractions);
     j["step_fractions_of_limit"] = fractions;
+    // Each phase: its median time over the steps (on the row, as bench step has them, and a row
+    // of its own with its FLOPs and its rate against the median GEMM rate, the ceiling; phases
+    // without FLOPs, memory-bound, have rate 0).
+    const double ceiling_gflops = limit * flops_per_token / 1e9;
+    nlohmann::ordered_json phases;
+    for (const auto& [phase, ts] : phase_times) phases[phase] = median(ts);
+    j["phases"] = phases;
     print_line(opt, j);
+    for (const auto& [phase, ts] : phase_times) {
+      const double s = median(ts), gflop = phase_flops[phase] / 1e9;
+      print_line(opt, nlohmann::ordered_json{
+                          {"bench", "train"},
+                          {"case", fmt::format("{}: {}", case_name, phase)},
+                          {"metric", "phase_seconds_per_step"},
+                          {"unit", "s"},
+                          {"value", s},
+                          {"fraction_of_step", s / step_s},
+                          {"gflop", gflop},
+                          {"gflop_per_s", s > 0 ? gflop / s : 0.0},
+                          {"gemm_ceiling_gflop_per_s", ceiling_gflops},
+                          {"fraction_of_gemm_ceiling", s > 0 ? gflop / s / ceiling_gflops : 0.0}});
+    }
   }
   return errors == 0 ? 0 : 1;
 }

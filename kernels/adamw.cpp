@@ -7,6 +7,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/adamw.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -15,6 +16,7 @@ using namespace detail;
 
 void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWParams& p, const Tensor& param_copy, const Stream& stream) {
+  const OpTimer timer("adamw");
   constexpr const char* op = "adamw";
   check_dtype(op, "param", param, {DType::f32});
   check_ndim(op, "param", param, 1);

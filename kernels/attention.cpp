@@ -7,6 +7,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/attention.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -64,6 +65,7 @@ void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache, i
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
                const Tensor& prefix, const Tensor& out, const Tensor& lse, float scale,
                const Stream& stream) {
+  const OpTimer timer("attention");
   constexpr const char* op = "attention";
   check_qkv(op, q, k, v, cu_seqlens);
   check_prefix(op, prefix, q, cu_seqlens);
@@ -84,6 +86,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
                         const Tensor& prefix, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         float scale, const Stream& stream) {
+  const OpTimer timer("attention_backward");
   constexpr const char* op = "attention_backward";
   check_qkv(op, q, k, v, cu_seqlens);
   check_prefix(op, prefix, q, cu_seqlens);

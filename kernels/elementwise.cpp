@@ -7,6 +7,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/elementwise.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -38,6 +39,7 @@ void random_uniform(const Tensor& out, uint64_t seed, uint64_t stream_id, const 
 }
 
 void sum_squares(const Tensor& x, const Tensor& out, bool accumulate, const Stream& stream) {
+  const OpTimer timer("sum_squares");
   check_dtype("sum_squares", "x", x, {DType::f32});
   check_dtype("sum_squares", "out", out, {DType::f32});
   check_shape("sum_squares", "out", out, {1});
@@ -48,6 +50,7 @@ void sum_squares(const Tensor& x, const Tensor& out, bool accumulate, const Stre
 }
 
 float global_norm(std::span<const Tensor> tensors, const Stream& stream) {
+  const OpTimer timer("global_norm");
   if (tensors.empty()) return 0.0f;
   Tensor acc = Tensor::zeros({1}, DType::f32, tensors[0].device());
   for (const Tensor& t : tensors) sum_squares(t, acc, /*accumulate=*/true, stream);

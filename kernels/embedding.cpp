@@ -5,6 +5,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/embedding.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -24,6 +25,7 @@ namespace {
 }  // namespace
 
 void embedding(const Tensor& ids, const Tensor& table, const Tensor& out, const Stream& stream) {
+  const OpTimer timer("embedding");
   constexpr const char* op = "embedding";
   check_dtype(op, "ids", ids, {DType::i32});
   check_ndim(op, "ids", ids, 1);
@@ -51,6 +53,7 @@ void embedding(const Tensor& ids, const Tensor& table, const Tensor& out, const 
 
 void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable,
                         bool accumulate, const Stream& stream) {
+  const OpTimer timer("embedding_backward");
   constexpr const char* op = "embedding_backward";
   check_dtype(op, "ids", ids, {DType::i32});
   check_ndim(op, "ids", ids, 1);

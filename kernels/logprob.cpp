@@ -7,6 +7,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/logprob.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -25,6 +26,7 @@ void check_temperature(const char* op, float temperature) {
 void logprob_gather(const Tensor& logits, const Tensor& targets, const Tensor& logprob,
                     const Tensor& lse, const Tensor& entropy, float temperature,
                     const Stream& stream) {
+  const OpTimer timer("logprob_gather");
   constexpr const char* op = "logprob_gather";
   check_dtype(op, "logits", logits, {DType::f32});
   check_ndim(op, "logits", logits, 2);
@@ -53,6 +55,7 @@ void logprob_gather(const Tensor& logits, const Tensor& targets, const Tensor& l
 void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
                              const Tensor& targets, const Tensor& lse, const Tensor& dlogits,
                              float temperature, bool accumulate, const Stream& stream) {
+  const OpTimer timer("logprob_gather_backward");
   constexpr const char* op = "logprob_gather_backward";
   check_dtype(op, "logits", logits, {DType::f32});
   check_ndim(op, "logits", logits, 2);

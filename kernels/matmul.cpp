@@ -2,6 +2,7 @@
 #include "kernels/cpu/matmul.h"
 #include "core/error.h"
 #include "kernels/check.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/matmul.h"
@@ -35,6 +36,7 @@ void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate,
   check_shape(op, "y", y, {x.size(0), w.size(0)});
   check_device(op, x.device(), {&x, &w, &y});
   check_stream(op, x.device(), stream);
+  const OpTimer timer("matmul", x.size(0), w.size(0), x.size(1));
   TANDEM_ON_CUDA(x.device(), matmul, x.data(), x.dtype(), w.data(), w.dtype(), y.data_as<float>(),
                  x.size(0), w.size(0), x.size(1), accumulate, stream.handle);
   cpu::matmul(x, w, y, accumulate);
@@ -50,6 +52,7 @@ void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, 
   check_shape(op, "dx", dx, {dy.size(0), w.size(1)});
   check_device(op, dy.device(), {&dy, &w, &dx});
   check_stream(op, dy.device(), stream);
+  const OpTimer timer("matmul_backward_input", dy.size(0), w.size(0), w.size(1));
   TANDEM_ON_CUDA(dy.device(), matmul_backward_input, dy.data_as<float>(), w.data(), w.dtype(),
                  dx.data_as<float>(), dy.size(0), w.size(0), w.size(1), accumulate, stream.handle);
   cpu::matmul_backward_input(dy, w, dx, accumulate);
@@ -65,6 +68,7 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
   check_shape(op, "dw", dw, {dy.size(1), x.size(1)});
   check_device(op, dy.device(), {&dy, &x, &dw});
   check_stream(op, dy.device(), stream);
+  const OpTimer timer("matmul_backward_weight", dy.size(0), dy.size(1), x.size(1));
   TANDEM_ON_CUDA(dy.device(), matmul_backward_weight, dy.data_as<float>(), x.data(), x.dtype(),
                  dw.data_as<float>(), dy.size(0), dy.size(1), x.size(1), accumulate, stream.handle);
   cpu::matmul_backward_weight(dy, x, dw, accumulate);

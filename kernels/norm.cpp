@@ -5,6 +5,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/norm.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -32,6 +33,7 @@ void check_f32(const char* op, const char* name, const Tensor& t, const Shape& s
 
 void rmsnorm(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
              float eps, const Stream& stream) {
+  const OpTimer timer("rmsnorm");
   constexpr const char* op = "rmsnorm";
   const Shape tc = check_rows_and_weight(op, "x", x, weight);
   check_f32(op, "out", out, tc);
@@ -46,6 +48,7 @@ void rmsnorm(const Tensor& x, const Tensor& weight, const Tensor& out, const Ten
 void add_rmsnorm(const Tensor& residual, const Tensor& delta, const Tensor& weight,
                  const Tensor& residual_out, const Tensor& out, const Tensor& rstd, float eps,
                  const Stream& stream) {
+  const OpTimer timer("add_rmsnorm");
   constexpr const char* op = "add_rmsnorm";
   const Shape tc = check_rows_and_weight(op, "residual", residual, weight);
   check_f32(op, "delta", delta, tc);
@@ -63,6 +66,7 @@ void add_rmsnorm(const Tensor& residual, const Tensor& delta, const Tensor& weig
 void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dweight, bool accumulate_dx,
                       bool accumulate_dweight, const Stream& stream) {
+  const OpTimer timer("rmsnorm_backward");
   constexpr const char* op = "rmsnorm_backward";
   const Shape tc = check_rows_and_weight(op, "x", x, weight);
   check_f32(op, "dout", dout, tc);

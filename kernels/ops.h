@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/device.h"
@@ -293,5 +294,20 @@ struct SamplingTensors {
 };
 void sample(const Tensor& logits, const SamplingTensors& settings, const Tensor& token,
             const Tensor& logprob, const Stream& stream = {});
+
+// ---------------------------------------------------------------------------------------------
+// Op timing, for benchmarks that break a step into its parts (tandem bench train). While on,
+// every call of the ops above adds its wall time to a total per op name and shape (a call
+// inside another op, such as global_norm's sum_squares, counts as the outer op's). Measures the
+// CPU ops; on CUDA it would time the launches. Off by default (then one relaxed load per call).
+struct OpTime {
+  std::string op;               // "matmul", "attention_backward", ...
+  int64_t m = 0, n = 0, k = 0;  // the matmuls' M, N, K as above; 0 for other ops
+  int64_t calls = 0;
+  double seconds = 0;
+};
+void set_op_timing(bool on);
+// The totals recorded since the last call, and a fresh start.
+std::vector<OpTime> take_op_times();
 
 }  // namespace tandem::ops

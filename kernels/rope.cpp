@@ -5,6 +5,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/rope.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -62,11 +63,13 @@ void rotate(const char* op, const char* src_name, const char* dst_name, const Te
 
 void rope(const Tensor& x, const Tensor& positions, const Tensor& out, const RopeParams& p,
           const Stream& stream) {
+  const OpTimer timer("rope");
   rotate("rope", "x", "out", x, positions, out, p, /*inverse=*/false, stream);
 }
 
 void rope_backward(const Tensor& dout, const Tensor& positions, const Tensor& dx,
                    const RopeParams& p, const Stream& stream) {
+  const OpTimer timer("rope_backward");
   rotate("rope_backward", "dout", "dx", dout, positions, dx, p, /*inverse=*/true, stream);
 }
 

@@ -5,6 +5,7 @@
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/swiglu.h"
+#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -25,6 +26,7 @@ int64_t check_gate_up(const char* op, const Tensor& gate_up) {
 }  // namespace
 
 void swiglu(const Tensor& gate_up, const Tensor& out, const Stream& stream) {
+  const OpTimer timer("swiglu");
   constexpr const char* op = "swiglu";
   const int64_t F = check_gate_up(op, gate_up), T = gate_up.size(0);
   check_dtype(op, "out", out, {DType::f32});
@@ -38,6 +40,7 @@ void swiglu(const Tensor& gate_up, const Tensor& out, const Stream& stream) {
 
 void swiglu_backward(const Tensor& dout, const Tensor& gate_up, const Tensor& dgate_up,
                      const Stream& stream) {
+  const OpTimer timer("swiglu_backward");
   constexpr const char* op = "swiglu_backward";
   const int64_t F = check_gate_up(op, gate_up), T = gate_up.size(0);
   check_dtype(op, "dout", dout, {DType::f32});

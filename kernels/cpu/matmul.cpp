@@ -1,6 +1,6 @@
 // CPU matmul, matmul_backward_input and matmul_backward_weight: blocking, bf16 widening, the
-// thread split over N, the portable kernel, and the transposes that turn both backward products
-// into the forward one.
+// thread split over N, the portable kernel, and the bf16 precision's transposes that turn both
+// backward products into the forward one (in f32 they take the outer-product kernel).
 #include "kernels/cpu/matmul.h"
 
 #include <algorithm>
@@ -86,6 +86,23 @@ MatmulKernel kernel() {
 
 bool use_avx512() { return kernel() != MatmulKernel::portable && cpu_has_avx512(); }
 
+// TANDEM_CPU_MATMUL_BACKWARD=transpose: the f32 backward products transpose their operands and
+// run the forward's dot-product kernel (as before the outer-product kernel), for A/B
+// measurements; unset or "outer": the outer-product kernel.
+bool backward_by_transposes() {
+  static const bool transposes = [] {
+    const char* v = std::getenv("TANDEM_CPU_MATMUL_BACKWARD");
+    const std::string_view name = v != nullptr ? v : "";
+    if (name.empty() || name == "outer") return false;
+    if (name == "transpose") return true;
+    TANDEM_FAIL(
+        "TANDEM_CPU_MATMUL_BACKWARD='{}' names no backward matmul: set it to outer (the default) "
+        "or transpose, or unset it",
+        name);
+  }();
+  return transposes;
+}
+
 // The hardware the bf16 precision's products run on now.
 MatmulBf16Path bf16_path() {
   switch (kernel()) {
@@ -117,18 +134,9 @@ constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 // pay for the second thread (SmolLM2's k and v projections at one token: 442 KB).
 constexpr int64_t kMinWBytesPerThread = int64_t{64} << 10;
 
-// Grow-only per-thread buffers: the widened x block, the f32 copy of a bf16 w panel,
-// and the transposes of the backward products. They grow to the largest shape seen and are
-// never freed, so the steady state allocates nothing.
-// The returned pointer is 64-byte aligned: with rows a multiple of 16 floats long, no vector
-// load then straddles two cache lines.
-template <class T>
-T* grow(std::vector<T>& buf, int64_t n) {
-  constexpr int64_t kAlign = 64 / sizeof(T);
-  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
-  const auto address = reinterpret_cast<uintptr_t>(buf.data());
-  return buf.data() + (kAlign - static_cast<int64_t>(address / sizeof(T) % kAlign)) % kAlign;
-}
+// Grow-only per-thread buffers (detail::grow): the widened x block, the f32 copy of a bf16 w
+// panel, and the transposes of the bf16 backward products.
+using detail::grow;
 
 // One operand of the forward product: rows of K elements, f32 or bf16, `ld` elements apart
 // (0: K).
@@ -445,7 +453,8 @@ void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) 
 }
 
 void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate) {
-  // dx (M, K) = dy (M, N) · w (N, K) = dy · (w^T (K, N))^T: the forward product against w^T.
+  // dx (M, K) = dy (M, N) · w (N, K): in f32 the outer-product kernel on the operands as they
+  // are; in bf16 dy · (w^T (K, N))^T, the forward product against w^T.
   const int64_t N = w.size(0), K = w.size(1);
   if (g_precision == MatmulPrecision::bf16) {
     Rows wt = rows_of(w);
@@ -453,17 +462,22 @@ void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, 
     forward_bf16(rows_of(dy), {wt, true}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
     return;
   }
-  const int64_t ld = padded(N);
-  thread_local std::vector<float> w_t;  // (K, N), leading dimension ld
-  float* wt = grow(w_t, K * ld);
-  transpose(rows_of(w), N, K, wt, ld);
-  forward(rows_of(dy), {wt, false, ld}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
+  if (backward_by_transposes()) {
+    const int64_t ld = padded(N);
+    thread_local std::vector<float> w_t;  // (K, N), leading dimension ld
+    float* wt = grow(w_t, K * ld);
+    transpose(rows_of(w), N, K, wt, ld);
+    forward(rows_of(dy), {wt, false, ld}, dx.data_as<float>(), dy.size(0), K, N, accumulate);
+    return;
+  }
+  detail::outer_product({dy.data(), false, N, 1}, {w.data(), w.dtype() == DType::bf16, K},
+                        dx.data_as<float>(), dy.size(0), K, N, accumulate, use_avx512());
 }
 
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate) {
-  // dw (N, K) = dy^T (N, M) · x (M, K) = dy^T · (x^T (K, M))^T.
+  // dw (N, K) = dy^T (N, M) · x (M, K): in f32 the outer-product kernel reading dy^T in place;
+  // in bf16 dy^T · (x^T (K, M))^T.
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
-  const int64_t ld = padded(M);
   const MatmulBf16Path path = bf16_path();
   if (g_precision == MatmulPrecision::bf16 && path != MatmulBf16Path::f32_kernel) {
     // dyᵀ rounded and packed straight from dy; x as the rows of the second operand's transpose.
@@ -476,6 +490,7 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
     return;
   }
   if (g_precision == MatmulPrecision::bf16) {
+    const int64_t ld = padded(M);
     thread_local std::vector<float> dy_t;  // (N, M), leading dimension ld
     float* dyt = grow(dy_t, N * ld);
     transpose(rows_of(dy), M, N, dyt, ld);
@@ -484,12 +499,18 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
     forward_bf16({dyt, false, ld}, {xt, true}, dw.data_as<float>(), N, K, M, accumulate);
     return;
   }
-  thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M), leading dimension ld
-  float* dyt = grow(dy_t, N * ld);
-  float* xt = grow(x_t, K * ld);
-  transpose(rows_of(dy), M, N, dyt, ld);
-  transpose(rows_of(x), M, K, xt, ld);
-  forward({dyt, false, ld}, {xt, false, ld}, dw.data_as<float>(), N, K, M, accumulate);
+  if (backward_by_transposes()) {
+    const int64_t ld = padded(M);
+    thread_local std::vector<float> dy_t, x_t;  // (N, M), (K, M), leading dimension ld
+    float* dyt = grow(dy_t, N * ld);
+    float* xt = grow(x_t, K * ld);
+    transpose(rows_of(dy), M, N, dyt, ld);
+    transpose(rows_of(x), M, K, xt, ld);
+    forward({dyt, false, ld}, {xt, false, ld}, dw.data_as<float>(), N, K, M, accumulate);
+    return;
+  }
+  detail::outer_product({dy.data(), false, 1, N}, {x.data(), x.dtype() == DType::bf16, K},
+                        dw.data_as<float>(), N, K, M, accumulate, use_avx512());
 }
 
 }  // namespace tandem::ops::cpu

@@ -1,5 +1,6 @@
-// CPU matmul and its backward products: a batch-invariant dot-product kernel (AVX-512 or a
-// portable fallback with the same bits), cache-blocked and split over N across threads.
+// CPU matmul and its backward products: a batch-invariant dot-product kernel for the forward
+// (AVX-512 or a portable fallback with the same bits), cache-blocked and split over N across
+// threads, and an outer-product kernel for the f32 backward products.
 #pragma once
 
 #include <cstdint>
@@ -72,6 +73,38 @@ void chunk_avx512(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, f
 void transpose16_avx512(const float* src, int64_t lds, float* dst, int64_t ldd);
 // dst[i] = the f32 value of the bf16 bits src[i] (exact), i < n, with AVX-512.
 void widen_bf16_avx512(const uint16_t* src, float* dst, int64_t n);
+
+// A grow-only per-thread buffer: at least n elements, grown to the largest n seen and never
+// freed, so the steady state allocates nothing. The returned pointer is 64-byte aligned: with
+// rows a multiple of 16 floats long, no vector load then straddles two cache lines.
+template <class T>
+T* grow(std::vector<T>& buf, int64_t n) {
+  constexpr int64_t kAlign = 64 / sizeof(T);
+  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
+  const auto address = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + (kAlign - static_cast<int64_t>(address / sizeof(T) % kAlign)) % kAlign;
+}
+
+// The f32 backward products (matmul_backward.cpp): c (rows, cols) [+]= a (rows, R) · b (R, cols)
+// with an outer-product kernel, kOuterRows x kOuterCols outputs per register tile. The
+// arithmetic of every output element, whatever the shapes, the tiling or the thread count: R is
+// cut into chunks [0, kOuterChunk), [kOuterChunk, 2 kOuterChunk), ...; a chunk's sum is one f32
+// accumulator from zero taking r in increasing order with fused multiply-adds; the chunks' sums
+// add up in order into c: c = s0 (or c_old + s0 when accumulating), then c = c + s1, ...
+// The AVX-512 tile and the portable one give the same bits.
+inline constexpr int64_t kOuterRows = 8;
+inline constexpr int64_t kOuterCols = 48;
+inline constexpr int64_t kOuterChunk = 128;
+// An operand of outer_product: a(i, r) = data[i * row_stride + r * col_stride] (f32 only);
+// b(r, j) = data[r * row_stride + j] (f32 or bf16 bits).
+struct OuterOperand {
+  const void* data;
+  bool bf16;
+  int64_t row_stride;
+  int64_t col_stride = 1;
+};
+void outer_product(const OuterOperand& a, const OuterOperand& b, float* c, int64_t rows,
+                   int64_t cols, int64_t R, bool accumulate, bool avx512);
 
 // f32 -> bf16 as the bf16 precision rounds (AVX512-BF16's conversion): to nearest even, a
 // denormal input becomes a zero of its sign, a NaN stays a quiet NaN.

@@ -1,6 +1,6 @@
 // The tandem command: --version, the help without a subcommand, how errors read (--verbose),
-// `bench kernels --json` and `bench step --json` (on the bundled model, scripts/fetch-model) as a
-// user runs them.
+// `bench kernels --json`, `bench step --json` and `bench train --json` (on the bundled model,
+// scripts/fetch-model) as a user runs them.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
@@ -89,6 +89,38 @@ TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps"
     ++phase_lines;
   }
   CHECK(phase_lines == 5);
+}
+
+TEST_CASE("tandem bench train --quick --json breaks the step into phases", "[e2e]") {
+  // The PyTorch peer is not installed here: leave it out, so the run reports it missing.
+  ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
+  const Run r = run("bench train --quick --json --filter f32", /*merge_stderr=*/false);
+  ::unsetenv("TANDEM_BENCH_PYTHON");
+  INFO(r.out);
+  CHECK(r.status == 1);  // a missing peer fails the run
+  std::istringstream lines(r.out);
+  std::string line;
+  REQUIRE(std::getline(lines, line));
+  const auto row = nlohmann::json::parse(line);
+  CHECK(row["metric"] == "train_tokens_per_s");
+  const double step_s = row["step_ms"].get<double>() / 1e3;
+  double sum = 0;
+  for (const auto& [name, seconds] : row["phases"].items()) sum += seconds.get<double>();
+  // The phases, "outside the ops" included, are the whole step.
+  CHECK(sum == Approx(step_s).epsilon(1e-6));
+  for (const char* p : {"matmul forward", "matmul backward dX", "matmul backward dW",
+                        "lm_head forward", "lm_head dX", "lm_head dW", "attention forward",
+                        "attention backward", "AdamW", "gradient norm"})
+    CHECK(row["phases"][p].get<double>() > 0);
+  int phase_rows = 0;
+  while (std::getline(lines, line)) {
+    const auto j = nlohmann::json::parse(line);
+    CHECK(j["metric"] == "phase_seconds_per_step");
+    CHECK(j["fraction_of_step"].get<double>() >= 0);
+    if (j["case"].get<std::string>().ends_with(": lm_head dW")) CHECK(j["gflop"].get<double>() > 0);
+    ++phase_rows;
+  }
+  CHECK(phase_rows == static_cast<int>(row["phases"].size()));
 }
 
 TEST_CASE("tandem rejects an unknown benchmark with a non-zero exit", "[e2e]") {

@@ -1,6 +1,6 @@
 // matmul and its backward products: against f64 references, by finite differences, batch
-// invariance and thread-count independence bit for bit, AVX-512 == portable kernel, bad
-// arguments, and their parity cases.
+// invariance and thread-count independence bit for bit, AVX-512 == portable kernel (forward and
+// backward), bad arguments, and their parity cases.
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -196,20 +196,51 @@ TEST_CASE("matmul rows are bitwise the same alone and inside batches of any size
 
 TEST_CASE("matmul backward products are bitwise the same with 1 and 2 threads", "[unit]") {
   const int threads = num_threads();
-  const Tensor dy = random_tensor({70, 200}, DType::f32, 501);
-  const Tensor w = random_tensor({200, 96}, DType::bf16, 502);
-  const Tensor x = random_tensor({70, 96}, DType::f32, 503);
-  std::vector<Tensor> dx, dw;
-  for (int t : {1, 2}) {
-    set_num_threads(t);
-    dx.push_back(Tensor::empty({70, 96}, DType::f32));
-    dw.push_back(Tensor::empty({200, 96}, DType::f32));
-    ops::matmul_backward_input(dy, w, dx.back());
-    ops::matmul_backward_weight(dy, x, dw.back());
+  // The second shape gives both products several blocks of rows to share between threads.
+  for (const Dims& d : {Dims{70, 200, 96}, Dims{600, 300, 100}}) {
+    INFO("M=" << d.M << " N=" << d.N << " K=" << d.K);
+    const Tensor dy = random_tensor({d.M, d.N}, DType::f32, 501);
+    const Tensor w = random_tensor({d.N, d.K}, DType::bf16, 502);
+    const Tensor x = random_tensor({d.M, d.K}, DType::f32, 503);
+    std::vector<Tensor> dx, dw;
+    for (int t : {1, 2}) {
+      set_num_threads(t);
+      dx.push_back(Tensor::empty({d.M, d.K}, DType::f32));
+      dw.push_back(Tensor::empty({d.N, d.K}, DType::f32));
+      ops::matmul_backward_input(dy, w, dx.back());
+      ops::matmul_backward_weight(dy, x, dw.back());
+    }
+    set_num_threads(threads);
+    CHECK(bitwise_equal(dx[0], dx[1]));
+    CHECK(bitwise_equal(dw[0], dw[1]));
   }
-  set_num_threads(threads);
-  CHECK(bitwise_equal(dx[0], dx[1]));
-  CHECK(bitwise_equal(dw[0], dw[1]));
+}
+
+TEST_CASE("the AVX-512 and portable backward products agree bit for bit", "[unit]") {
+  if (!ops::cpu::matmul_has_avx512())
+    WARN("this CPU has no AVX-512: both runs below use the portable kernel");
+  // Rows and columns off the 8 x 48 tile, sums over several chunks of kOuterChunk, bf16 w/x.
+  for (const Dims& d : {Dims{7, 13, 37}, Dims{65, 300, 577}, Dims{300, 129, 50}, Dims{9, 1, 96}}) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      INFO("M=" << d.M << " N=" << d.N << " K=" << d.K << " " << dtype_name(t));
+      const Tensor dy = random_tensor({d.M, d.N}, DType::f32, 611, -100.0, 100.0);
+      const Tensor w = random_tensor({d.N, d.K}, t, 612, -3.0, 3.0);
+      const Tensor x = random_tensor({d.M, d.K}, t, 613, -3.0, 3.0);
+      for (bool acc : {false, true}) {
+        Tensor dx = random_tensor({d.M, d.K}, DType::f32, 614);
+        Tensor dw = random_tensor({d.N, d.K}, DType::f32, 615);
+        Tensor dx_portable = dx.to(Device::cpu()), dw_portable = dw.to(Device::cpu());
+        ops::matmul_backward_input(dy, w, dx, acc);
+        ops::matmul_backward_weight(dy, x, dw, acc);
+        ops::cpu::set_matmul_kernel(ops::cpu::MatmulKernel::portable);
+        ops::matmul_backward_input(dy, w, dx_portable, acc);
+        ops::matmul_backward_weight(dy, x, dw_portable, acc);
+        ops::cpu::set_matmul_kernel(ops::cpu::MatmulKernel::automatic);
+        CHECK(bitwise_equal(dx, dx_portable));
+        CHECK(bitwise_equal(dw, dw_portable));
+      }
+    }
+  }
 }
 
 TEST_CASE("the AVX-512 matmul kernel and the portable kernel agree bit for bit", "[unit]") {
