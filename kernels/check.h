@@ -60,9 +60,9 @@ inline void check_stream(const char* op, Device device, const Stream& stream) {
     return;                          \
   }
 #else
-#define TANDEM_ON_CUDA(dev, op, ...)                             \
-  if ((dev).is_cuda()) {                                         \
+#define TANDEM_ON_CUDA(dev, op, ...)                                  \
+  if ((dev).is_cuda()) {                                              \
     [](const auto&...) {}(__VA_ARGS__); /* arguments count as used */ \
-    TANDEM_FAIL("{}: this build has no CUDA", #op);              \
+    TANDEM_FAIL("{}: this build has no CUDA", #op);                   \
   }
 #endif
