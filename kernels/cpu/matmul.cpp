@@ -86,18 +86,19 @@ MatmulKernel kernel() {
 
 bool use_avx512() { return kernel() != MatmulKernel::portable && cpu_has_avx512(); }
 
-// TANDEM_CPU_MATMUL_BACKWARD=transpose: the f32 backward products transpose their operands and
-// run the forward's dot-product kernel (as before the outer-product kernel), for A/B
-// measurements; unset or "outer": the outer-product kernel.
+// The f32 backward products: unset or TANDEM_CPU_MATMUL_BACKWARD=transpose, the forward's
+// dot-product kernel on transposed operands; "outer", the outer-product kernel
+// (matmul_backward.cpp), opt-in until a data-parallel job on it ends with the weights of one
+// rank bitwise again (docs/kernels-matmul.md).
 bool backward_by_transposes() {
   static const bool transposes = [] {
     const char* v = std::getenv("TANDEM_CPU_MATMUL_BACKWARD");
     const std::string_view name = v != nullptr ? v : "";
-    if (name.empty() || name == "outer") return false;
-    if (name == "transpose") return true;
+    if (name.empty() || name == "transpose") return true;
+    if (name == "outer") return false;
     TANDEM_FAIL(
-        "TANDEM_CPU_MATMUL_BACKWARD='{}' names no backward matmul: set it to outer (the default) "
-        "or transpose, or unset it",
+        "TANDEM_CPU_MATMUL_BACKWARD='{}' names no backward matmul: set it to transpose (the "
+        "default) or outer, or unset it",
         name);
   }();
   return transposes;

@@ -178,9 +178,16 @@ void outer_product(const OuterOperand& a, const OuterOperand& b, float* c, int64
         const int64_t np = std::min(kBlockPanels, panels - p0);
         const int64_t j_base = p0 * kNr, ncols = std::min(cols - j_base, np * kNr);
         const int64_t strips = (n + kMr - 1) / kMr;
+        // Accumulating over several chunks, the block's sums go to a buffer first and are added
+        // to c once: c + (the product's sum), the same bits as the product computed alone and
+        // added afterwards (what a data-parallel all-reduce of the parts does).
+        thread_local std::vector<float> c_buf;
+        const bool buffered = accumulate && R > kOuterChunk;
+        float* const out = buffered ? grow(c_buf, n * ncols) : c + i0 * cols + j_base;
+        const int64_t ldo = buffered ? ncols : cols;
         for (int64_t r0 = 0; r0 < R; r0 += kOuterChunk) {
           const int64_t kc = std::min(kOuterChunk, R - r0);
-          const bool add = accumulate || r0 > 0;
+          const bool add = (accumulate && !buffered) || r0 > 0;
           float* bp = grow(b_buf, np * kc * kNr);
           pack_b(b, r0, kc, j_base, ncols, bp);
           // a in place when its rows run along r (dx's dy: kMr streams), else packed (dyᵀ's
@@ -201,15 +208,22 @@ void outer_product(const OuterOperand& a, const OuterOperand& b, float* c, int64
             for (int64_t s = 0; s < strips; ++s) {
               const int64_t i = i0 + s * kMr, nr = std::min(kMr, rows - i);
               const float* as = ap + s * strip_stride;
-              float* cb = c + i * cols + j0;
+              float* cb = out + (i - i0) * ldo + (j0 - j_base);
               if (!avx512) {
-                tile_portable(as, ars, acs, bpp, kc, cb, cols, add, nr, nc);
+                tile_portable(as, ars, acs, bpp, kc, cb, ldo, add, nr, nc);
               } else if (a_in_place) {
-                tile_avx512<false>(as, ars, bpp, kc, cb, cols, add, nr, nc);
+                tile_avx512<false>(as, ars, bpp, kc, cb, ldo, add, nr, nc);
               } else {
-                tile_avx512<true>(as, ars, bpp, kc, cb, cols, add, nr, nc);
+                tile_avx512<true>(as, ars, bpp, kc, cb, ldo, add, nr, nc);
               }
             }
+          }
+        }
+        if (buffered) {
+          for (int64_t i = 0; i < n; ++i) {
+            float* row = c + (i0 + i) * cols + j_base;
+            const float* sum = out + i * ncols;
+            for (int64_t j = 0; j < ncols; ++j) row[j] += sum[j];
           }
         }
       },

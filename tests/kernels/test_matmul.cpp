@@ -216,6 +216,78 @@ TEST_CASE("matmul backward products are bitwise the same with 1 and 2 threads", 
   }
 }
 
+// The outer-product kernel of the f32 backward products (TANDEM_CPU_MATMUL_BACKWARD=outer):
+// dx = dy · w and dw = dyᵀ · x through ops::cpu::detail::outer_product as matmul.cpp calls it.
+void outer_dx(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate, bool avx512) {
+  const int64_t M = dy.size(0), N = dy.size(1), K = w.size(1);
+  ops::cpu::detail::outer_product({dy.data(), false, N, 1}, {w.data(), false, K},
+                                  dx.data_as<float>(), M, K, N, accumulate, avx512);
+}
+void outer_dw(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate, bool avx512) {
+  const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
+  ops::cpu::detail::outer_product({dy.data(), false, 1, N}, {x.data(), false, K},
+                                  dw.data_as<float>(), N, K, M, accumulate, avx512);
+}
+
+// A data-parallel job sums one rank's gradient with another's zero, or a micro-batch's into the
+// gradient of the ones before it: both must be c + (the product alone), bit for bit, whatever
+// the number of chunks of the sum.
+TEST_CASE("accumulating outer product backward kernels add the product computed alone", "[unit]") {
+  const bool avx512 = ops::cpu::matmul_has_avx512();
+  for (const Dims& d : {Dims{300, 70, 96}, Dims{33, 129, 50}}) {  // 3 chunks over M; 1 chunk
+    INFO("M=" << d.M << " N=" << d.N << " K=" << d.K);
+    const Tensor dy = random_tensor({d.M, d.N}, DType::f32, 701, -100.0, 100.0);
+    const Tensor w = random_tensor({d.N, d.K}, DType::f32, 702, -3.0, 3.0);
+    const Tensor x = random_tensor({d.M, d.K}, DType::f32, 703, -3.0, 3.0);
+    const Tensor dx0 = random_tensor({d.M, d.K}, DType::f32, 704);
+    const Tensor dw0 = random_tensor({d.N, d.K}, DType::f32, 705);
+    Tensor dx = dx0.to(Device::cpu()), dw = dw0.to(Device::cpu());
+    outer_dx(dy, w, dx, true, avx512);
+    outer_dw(dy, x, dw, true, avx512);
+    Tensor dx_alone = Tensor::empty({d.M, d.K}, DType::f32);
+    Tensor dw_alone = Tensor::empty({d.N, d.K}, DType::f32);
+    outer_dx(dy, w, dx_alone, false, avx512);
+    outer_dw(dy, x, dw_alone, false, avx512);
+    const auto added = [](const Tensor& c, const Tensor& p) {
+      Tensor out = c.to(Device::cpu());
+      float* o = out.data_as<float>();
+      const float* q = p.data_as<float>();
+      for (int64_t i = 0; i < out.numel(); ++i) o[i] += q[i];
+      return out;
+    };
+    CHECK(bitwise_equal(dx, added(dx0, dx_alone)));
+    CHECK(bitwise_equal(dw, added(dw0, dw_alone)));
+  }
+}
+
+TEST_CASE(
+    "outer product backward kernels are bitwise the same with 1 and 2 threads and on "
+    "both ISA paths",
+    "[unit]") {
+  const int threads = num_threads();
+  const bool avx512 = ops::cpu::matmul_has_avx512();
+  if (!avx512) WARN("this CPU has no AVX-512: every run below uses the portable tile");
+  for (const Dims& d : {Dims{70, 200, 96}, Dims{600, 300, 100}, Dims{7, 13, 37}}) {
+    INFO("M=" << d.M << " N=" << d.N << " K=" << d.K);
+    const Tensor dy = random_tensor({d.M, d.N}, DType::f32, 721, -100.0, 100.0);
+    const Tensor w = random_tensor({d.N, d.K}, DType::f32, 722, -3.0, 3.0);
+    const Tensor x = random_tensor({d.M, d.K}, DType::f32, 723, -3.0, 3.0);
+    std::vector<Tensor> dx, dw;
+    for (const auto& [t, isa] : {std::pair{1, avx512}, std::pair{2, avx512}, std::pair{2, false}}) {
+      set_num_threads(t);
+      dx.push_back(Tensor::empty({d.M, d.K}, DType::f32));
+      dw.push_back(Tensor::empty({d.N, d.K}, DType::f32));
+      outer_dx(dy, w, dx.back(), false, isa);
+      outer_dw(dy, x, dw.back(), false, isa);
+    }
+    set_num_threads(threads);
+    for (size_t i = 1; i < dx.size(); ++i) {
+      CHECK(bitwise_equal(dx[0], dx[i]));
+      CHECK(bitwise_equal(dw[0], dw[i]));
+    }
+  }
+}
+
 TEST_CASE("the AVX-512 and portable backward products agree bit for bit", "[unit]") {
   if (!ops::cpu::matmul_has_avx512())
     WARN("this CPU has no AVX-512: both runs below use the portable kernel");
