@@ -8,47 +8,19 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "kernels/cpu/logprob.h"
+#include "kernels/cpu/sample.h"
 #include "kernels/float_order.h"
 
 namespace tandem::model {
 namespace {
 
-constexpr int L = ops::cpu::kSoftmaxLanes;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 // Token ids travel as f32 values, exact below 2^24.
 constexpr int64_t kMaxVocab = int64_t{1} << 24;
 
-int64_t count_at_least(const float* z, int64_t n, float t) {
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
-  return c;
-}
-
-int64_t count_greater(const float* z, int64_t n, float t) {
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
-  return c;
-}
-
-// Sum of e over the entries with z >= t, in ops::sample's lane order (16 lanes, then a fixed
-// tree).
-float mass_at_least(const float* z, const float* e, int64_t n, float t) {
-  const int64_t full = n - n % L;
-  float acc[L] = {};
-  for (int64_t i0 = 0; i0 < full; i0 += L) {
-    for (int j = 0; j < L; ++j) {
-      const float ej = e[i0 + j];
-      acc[j] += z[i0 + j] >= t ? ej : 0.0f;
-    }
-  }
-  for (int64_t i = full; i < n; ++i) {
-    const float ei = e[i];
-    acc[i - full] += z[i] >= t ? ei : 0.0f;
-  }
-  for (int w = L / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
-}
+using ops::cpu::count_at_least;
+using ops::cpu::count_greater;
+using ops::cpu::mass_at_least;
 
 // The running sum of the kept e (e >= floor) continued from `start`, one f32 addition after the
 // other in vocabulary order: ops::sample's inverse-CDF chain, rank after rank.

@@ -61,6 +61,8 @@ Scratch& scratch_for(int64_t V) {
   return s;
 }
 
+}  // namespace
+
 TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
   int32_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
@@ -73,7 +75,6 @@ TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
   return c;
 }
 
-// Sum of e over the entries with z >= t, in the lane order of row_softmax.
 TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
   const int64_t full = n - n % L;
   float acc[L] = {};
@@ -91,6 +92,8 @@ TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n,
     for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
   return acc[0];
 }
+
+namespace {
 
 // z = x / tau and e = exp(z - max), as row_softmax computes them.
 TANDEM_CPU_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
