@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "tests/testutil.h"
 
@@ -17,6 +18,21 @@ namespace {
 using Run = tandem::test::CommandResult;
 Run run(const std::string& args, bool merge_stderr = true) {
   return tandem::test::run_tandem(args, merge_stderr);
+}
+
+// `tandem bench <args>` with its Python peer left out (minutes of work: the run reports it
+// missing and fails): checks that, and returns the output's JSON rows.
+std::vector<nlohmann::json> bench_rows_without_peer(const std::string& args) {
+  ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
+  const Run r = run(args, /*merge_stderr=*/false);
+  ::unsetenv("TANDEM_BENCH_PYTHON");
+  INFO(r.out);
+  CHECK(r.status == 1);  // a missing peer fails the run
+  std::vector<nlohmann::json> rows;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) rows.push_back(nlohmann::json::parse(line));
+  REQUIRE(!rows.empty());
+  return rows;
 }
 
 }  // namespace
@@ -51,16 +67,8 @@ TEST_CASE("tandem bench kernels --json prints one valid measurement per line", "
 }
 
 TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps", "[e2e]") {
-  // The TRL peer is minutes of work: leave it out, so the run reports it missing.
-  ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
-  const Run r = run("bench step --quick --json --filter f32", /*merge_stderr=*/false);
-  ::unsetenv("TANDEM_BENCH_PYTHON");
-  INFO(r.out);
-  CHECK(r.status == 1);  // a missing peer fails the run
-  std::istringstream lines(r.out);
-  std::string line;
-  REQUIRE(std::getline(lines, line));
-  const auto step = nlohmann::json::parse(line);
+  const auto rows = bench_rows_without_peer("bench step --quick --json --filter f32");
+  const nlohmann::json& step = rows[0];
   CHECK(step["bench"] == "step");
   CHECK(step["metric"] == "seconds_per_step");
   const double seconds = step["value"].get<double>();
@@ -82,8 +90,8 @@ TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps"
   CHECK(phases <= seconds);
   CHECK(phases >= 0.9 * seconds);
   int phase_lines = 0;
-  while (std::getline(lines, line)) {
-    const auto j = nlohmann::json::parse(line);
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const nlohmann::json& j = rows[i];
     CHECK(j["metric"] == "phase_seconds_per_step");
     CHECK(j["value"].get<double>() >= 0);
     ++phase_lines;
@@ -92,16 +100,8 @@ TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps"
 }
 
 TEST_CASE("tandem bench train --quick --json breaks the step into phases", "[e2e]") {
-  // The PyTorch peer is not installed here: leave it out, so the run reports it missing.
-  ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
-  const Run r = run("bench train --quick --json --filter f32", /*merge_stderr=*/false);
-  ::unsetenv("TANDEM_BENCH_PYTHON");
-  INFO(r.out);
-  CHECK(r.status == 1);  // a missing peer fails the run
-  std::istringstream lines(r.out);
-  std::string line;
-  REQUIRE(std::getline(lines, line));
-  const auto row = nlohmann::json::parse(line);
+  const auto rows = bench_rows_without_peer("bench train --quick --json --filter f32");
+  const nlohmann::json& row = rows[0];
   CHECK(row["metric"] == "train_tokens_per_s");
   const double step_s = row["step_ms"].get<double>() / 1e3;
   double sum = 0;
@@ -113,8 +113,8 @@ TEST_CASE("tandem bench train --quick --json breaks the step into phases", "[e2e
                         "attention backward", "AdamW", "gradient norm"})
     CHECK(row["phases"][p].get<double>() > 0);
   int phase_rows = 0;
-  while (std::getline(lines, line)) {
-    const auto j = nlohmann::json::parse(line);
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const nlohmann::json& j = rows[i];
     CHECK(j["metric"] == "phase_seconds_per_step");
     CHECK(j["fraction_of_step"].get<double>() >= 0);
     if (j["case"].get<std::string>().ends_with(": lm_head dW")) CHECK(j["gflop"].get<double>() > 0);
