@@ -263,6 +263,20 @@ std::shared_ptr<at::protocol::TProtocol> bounded_binary_protocol(
   return std::make_shared<BoundedBinaryProtocol>(std::move(transport), limits);
 }
 
+BoundedClientSocket open_bounded_client(const std::string& host, int port, int connect_timeout_ms,
+                                        int io_timeout_ms, const ThriftLimits& limits) {
+  BoundedClientSocket c;
+  c.socket = std::make_shared<at::transport::TSocket>(host, port);
+  c.socket->setConnTimeout(connect_timeout_ms);
+  c.socket->setSendTimeout(io_timeout_ms);
+  c.socket->setRecvTimeout(io_timeout_ms);
+  c.socket->setNoDelay(true);
+  c.transport = bounded_framed_transport(c.socket, limits);
+  c.protocol = bounded_binary_protocol(c.transport, limits);
+  c.transport->open();
+  return c;
+}
+
 std::shared_ptr<at::transport::TTransportFactory> bounded_framed_transport_factory(
     const ThriftLimits& limits) {
   return std::make_shared<BoundedFramedTransportFactory>(limits);

@@ -9,6 +9,7 @@
 #include <thrift/TProcessor.h>
 #include <thrift/protocol/TProtocol.h>
 #include <thrift/server/TServer.h>
+#include <thrift/transport/TSocket.h>
 #include <thrift/transport/TTransport.h>
 
 #include <atomic>
@@ -46,6 +47,17 @@ std::shared_ptr<apache::thrift::transport::TTransport> bounded_framed_transport(
 // (TProtocolException SIZE_LIMIT, NEGATIVE_SIZE, DEPTH_LIMIT or BAD_VERSION).
 std::shared_ptr<apache::thrift::protocol::TProtocol> bounded_binary_protocol(
     std::shared_ptr<apache::thrift::transport::TTransport> transport, const ThriftLimits& limits);
+
+// A client's opened connection to host:port: a socket with its connect timeout, send and receive
+// timeouts and no Nagle delay, under a bounded framed transport and protocol (the limits bound
+// the answers as the servers bound requests).
+struct BoundedClientSocket {
+  std::shared_ptr<apache::thrift::transport::TSocket> socket;
+  std::shared_ptr<apache::thrift::transport::TTransport> transport;
+  std::shared_ptr<apache::thrift::protocol::TProtocol> protocol;
+};
+BoundedClientSocket open_bounded_client(const std::string& host, int port, int connect_timeout_ms,
+                                        int io_timeout_ms, const ThriftLimits& limits);
 
 // The two above as factories, for a server.
 std::shared_ptr<apache::thrift::transport::TTransportFactory> bounded_framed_transport_factory(

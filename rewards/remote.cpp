@@ -110,19 +110,16 @@ std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& re
       return c;
     }
   }
-  auto c = std::make_unique<Connection>();
-  c->socket = std::make_shared<at::transport::TSocket>(host_, port_);
-  c->socket->setConnTimeout(static_cast<int>(options_.connect_timeout_ms));
-  c->socket->setSendTimeout(static_cast<int>(options_.timeout_ms));
-  c->socket->setRecvTimeout(static_cast<int>(options_.timeout_ms));
-  c->socket->setNoDelay(true);
   // An answer holds one score per sample sent, so a longer list is never read.
   const ThriftLimits limits{.max_container_elements = static_cast<int32_t>(options_.batch_size)};
   check_thrift_limits(limits, fmt::format("reward '{}' (remote)", name_));
-  c->transport = bounded_framed_transport(c->socket, limits);
-  c->client =
-      std::make_unique<rpc::RewardServiceClient>(bounded_binary_protocol(c->transport, limits));
-  c->transport->open();
+  BoundedClientSocket link =
+      open_bounded_client(host_, port_, static_cast<int>(options_.connect_timeout_ms),
+                          static_cast<int>(options_.timeout_ms), limits);
+  auto c = std::make_unique<Connection>();
+  c->socket = std::move(link.socket);
+  c->transport = std::move(link.transport);
+  c->client = std::make_unique<rpc::RewardServiceClient>(std::move(link.protocol));
   return c;
 }
 

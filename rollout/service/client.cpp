@@ -98,19 +98,16 @@ std::unique_ptr<RolloutClient::Connection> RolloutClient::take_connection(bool& 
       return c;
     }
   }
-  auto c = std::make_unique<Connection>();
-  c->socket = std::make_shared<at::transport::TSocket>(host_, port_);
-  c->socket->setConnTimeout(
-      static_cast<int>(std::min<int64_t>(options_.connect_timeout_ms, std::max(timeout_ms, 1l))));
-  c->socket->setSendTimeout(ms);
-  c->socket->setRecvTimeout(ms);
-  c->socket->setNoDelay(true);
   // Answers are bounded like requests: a worker cannot make the client allocate without limit.
   const ThriftLimits limits{.max_container_elements = 1 << 24};
-  c->transport = bounded_framed_transport(c->socket, limits);
-  c->client =
-      std::make_unique<rpc::RolloutServiceClient>(bounded_binary_protocol(c->transport, limits));
-  c->transport->open();
+  BoundedClientSocket link = open_bounded_client(
+      host_, port_,
+      static_cast<int>(std::min<int64_t>(options_.connect_timeout_ms, std::max(timeout_ms, 1l))),
+      ms, limits);
+  auto c = std::make_unique<Connection>();
+  c->socket = std::move(link.socket);
+  c->transport = std::move(link.transport);
+  c->client = std::make_unique<rpc::RolloutServiceClient>(std::move(link.protocol));
   return c;
 }
 

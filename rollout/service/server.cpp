@@ -263,16 +263,16 @@ struct RolloutServer::Impl {
     };
     publish();
     for (;;) {
-      std::deque<std::function<void()>> todo;
+      std::deque<std::function<void()>> pending;
       {
         std::unique_lock lock(mutex);
         wake.wait_for(lock, std::chrono::seconds(1), [&] {
           return stopping || !tasks.empty() || (!(user_paused || updating) && engine->has_work());
         });
         if (stopping) break;
-        todo.swap(tasks);
+        pending.swap(tasks);
       }
-      for (auto& task : todo) task();
+      for (auto& task : pending) task();
       try {
         if (!(user_paused || updating) && engine->has_work()) engine->step();
         deliver(engine->poll());
