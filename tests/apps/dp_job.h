@@ -1,5 +1,5 @@
-// The tiny data-parallel job the multi-process job tests share: its TOML, `tandem train` on N
-// ranks through `tandem launch`, and the step lines of its metrics.jsonl.
+// The tiny job the multi-process job tests share (data-parallel, disaggregated): its TOML, `tandem
+// train` on N ranks through `tandem launch`, and the step lines of its metrics.jsonl.
 #pragma once
 
 #include <fmt/format.h>
@@ -28,8 +28,11 @@ inline std::vector<nlohmann::json> step_lines(const std::filesystem::path& metri
   return out;
 }
 
-// A tiny random model's 3-step job: 4 prompts x 4 samples a step, 2 minibatches, a regex reward.
-inline std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
+// A tiny random model's 3-step job: 4 prompts x 4 samples a step, a regex reward. `trainer_keys`
+// go into [trainer]; `tables` (whole TOML tables) come last.
+inline std::string write_tiny_job(const tandem::test::TempDir& tmp, const std::string& model,
+                                  const std::string& trainer_keys = "",
+                                  const std::string& tables = "") {
   return tmp.write("job.toml", R"(
 [model]
 path = ")" + model + R"("
@@ -44,7 +47,7 @@ num_blocks = 64
 [trainer]
 steps = 3
 lr = 1e-3
-minibatches = 2
+)" + trainer_keys + R"(
 [[rewards]]
 name = "has_e"
 function = "regex_format"
@@ -53,11 +56,14 @@ pattern = '.*e.*'
 every = 0
 [eval]
 every = 0
-[logging]
-samples_every = 1
-[distributed]
-timeout_s = 30
-)");
+)" + tables);
+}
+
+// The data-parallel tests' job: that one with 2 minibatches, a sample line every step and a
+// 30 s bound on every collective.
+inline std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
+  return write_tiny_job(tmp, model, "minibatches = 2\n",
+                        "[logging]\nsamples_every = 1\n[distributed]\ntimeout_s = 30\n");
 }
 
 // `tandem train` of the job on `ranks` processes (1: without a launcher) into tmp/<name>.

@@ -19,6 +19,7 @@
 
 #include "model/hf.h"
 #include "model/weights.h"
+#include "tests/apps/dp_job.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
@@ -26,42 +27,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<nlohmann::json> step_lines(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(std::move(j));
-  }
-  return out;
-}
+using tandem::test::dp_job::step_lines;
 
+// The shared tiny job as it is, on one rank.
 std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
-  return tmp.write("job.toml", R"(
-[model]
-path = ")" + model + R"("
-[data]
-synthetic_size = 64
-max_prompt_tokens = 96
-[rollout]
-prompts_per_step = 4
-n = 4
-max_new_tokens = 8
-num_blocks = 64
-[trainer]
-steps = 3
-lr = 1e-3
-[[rewards]]
-name = "has_e"
-function = "regex_format"
-pattern = '.*e.*'
-[checkpoint]
-every = 0
-[eval]
-every = 0
-)");
+  return tandem::test::dp_job::write_tiny_job(tmp, model);
 }
 
 // `tandem serve` of `model` (its weights in `dtype`) on a free loopback port; its port.
