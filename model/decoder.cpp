@@ -1,15 +1,18 @@
-// Decoder: the layer functions (forward, backward) shared by training and inference, the head,
-// the activation plan, and the entry points that run them.
+// Decoder: the activation plan and the entry points (training forward and backward, prefill,
+// decode) that run the layers of model/decoder_layer.cpp over it.
 #include "model/decoder.h"
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/decoder_internal.h"
 
 namespace tandem::model {
+
+using namespace detail;
+
 namespace {
 
 // Hands out tensors from an arena, or (without one) only counts the bytes they would take, so
@@ -27,27 +30,6 @@ class Planner {
  private:
   Arena* arena_;
   size_t bytes_ = 0;
-};
-
-// One layer's activations: everything its backward reads.
-struct LayerActs {
-  Tensor x1, rstd1;         // (T, C), (T): input rmsnorm
-  Tensor q_raw, k_raw;      // (T, H D), (T, Hkv D): projections before the q/k norm (qk_norm only)
-  Tensor rstd_q, rstd_k;    // (T H), (T Hkv): q/k norm (qk_norm only)
-  Tensor q, k, v;           // (T, H, D), (T, Hkv, D), (T, Hkv, D): attention inputs (q, k roped)
-  Tensor att, lse;          // (T, H, D), (T, H)
-  Tensor o_out;             // (T, C): att · o^T
-  Tensor h_mid, x2, rstd2;  // (T, C), (T, C), (T): h + o_out and its rmsnorm
-  Tensor gate_up, act;      // (T, 2F), (T, F)
-};
-
-// Gradient scratch of one layer's backward, reused by every layer.
-struct LayerGrads {
-  Tensor dh, dx;          // (T, C): the residual stream's gradient, a normed input's gradient
-  Tensor d_act, d_gu;     // (T, F), (T, 2F)
-  Tensor d_att;           // (T, H D)
-  Tensor dq, dk, dv;      // (T, H, D), (T, Hkv, D), (T, Hkv, D)
-  Tensor dq_raw, dk_raw;  // (T, H D), (T, Hkv D) (qk_norm only)
 };
 
 enum class Mode { training, logits, inference };
@@ -155,185 +137,6 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
   }
 }
 
-// What a layer's attention reads besides its own q, k, v.
-struct AttentionInputs {
-  Tensor positions;                 // (T) i32
-  Tensor cu_seqlens;                // (B + 1) i32: packed causal attention over this call's tokens
-  const KvCacheView* kv = nullptr;  // inference: write this call's K/V into the cache
-  // Defined: paged attention, one query row each, against these block lists (T + 1, ..., T).
-  Tensor indptr, indices, last_len;
-  Tensor ones;    // (T, 1) for the bias adds
-  Tensor prefix;  // (B) i32 or undefined: the packed sequences' shared prefixes
-};
-
-// A layer's projection weights packed for AMX (DecoderOptions::pack_weights).
-struct PackedLayer {
-  ops::PackedWeight q, k, v, o, gate_up, down;
-};
-
-class Net {
- public:
-  Net(const Weights& w, Communicator* tp)
-      : w_(&w), c_(&w.config()), s_{w.device(), nullptr}, tp_(tp) {}
-
-  // Points at new weights of the same shapes (the caller checked them).
-  void set_weights(const Weights& w) {
-    w_ = &w;
-    c_ = &w.config();
-  }
-
-  // Packs every projection and the head, when matmuls run on AMX (the bf16 precision): the first
-  // time into new memory, then (new values of the same shapes) into the same memory again.
-  // Otherwise drops any packed copy, which would be stale.
-  void pack_weights() {
-    if (!w_->device().is_cpu() || !ops::matmul_packs_weights()) {
-      packed_.clear();
-      packed_head_ = ops::PackedWeight();
-      return;
-    }
-    packed_.resize(w_->layers.size());
-    for (size_t l = 0; l < packed_.size(); ++l) {
-      const LayerWeights& w = w_->layers[l];
-      PackedLayer& p = packed_[l];
-      p.q.pack(w.q);
-      p.k.pack(w.k);
-      p.v.pack(w.v);
-      p.o.pack(w.o);
-      p.gate_up.pack(w.gate_up);
-      p.down.pack(w.down);
-    }
-    packed_head_.pack(w_->lm_head);
-  }
-
-  // h_out = layer l (h_in). One code path for training, prefill and decode.
-  void layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tensor& h_out,
-                     const AttentionInputs& in) const {
-    const LayerWeights& w = w_->layers[static_cast<size_t>(l)];
-    const int64_t T = h_in.size(0), H = c_->num_heads, Hkv = c_->num_kv_heads, D = c_->head_dim;
-    const float eps = c_->rms_norm_eps;
-    ops::rmsnorm(h_in, w.input_norm, a.x1, a.rstd1, eps, s_);
-    // Projections: q and k straight into the attention inputs unless a q/k norm comes first.
-    const Tensor q_lin = c_->qk_norm ? a.q_raw : a.q.view({T, H * D});
-    const Tensor k_lin = c_->qk_norm ? a.k_raw : a.k.view({T, Hkv * D});
-    const Tensor v_lin = a.v.view({T, Hkv * D});
-    const PackedLayer* p = packed_.empty() ? nullptr : &packed_[static_cast<size_t>(l)];
-    linear(a.x1, w.q, p ? &p->q : nullptr, q_lin, false);
-    linear(a.x1, w.k, p ? &p->k : nullptr, k_lin, false);
-    linear(a.x1, w.v, p ? &p->v : nullptr, v_lin, false);
-    if (c_->attention_bias) {
-      // y += ones (T, 1) · bias (N, 1)^T: a bias add with the ops at hand, on any device.
-      ops::matmul(in.ones, w.q_bias.view({H * D, 1}), q_lin, true, s_);
-      ops::matmul(in.ones, w.k_bias.view({Hkv * D, 1}), k_lin, true, s_);
-      ops::matmul(in.ones, w.v_bias.view({Hkv * D, 1}), v_lin, true, s_);
-    }
-    if (c_->qk_norm) {
-      ops::rmsnorm(a.q_raw.view({T * H, D}), w.q_norm, a.q.view({T * H, D}), a.rstd_q, eps, s_);
-      ops::rmsnorm(a.k_raw.view({T * Hkv, D}), w.k_norm, a.k.view({T * Hkv, D}), a.rstd_k, eps, s_);
-    }
-    ops::rope(a.q, in.positions, a.q, c_->rope, s_);
-    ops::rope(a.k, in.positions, a.k, c_->rope, s_);
-    if (in.kv != nullptr) {
-      ops::kv_cache_write(a.k, a.v, in.kv->slot_mapping, in.kv->k_cache[static_cast<size_t>(l)],
-                          in.kv->v_cache[static_cast<size_t>(l)], s_);
-    }
-    if (in.indptr.defined()) {
-      ops::paged_attention_decode(a.q, in.kv->k_cache[static_cast<size_t>(l)],
-                                  in.kv->v_cache[static_cast<size_t>(l)], in.indptr, in.indices,
-                                  in.last_len, a.att, scale(), s_);
-    } else {
-      ops::attention(a.q, a.k, a.v, in.cu_seqlens, in.prefix, a.att, a.lse, scale(), s_);
-    }
-    linear(a.att.view({T, H * D}), w.o, p ? &p->o : nullptr, a.o_out, false);
-    if (tp_ != nullptr) tp_->all_reduce(a.o_out);  // the TP group's heads: (T, C) f32 summed
-    ops::add_rmsnorm(h_in, a.o_out, w.post_norm, a.h_mid, a.x2, a.rstd2, eps, s_);
-    linear(a.x2, w.gate_up, p ? &p->gate_up : nullptr, a.gate_up, false);
-    ops::swiglu(a.gate_up, a.act, s_);
-    if (tp_ == nullptr) {
-      Tensor(h_out).copy_from(a.h_mid);
-      linear(a.act, w.down, p ? &p->down : nullptr, h_out, true);
-      return;
-    }
-    // The group's MLP columns summed into o_out (free again), then h_out = h_mid + it; the norm
-    // add_rmsnorm also computes (into x2, read by nobody now: inference only) is not used.
-    linear(a.act, w.down, p ? &p->down : nullptr, a.o_out, false);
-    tp_->all_reduce(a.o_out);  // (T, C) f32
-    ops::add_rmsnorm(a.h_mid, a.o_out, w.post_norm, h_out, a.x2, a.rstd2, eps, s_);
-  }
-
-  // On entry g.dh = dL/dh_out; on exit g.dh = dL/dh_in. Parameter gradients accumulate into gw.
-  void layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in, const AttentionInputs& in,
-                      LayerGrads& g, const LayerWeights& gw) const {
-    const LayerWeights& w = w_->layers[static_cast<size_t>(l)];
-    const int64_t T = h_in.size(0), H = c_->num_heads, Hkv = c_->num_kv_heads, D = c_->head_dim;
-    // MLP branch.
-    ops::matmul_backward_input(g.dh, w.down, g.d_act, false, s_);
-    ops::matmul_backward_weight(g.dh, a.act, gw.down, true, s_);
-    ops::swiglu_backward(g.d_act, a.gate_up, g.d_gu, s_);
-    ops::matmul_backward_input(g.d_gu, w.gate_up, g.dx, false, s_);
-    ops::matmul_backward_weight(g.d_gu, a.x2, gw.gate_up, true, s_);
-    ops::rmsnorm_backward(g.dx, a.h_mid, w.post_norm, a.rstd2, g.dh, gw.post_norm, true, true, s_);
-    // Attention branch (g.dh is now dL/dh_mid).
-    ops::matmul_backward_input(g.dh, w.o, g.d_att, false, s_);
-    ops::matmul_backward_weight(g.dh, a.att.view({T, H * D}), gw.o, true, s_);
-    ops::attention_backward(g.d_att.view({T, H, D}), a.q, a.k, a.v, a.att, a.lse, in.cu_seqlens,
-                            in.prefix, g.dq, g.dk, g.dv, scale(), s_);
-    ops::rope_backward(g.dq, in.positions, g.dq, c_->rope, s_);
-    ops::rope_backward(g.dk, in.positions, g.dk, c_->rope, s_);
-    Tensor dq_lin = g.dq.view({T, H * D}), dk_lin = g.dk.view({T, Hkv * D});
-    const Tensor dv_lin = g.dv.view({T, Hkv * D});
-    if (c_->qk_norm) {
-      ops::rmsnorm_backward(g.dq.view({T * H, D}), a.q_raw.view({T * H, D}), w.q_norm, a.rstd_q,
-                            g.dq_raw.view({T * H, D}), gw.q_norm, false, true, s_);
-      ops::rmsnorm_backward(g.dk.view({T * Hkv, D}), a.k_raw.view({T * Hkv, D}), w.k_norm, a.rstd_k,
-                            g.dk_raw.view({T * Hkv, D}), gw.k_norm, false, true, s_);
-      dq_lin = g.dq_raw;
-      dk_lin = g.dk_raw;
-    }
-    if (c_->attention_bias) {
-      // dbias (N, 1) += dy^T · ones: the column sums of dy.
-      ops::matmul_backward_weight(dq_lin, in.ones, gw.q_bias.view({H * D, 1}), true, s_);
-      ops::matmul_backward_weight(dk_lin, in.ones, gw.k_bias.view({Hkv * D, 1}), true, s_);
-      ops::matmul_backward_weight(dv_lin, in.ones, gw.v_bias.view({Hkv * D, 1}), true, s_);
-    }
-    ops::matmul_backward_weight(dq_lin, a.x1, gw.q, true, s_);
-    ops::matmul_backward_weight(dk_lin, a.x1, gw.k, true, s_);
-    ops::matmul_backward_weight(dv_lin, a.x1, gw.v, true, s_);
-    ops::matmul_backward_input(dq_lin, w.q, g.dx, false, s_);
-    ops::matmul_backward_input(dk_lin, w.k, g.dx, true, s_);
-    ops::matmul_backward_input(dv_lin, w.v, g.dx, true, s_);
-    ops::rmsnorm_backward(g.dx, h_in, w.input_norm, a.rstd1, g.dh, gw.input_norm, true, true, s_);
-  }
-
-  // xf = final rmsnorm(h), logits = xf · lm_head^T. Row-wise, so B gathered rows give the same
-  // bits as the same rows of a packed batch.
-  void head(const Tensor& h, const Tensor& xf, const Tensor& rstdf, const Tensor& logits) const {
-    ops::rmsnorm(h, w_->final_norm, xf, rstdf, c_->rms_norm_eps, s_);
-    linear(xf, w_->lm_head, packed_head_.empty() ? nullptr : &packed_head_, logits, false);
-  }
-
-  float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_->head_dim)); }
-  const Stream& stream() const { return s_; }
-  Communicator* tp() const { return tp_; }
-
- private:
-  // y [+]= x · w^T, from w's packed copy when there is one and matmuls still run on AMX (the
-  // same bits either way).
-  void linear(const Tensor& x, const Tensor& w, const ops::PackedWeight* packed, const Tensor& y,
-              bool accumulate) const {
-    if (packed != nullptr && ops::matmul_packs_weights())
-      ops::matmul(x, *packed, y, accumulate);
-    else
-      ops::matmul(x, w, y, accumulate, s_);
-  }
-
-  const Weights* w_;
-  const ModelConfig* c_;
-  Stream s_;
-  std::vector<PackedLayer> packed_;  // empty: not packed
-  ops::PackedWeight packed_head_;
-  Communicator* tp_;  // the tensor-parallel group, or null
-};
-
 void upload(Tensor dst, std::span<const int32_t> src) {
   dst.copy_from(Tensor::wrap(const_cast<int32_t*>(src.data()), dst.shape(), DType::i32));
 }
@@ -421,86 +224,6 @@ Tensor upload_prefix(Tensor buf, const PackedBatch& batch) {
 }
 
 }  // namespace
-
-PackedBatch PackedBatch::from_sequences(std::span<const std::vector<int32_t>> sequences) {
-  TANDEM_CHECK(!sequences.empty(), "packed batch: no sequences");
-  PackedBatch b;
-  b.cu_seqlens.push_back(0);
-  for (size_t s = 0; s < sequences.size(); ++s) {
-    const std::vector<int32_t>& seq = sequences[s];
-    TANDEM_CHECK(seq.size() >= 2,
-                 "packed batch: sequence {} has {} tokens; a sequence needs at least 2 (an input "
-                 "and the target it predicts)",
-                 s, seq.size());
-    for (size_t j = 0; j + 1 < seq.size(); ++j) {
-      b.tokens.push_back(seq[j]);
-      b.positions.push_back(static_cast<int32_t>(j));
-      b.targets.push_back(seq[j + 1]);
-    }
-    b.cu_seqlens.push_back(static_cast<int32_t>(b.tokens.size()));
-  }
-  return b;
-}
-
-PackedBatch PackedBatch::from_prompts(std::span<const PromptCompletion> pairs, bool share_prompts) {
-  TANDEM_CHECK(!pairs.empty(), "packed batch: no prompt + completion pairs");
-  PackedBatch b;
-  b.cu_seqlens.push_back(0);
-  // Appends tokens[i] for i in [from, to) as inputs at positions pos0 + ..., each predicting the
-  // next token of seq (seq[i + 1]); completion rows go to head_rows.
-  auto append = [&](std::span<const int32_t> seq, size_t from, size_t to, int32_t pos0,
-                    size_t first_head) {
-    for (size_t i = from; i < to; ++i) {
-      if (i >= first_head) b.head_rows.push_back(static_cast<int32_t>(b.tokens.size()));
-      b.tokens.push_back(seq[i]);
-      b.positions.push_back(pos0 + static_cast<int32_t>(i - from));
-      b.targets.push_back(seq[i + 1]);
-    }
-    b.cu_seqlens.push_back(static_cast<int32_t>(b.tokens.size()));
-  };
-  for (size_t j = 0; j < pairs.size(); ++j)
-    TANDEM_CHECK(!pairs[j].prompt.empty() && !pairs[j].completion.empty(),
-                 "packed batch: pair {} has a prompt of {} and a completion of {} tokens; each "
-                 "needs at least 1",
-                 j, pairs[j].prompt.size(), pairs[j].completion.size());
-  std::vector<int32_t> seq;
-  for (size_t i = 0; i < pairs.size();) {
-    const std::span<const int32_t> prompt = pairs[i].prompt;
-    size_t run = 1;
-    while (i + run < pairs.size() && std::ranges::equal(pairs[i + run].prompt, prompt)) ++run;
-    const size_t np = prompt.size();
-    if (!share_prompts || run < 2 || np < 2) run = 1;
-    if (run >= 2) {
-      // The prompt's first np - 1 tokens once; the pairs prefixed by it.
-      const int32_t prefix = static_cast<int32_t>(b.cu_seqlens.size()) - 1;
-      append(prompt, 0, np - 1, 0, np);
-      b.prefix.resize(static_cast<size_t>(prefix), -1);
-      b.prefix.push_back(-1);
-      for (size_t j = i; j < i + run; ++j) {
-        seq.assign(1, prompt[np - 1]);
-        seq.insert(seq.end(), pairs[j].completion.begin(), pairs[j].completion.end());
-        append(seq, 0, seq.size() - 1, static_cast<int32_t>(np - 1), 0);
-        b.prefix.push_back(prefix);
-      }
-    } else {
-      seq.assign(prompt.begin(), prompt.end());
-      seq.insert(seq.end(), pairs[i].completion.begin(), pairs[i].completion.end());
-      append(seq, 0, seq.size() - 1, 0, np - 1);
-    }
-    i += run;
-  }
-  if (!b.prefix.empty()) b.prefix.resize(static_cast<size_t>(b.num_sequences()), -1);
-  return b;
-}
-
-int64_t PackedBatch::rows_added(const PromptCompletion& pair, const PromptCompletion* previous,
-                                bool share_prompts) {
-  // A shared prompt of n tokens costs its first pair n - 1 + completion rows, as the whole pair
-  // does; each further pair its completion's. A one-token prompt is not shared, at the same cost.
-  if (share_prompts && previous != nullptr && std::ranges::equal(pair.prompt, previous->prompt))
-    return static_cast<int64_t>(pair.completion.size());
-  return static_cast<int64_t>(pair.prompt.size() + pair.completion.size()) - 1;
-}
 
 struct Decoder::Impl {
   Impl(const Weights& w, const DecoderOptions& o) : net(w, o.tp_group), options(o) {}
