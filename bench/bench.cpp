@@ -155,7 +155,7 @@ void Runner::emit(const Measurement& m) {
   j["case"] = fmt::format("{} {}", m.op, m.case_name);
   j["op"] = m.op;
   j["device"] = opt_.device.str();
-  if (opt_.device.is_cpu()) j["cpu"] = cpu_model();
+  add_machine(opt_, j);
   j["metric"] = compute ? "gflops" : (m.bytes > 0 ? "gbytes_per_s" : "time");
   j["unit"] = compute ? "GFLOP/s" : (m.bytes > 0 ? "GB/s" : "ms");
   j["value"] = value;
@@ -218,14 +218,31 @@ std::string Options::precision_suffix() const {
 std::string cpu_model() {
   static const std::string model = [] {
     std::ifstream in("/proc/cpuinfo");
-    for (std::string line; std::getline(in, line);)
-      if (line.rfind("model name", 0) == 0) {
-        const size_t colon = line.find(':');
-        if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
-      }
-    return std::string("unknown");
+    std::string name = "unknown", family, number;
+    const auto value = [](const std::string& line) {
+      const size_t colon = line.find(':');
+      return colon != std::string::npos && colon + 2 <= line.size() ? line.substr(colon + 2)
+                                                                    : std::string();
+    };
+    for (std::string line; std::getline(in, line) && line != "";) {
+      if (line.rfind("model name", 0) == 0) name = value(line);
+      if (line.rfind("cpu family", 0) == 0) family = value(line);
+      if (line.rfind("model\t", 0) == 0) number = value(line);
+    }
+    return family.empty() ? name : fmt::format("{} (family {} model {})", name, family, number);
   }();
   return model;
+}
+
+std::string cpu_isa() {
+  return fmt::format("f32 {}, bf16 {}", ops::matmul_f32_path_name(),
+                     ops::matmul_bf16_path_name(ops::matmul_bf16_path()));
+}
+
+void add_machine(const Options& opt, nlohmann::ordered_json& j) {
+  if (!opt.device.is_cpu()) return;
+  j["cpu"] = cpu_model();
+  j["isa"] = cpu_isa();
 }
 
 std::string bf16_compute_name() {

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/device.h"
 
 namespace tandem::bench {
@@ -43,8 +45,14 @@ struct Options {
 // "bf16 compute amx", "bf16 compute avx512bf16" or "bf16 compute f32-kernel": the bf16 precision
 // with the hardware its CPU products take now (ops::matmul_bf16_path).
 std::string bf16_compute_name();
-// The CPU's model name as Linux reports it (/proc/cpuinfo), for the "cpu" field of rows.
+// The CPU's model name as Linux reports it, with its family and model numbers (/proc/cpuinfo:
+// "Intel(R) Xeon(R) Processor (family 6 model 207)"), for the "cpu" field of rows.
 std::string cpu_model();
+// The ISA paths the CPU matmuls take in this process: "f32 avx512, bf16 amx" (see
+// ops::matmul_f32_path_name, ops::matmul_bf16_path_name), for the "isa" field of rows.
+std::string cpu_isa();
+// Adds "cpu" and "isa" to a row measured on the CPU (every bench's rows carry them).
+void add_machine(const Options& opt, nlohmann::ordered_json& j);
 
 // One measured case: median seconds of `run` over repetitions.
 struct Measurement {

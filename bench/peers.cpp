@@ -65,7 +65,9 @@ std::string precision_gguf(const std::string& gguf, DType dtype) {
   return out.string();
 }
 
-void print_line(const Options& opt, const nlohmann::ordered_json& j) {
+void print_line(const Options& opt, const nlohmann::ordered_json& row) {
+  nlohmann::ordered_json j = row;
+  if (!j.contains("error")) add_machine(opt, j);
   if (opt.json) {
     std::printf("%s\n", j.dump().c_str());
   } else if (j.contains("error")) {

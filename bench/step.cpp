@@ -191,7 +191,6 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
     const std::string case_name = fmt::format("{} {} GRPO B={} x G={}, <= {} new tokens",
                                               model_name, precision, B, G, new_tokens);
     nlohmann::ordered_json j{{"bench", "step"},
-                             {"cpu", cpu_model()},
                              {"case", case_name},
                              {"metric", "seconds_per_step"},
                              {"unit", "s"},

@@ -141,9 +141,9 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
     phase_flops["attention backward"] = 2.5 * attention_flops;
 
     nlohmann::ordered_json j{
-        {"bench", "train"},         {"case", case_name}, {"metric", "train_tokens_per_s"},
-        {"unit", "tokens/s"},       {"value", value},    {"step_ms", 1e3 * step_s},
-        {"threads", num_threads()}, {"cpu", cpu_model()}};
+        {"bench", "train"},        {"case", case_name}, {"metric", "train_tokens_per_s"},
+        {"unit", "tokens/s"},      {"value", value},    {"step_ms", 1e3 * step_s},
+        {"threads", num_threads()}};
     const nlohmann::json peer = run_peer_script(
         "torch_train.py",
         fmt::format("--config '{}' --batch {} --len {} --threads {} --steps {}{}", cfg.dump(), B, L,

@@ -89,6 +89,9 @@ enum class MatmulBf16Path { amx, avx512_bf16, f32_kernel };
 MatmulBf16Path matmul_bf16_path();
 // "amx", "avx512bf16" or "f32-kernel": the path's name in bench cases and logs.
 const char* matmul_bf16_path_name(MatmulBf16Path path);
+// The f32 CPU kernel the matmuls take now: "avx512", or "portable" (no AVX-512, or forced by
+// TANDEM_CPU_MATMUL_KERNEL=portable).
+const char* matmul_f32_path_name();
 // Whether CPU matmuls use packed weights now (the bf16 precision on AMX or AVX512-BF16): then a
 // weight can be packed once (PackedWeight) instead of on every call.
 bool matmul_packs_weights();

@@ -534,6 +534,7 @@ const char* matmul_bf16_path_name(MatmulBf16Path path) {
   }
   return "f32-kernel";
 }
+const char* matmul_f32_path_name() { return cpu::use_avx512() ? "avx512" : "portable"; }
 bool matmul_packs_weights() {
   return cpu::g_precision == MatmulPrecision::bf16 &&
          cpu::bf16_path() != MatmulBf16Path::f32_kernel;

@@ -60,6 +60,9 @@ TEST_CASE("tandem bench kernels --json prints one valid measurement per line", "
     for (const char* key : {"bench", "case", "metric", "unit", "value"}) CHECK(j.contains(key));
     if (j["metric"] == "ceilings") continue;
     ++measurements;
+    // Every row names the machine: the CPU model and the ISA paths the matmuls took.
+    CHECK(j["cpu"].get<std::string>().find("family") != std::string::npos);
+    CHECK(j["isa"].get<std::string>().starts_with("f32 "));
     CHECK(j["value"].get<double>() > 0);
     CHECK(j.contains("fraction_of_limit"));
   }
@@ -71,6 +74,7 @@ TEST_CASE("tandem bench step --quick --json times each phase of real GRPO steps"
   const nlohmann::json& step = rows[0];
   CHECK(step["bench"] == "step");
   CHECK(step["metric"] == "seconds_per_step");
+  for (const auto& row : rows) CHECK(row["isa"].get<std::string>().starts_with("f32 "));
   const double seconds = step["value"].get<double>();
   CHECK(seconds > 0);
   // 2 prompts x 2 samples of at most 8 new tokens, one measured step.
@@ -103,6 +107,7 @@ TEST_CASE("tandem bench train --quick --json breaks the step into phases", "[e2e
   const auto rows = bench_rows_without_peer("bench train --quick --json --filter f32");
   const nlohmann::json& row = rows[0];
   CHECK(row["metric"] == "train_tokens_per_s");
+  for (const auto& r : rows) CHECK(r.contains("cpu"));
   const double step_s = row["step_ms"].get<double>() / 1e3;
   double sum = 0;
   for (const auto& [name, seconds] : row["phases"].items()) sum += seconds.get<double>();
