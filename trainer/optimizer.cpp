@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/clones.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 
 namespace tandem::trainer {
@@ -164,6 +165,7 @@ float AdamW::grad_norm(const model::Weights& grads) {
   tensors.reserve(grads.storage().size());
   for (const model::NamedTensor& s : grads.storage()) tensors.push_back(s.tensor);
   if (!grads.device().is_cpu()) return ops::global_norm(tensors);
+  const ops::detail::OpTimer timer("global_norm");  // bench train's "gradient norm" phase
   std::vector<int64_t> starts;
   int64_t total = 0;
   for (const Tensor& t : tensors) {
