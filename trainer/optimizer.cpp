@@ -9,6 +9,9 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/cpu/clones.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 
 namespace tandem::trainer {
@@ -57,6 +60,49 @@ ops::AdamWParams update_params(const AdamWConfig& config, const AdamWCounters& c
 
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// The global norm on the CPU, AdamW's and ShardedAdamW's alike: the gradients flattened in storage
+// order, cut into blocks of kNormBlock; a block's sum of squares in f64 (block_squares), the
+// blocks' sums added in block order, the square root rounded to f32. A rank holds whole blocks,
+// so the norm of the same gradients has the same bits on any number of ranks.
+constexpr int64_t kNormBlock = ShardedAdamW::kNormBlock;
+
+// Lane j sums the squares of x[i], i = j (mod 16), in increasing i; the lanes then combine in
+// the fixed tree (8, 4, 2, 1).
+TANDEM_CPU_CLONES double block_squares(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  double lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const double v = x[i + j];
+      lane[j] = lane[j] + v * v;
+    }
+  for (int j = 0; i + j < n; ++j) {
+    const double v = x[i + j];
+    lane[j] = lane[j] + v * v;
+  }
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] = lane[j] + lane[j + w];
+  return lane[0];
+}
+
+// The sums of the blocks of x[0, n), one per block of `blocks` (those past n are 0).
+std::vector<double> block_sums(const float* x, int64_t n, int64_t blocks) {
+  std::vector<double> sums(static_cast<size_t>(blocks), 0.0);
+  parallel_for(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1 && b * kNormBlock < n; ++b)
+      sums[static_cast<size_t>(b)] =
+          block_squares(x + b * kNormBlock, std::min(kNormBlock, n - b * kNormBlock));
+  });
+  return sums;
+}
+
+float norm_of_sums(std::span<const double> sums) {
+  double total = 0;
+  for (const double s : sums) total += s;
+  return static_cast<float>(std::sqrt(total));
 }
 
 // ops::adamw works on flat (N) tensors.
@@ -118,7 +164,38 @@ float AdamW::grad_norm(const model::Weights& grads) {
   std::vector<Tensor> tensors;
   tensors.reserve(grads.storage().size());
   for (const model::NamedTensor& s : grads.storage()) tensors.push_back(s.tensor);
-  return ops::global_norm(tensors);
+  if (!grads.device().is_cpu()) return ops::global_norm(tensors);
+  const ops::detail::OpTimer timer("global_norm");  // bench train's "gradient norm" phase
+  std::vector<int64_t> starts;
+  int64_t total = 0;
+  for (const Tensor& t : tensors) {
+    starts.push_back(total);
+    total += t.numel();
+  }
+  const int64_t blocks = (total + kNormBlock - 1) / kNormBlock;
+  std::vector<double> sums(static_cast<size_t>(blocks));
+  parallel_for(blocks, [&](int64_t b0, int64_t b1) {
+    std::vector<float> joined;  // a block that crosses tensors, copied whole
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kNormBlock, hi = std::min(total, lo + kNormBlock);
+      auto t = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) -
+                                   starts.begin() - 1);
+      while (starts[t] + tensors[t].numel() <= lo) ++t;  // past empty tensors
+      const float* x = tensors[t].data_as<float>() + (lo - starts[t]);
+      if (hi > starts[t] + tensors[t].numel()) {
+        joined.resize(static_cast<size_t>(kNormBlock));
+        for (int64_t at = lo; at < hi; ++t) {
+          const int64_t end = std::min(hi, starts[t] + tensors[t].numel());
+          std::copy(tensors[t].data_as<float>() + (at - starts[t]),
+                    tensors[t].data_as<float>() + (end - starts[t]), joined.data() + (at - lo));
+          at = end;
+        }
+        x = joined.data();
+      }
+      sums[static_cast<size_t>(b)] = block_squares(x, hi - lo);
+    }
+  });
+  return norm_of_sums(sums);
 }
 
 StepResult AdamW::step(const model::Weights& grads, float lr, model::Weights* param_copy) {
@@ -223,16 +300,15 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
       std::copy(stage, stage + len, grad + k);
   }
 
-  // The global norm: each rank's sum of squares, summed in rank order on every rank.
-  double squares = 0;
-  for (int64_t i = 0; i < end_ - begin_; ++i)
-    squares += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
-  double total = 0;
-  if (comm_ == nullptr)
-    total = squares;
-  else
-    for (const double s : gather_doubles(*comm_, std::span<const double>(&squares, 1))) total += s;
-  return update(static_cast<float>(std::sqrt(total)), lr);
+  return update(global_norm(true), lr);
+}
+
+float ShardedAdamW::global_norm(bool finite) const {
+  std::vector<double> sums = block_sums(grad_.data_as<float>(), end_ - begin_, shard_ / kNormBlock);
+  if (!finite) std::fill(sums.begin(), sums.end(), std::numeric_limits<double>::quiet_NaN());
+  std::vector<double> all = comm_ != nullptr ? gather_doubles(*comm_, sums) : sums;
+  all.resize(static_cast<size_t>((total_ + kNormBlock - 1) / kNormBlock));  // the blocks of P
+  return norm_of_sums(all);
 }
 
 StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
@@ -263,19 +339,7 @@ StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
       grad[k + i] = static_cast<float>(std::ldexp(static_cast<double>(summed[i]), -kFixedBits));
     }
   }
-  // Partial sums of squares of whole blocks, in block order on every rank.
-  std::vector<double> partial;
-  for (int64_t b = 0; b < shard_; b += kNormBlock) {
-    double s = 0;
-    for (int64_t i = b; i < std::min(b + kNormBlock, end_ - begin_); ++i)
-      s += static_cast<double>(grad[i]) * static_cast<double>(grad[i]);
-    partial.push_back(finite ? s : std::numeric_limits<double>::quiet_NaN());
-  }
-  double total = 0;
-  const std::vector<double> all = comm_ != nullptr ? gather_doubles(*comm_, partial) : partial;
-  const auto blocks = static_cast<size_t>((total_ + kNormBlock - 1) / kNormBlock);
-  for (size_t b = 0; b < all.size(); ++b) total += b < blocks || std::isnan(all[b]) ? all[b] : 0;
-  return update(static_cast<float>(std::sqrt(total)), lr);
+  return update(global_norm(finite), lr);
 }
 
 StepResult ShardedAdamW::update(float norm, float lr) {

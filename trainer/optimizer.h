@@ -61,7 +61,10 @@ class AdamW {
   // max_consecutive_skips-th skip in a row throws tandem::Error.
   StepResult step(const model::Weights& grads, float lr, model::Weights* param_copy = nullptr);
 
-  // sqrt of the sum of squares over every storage tensor of grads (ops::global_norm).
+  // sqrt of the sum of squares over every storage tensor of grads. On the CPU in blocks of
+  // ShardedAdamW::kNormBlock of the flattened gradients, as ShardedAdamW sums it, so that the
+  // same gradients have the same norm bitwise on one rank and on several; elsewhere
+  // ops::global_norm.
   static float grad_norm(const model::Weights& grads);
   // Whether the storage tensor of this name gets weight decay under this config.
   static bool decays(const AdamWConfig& config, std::string_view storage_name);
@@ -96,17 +99,18 @@ inline constexpr int64_t kFixedInvalid = INT64_MIN;
 
 // AdamW sharded over the ranks of `comm` (ZeRO-1/2). The parameters' elements in storage order
 // (each storage tensor flattened, one after the other: P in all) are split into even ranges,
-// rank r owning [r S, min((r + 1) S, P)) with S = ceil(P / N): the f32 moments of that range
-// only, and the gradients summed over the ranks into it (reduce-scatter). The update of the range
-// follows (weight decay decided per storage tensor, a range may cross tensors), then every
-// rank's range is all-gathered into every rank's full parameters. Clipping and the non-finite
-// skip use the global norm, the same on every rank. Collectives go through a staging buffer of
-// N * kStageElements floats.
+// rank r owning [r S, min((r + 1) S, P)) with S = ceil(P / (N B)) B, B = kNormBlock: the f32
+// moments of that range only, and the gradients summed over the ranks into it (reduce-scatter). The
+// update of the range follows (weight decay decided per storage tensor, a range may cross tensors),
+// then every rank's range is all-gathered into every rank's full parameters. Clipping and the
+// non-finite skip use the global norm, the same on every rank (and AdamW's on the same gradients,
+// bitwise: it is summed in blocks of B). Collectives go through a staging buffer of N *
+// kStageElements floats.
 class ShardedAdamW {
  public:
   static constexpr int64_t kStageElements = int64_t{1} << 20;
   static constexpr int kFixedBits = 40;        // step_fixed: gradients in units of 2^-40
-  static constexpr int64_t kNormBlock = 4096;  // step_fixed: elements per partial norm
+  static constexpr int64_t kNormBlock = 4096;  // elements per partial sum of the global norm
   // comm: null for one rank (the deterministic update's optimizer on one rank).
   ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config = {});
   ShardedAdamW(const ShardedAdamW&) = delete;
@@ -144,6 +148,11 @@ class ShardedAdamW {
   void for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const;
 
   // The update of the range from grad_ under the global norm, then the ranges all-gathered.
+  // The global norm of the summed gradients (this rank's range in grad_): the f64 sums of squares
+  // of every rank's blocks of kNormBlock, gathered and added in block order (NaN when this rank
+  // saw a non-finite value: not `finite`), the same bits as AdamW::grad_norm of those gradients.
+  // Collective.
+  float global_norm(bool finite) const;
   StepResult update(float norm, float lr);
 
   model::Weights& params_;

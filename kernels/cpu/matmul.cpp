@@ -86,19 +86,18 @@ MatmulKernel kernel() {
 
 bool use_avx512() { return kernel() != MatmulKernel::portable && cpu_has_avx512(); }
 
-// The f32 backward products: unset or TANDEM_CPU_MATMUL_BACKWARD=transpose, the forward's
-// dot-product kernel on transposed operands; "outer", the outer-product kernel
-// (matmul_backward.cpp), opt-in until a data-parallel job on it ends with the weights of one
-// rank bitwise again (docs/kernels-matmul.md).
+// The f32 backward products: unset or TANDEM_CPU_MATMUL_BACKWARD=outer, the outer-product
+// kernel (matmul_backward.cpp); "transpose", the forward's dot-product kernel on transposed
+// operands (the earlier path, docs/kernels-matmul.md).
 bool backward_by_transposes() {
   static const bool transposes = [] {
     const char* v = std::getenv("TANDEM_CPU_MATMUL_BACKWARD");
     const std::string_view name = v != nullptr ? v : "";
-    if (name.empty() || name == "transpose") return true;
-    if (name == "outer") return false;
+    if (name.empty() || name == "outer") return false;
+    if (name == "transpose") return true;
     TANDEM_FAIL(
-        "TANDEM_CPU_MATMUL_BACKWARD='{}' names no backward matmul: set it to transpose (the "
-        "default) or outer, or unset it",
+        "TANDEM_CPU_MATMUL_BACKWARD='{}' names no backward matmul: set it to outer (the default) "
+        "or transpose, or unset it",
         name);
   }();
   return transposes;

@@ -216,8 +216,9 @@ TEST_CASE("matmul backward products are bitwise the same with 1 and 2 threads", 
   }
 }
 
-// The outer-product kernel of the f32 backward products (TANDEM_CPU_MATMUL_BACKWARD=outer):
-// dx = dy · w and dw = dyᵀ · x through ops::cpu::detail::outer_product as matmul.cpp calls it.
+// The outer-product kernel of the f32 backward products (the default; not
+// TANDEM_CPU_MATMUL_BACKWARD=transpose): dx = dy · w and dw = dyᵀ · x through
+// ops::cpu::detail::outer_product as matmul.cpp calls it.
 void outer_dx(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate, bool avx512) {
   const int64_t M = dy.size(0), N = dy.size(1), K = w.size(1);
   ops::cpu::detail::outer_product({dy.data(), false, N, 1}, {w.data(), false, K},

@@ -146,4 +146,53 @@ TEST_CASE("ShardedAdamW step_fixed gives the same weights bitwise on 1 2 and 3 r
   }
 }
 
+TEST_CASE("ShardedAdamW with one rank's gradients takes AdamW's steps bitwise", "[unit]") {
+  // What a data-parallel job whose minibatches each lie on one rank sums: that rank's gradients
+  // plus zeros. The global norm (and so the clipping) must be AdamW's to the bit.
+  const model::ModelConfig c = test::micro_model_config(true);
+  AdamWConfig cfg;
+  cfg.max_grad_norm = 0.5f;
+  std::vector<std::unique_ptr<Weights>> grads;
+  for (uint64_t seed : {200, 300, 400}) {
+    grads.push_back(std::make_unique<Weights>(c, DType::f32));
+    fill_random(*grads.back(), seed);
+  }
+  Weights one(c, DType::f32);
+  fill_random(one, 1);
+  std::vector<float> norms;
+  {
+    AdamW adamw(one, cfg);
+    for (const auto& g : grads) norms.push_back(adamw.step(*g, 1e-2f).grad_norm);
+  }
+  for (const int world : {2, 3}) {
+    INFO("world " << world);
+    const test::TempDir tmp("sharded-one-rank");
+    Weights zeros(c, DType::f32);
+    zeros.zero();
+    std::vector<std::unique_ptr<Weights>> params;
+    for (int r = 0; r < world; ++r) {
+      params.push_back(std::make_unique<Weights>(c, DType::f32));
+      fill_random(*params.back(), 1);
+    }
+    std::vector<std::vector<float>> seen(static_cast<size_t>(world));
+    on_ranks(world, tmp.file("store"), [&](int r, Communicator& comm) {
+      ShardedAdamW sharded(*params[static_cast<size_t>(r)], &comm, cfg);
+      // Step k's gradients on rank k mod world.
+      for (size_t k = 0; k < grads.size(); ++k) {
+        const bool holds = static_cast<int>(k) % world == r;
+        seen[static_cast<size_t>(r)].push_back(
+            sharded.step(holds ? *grads[k] : zeros, 1e-2f).grad_norm);
+      }
+    });
+    for (int r = 0; r < world; ++r) {
+      CHECK(seen[static_cast<size_t>(r)] == norms);
+      for (size_t t = 0; t < one.storage().size(); ++t) {
+        INFO(one.storage()[t].name << " on rank " << r);
+        CHECK(test::max_abs_diff(test::to_f64(params[static_cast<size_t>(r)]->storage()[t].tensor),
+                                 test::to_f64(one.storage()[t].tensor)) == 0);
+      }
+    }
+  }
+}
+
 }  // namespace tandem::trainer
