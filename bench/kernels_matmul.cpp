@@ -128,6 +128,31 @@ TANDEM_KERNEL_BENCH(matmul) {
       forward(kSmolLM2_135M, p, M, DType::bf16);
     }
   }
+  // Decode as the model runs it: every layer's products against its own w, so that w streams
+  // from memory as in a decode step (the cases above reuse one w, which stays in cache).
+  for (const int64_t M : {int64_t{1}, int64_t{32}}) {
+    const ModelShape& m = kSmolLM2_135M;
+    constexpr int kLayers = 30;
+    const std::string name = fmt::format(
+        "{} {} layers' q k v o gate_up down, M = {}, w f32 from memory", m.name, kLayers, M);
+    if (!runner.wants("matmul", name)) continue;
+    const std::vector<Product> layer = {{"q", m.H * m.D, m.C},     {"k", m.Hkv * m.D, m.C},
+                                        {"v", m.Hkv * m.D, m.C},   {"o", m.C, m.H * m.D},
+                                        {"gate_up", 2 * m.F, m.C}, {"down", m.C, m.F}};
+    std::vector<Tensor> ws, xs, ys;
+    double flops = 0, bytes = 0;
+    for (int l = 0; l < kLayers; ++l)
+      for (const Product& p : layer) {
+        ws.push_back(filled({p.N, p.K}, DType::f32, d, 10 + ws.size()));
+        xs.push_back(filled({M, p.K}, DType::f32, d, 1));
+        ys.push_back(Tensor::empty({M, p.N}, DType::f32, d));
+        flops += 2.0 * static_cast<double>(M * p.N * p.K);
+        bytes += static_cast<double>(ws.back().nbytes());
+      }
+    runner.measure("matmul", name, M == 1 ? 0 : flops, M == 1 ? bytes : 0, [&] {
+      for (size_t i = 0; i < ws.size(); ++i) ops::matmul(xs[i], ws[i], ys[i]);
+    });
+  }
   // The bf16 precision (CPU): operands rounded to bf16, AMX tiles or AVX512-BF16 where the CPU
   // has them (named in the case); the peer is OpenBLAS's sgemm on the f32 operands, as above.
   const std::string bf16 = bf16_compute_name();
