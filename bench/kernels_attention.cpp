@@ -102,6 +102,8 @@ TANDEM_KERNEL_BENCH(attention) {
         if (quick && B > 8) continue;
         decode_rows(runner, m, B, ctx, DType::f32);
       }
+  // A GRPO rollout's decode: batch 32 at 64-127 cached keys.
+  decode_rows(runner, kSmolLM2_135M, 32, 96, DType::f32);
   decode_rows(runner, kSmolLM2_135M, 8, 1024, DType::bf16);
 }
 
