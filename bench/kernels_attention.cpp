@@ -77,7 +77,7 @@ void decode_rows(Runner& runner, const ModelShape& m, int64_t B, int64_t ctx, DT
     last.push_back(static_cast<int32_t>(ctx - (nb - 1) * P));
   }
   const Tensor q = filled({B, H, D}, DType::f32, 5, d);
-  const Tensor kc = filled({pool, P, Hkv, D}, cache, 6, d),
+  const Tensor kc = filled({pool, Hkv, D, P}, cache, 6, d),
                vc = filled({pool, P, Hkv, D}, cache, 7, d);
   const Tensor ip = ints(indptr, d), ix = ints(indices, d), ll = ints(last, d);
   Tensor out = Tensor::empty({B, H, D}, DType::f32, d);
@@ -102,6 +102,8 @@ TANDEM_KERNEL_BENCH(attention) {
         if (quick && B > 8) continue;
         decode_rows(runner, m, B, ctx, DType::f32);
       }
+  // A GRPO rollout's decode: batch 32 at 64-127 cached keys.
+  decode_rows(runner, kSmolLM2_135M, 32, 96, DType::f32);
   decode_rows(runner, kSmolLM2_135M, 8, 1024, DType::bf16);
 }
 

@@ -47,17 +47,22 @@ void check_prefix(const char* op, const Tensor& prefix, const Tensor& q, const T
                op, q.device().str());
 }
 
-// k_cache and v_cache (num_blocks, P, Hkv, D), both f32 or both bf16.
+// v_cache (num_blocks, P, Hkv, D) and k_cache (num_blocks, Hkv, D, P), both f32 or both bf16.
 void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache, int64_t Hkv,
                  int64_t D) {
-  check_dtype(op, "k_cache", k_cache, {DType::f32, DType::bf16});
-  check_ndim(op, "k_cache", k_cache, 4);
-  TANDEM_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D,
-               "{}: k_cache {} does not hold {} heads of size {}", op, k_cache.shape().str(), Hkv,
+  check_dtype(op, "v_cache", v_cache, {DType::f32, DType::bf16});
+  check_ndim(op, "v_cache", v_cache, 4);
+  TANDEM_CHECK(v_cache.size(2) == Hkv && v_cache.size(3) == D,
+               "{}: v_cache {} does not hold {} heads of size {}", op, v_cache.shape().str(), Hkv,
                D);
-  check_shape(op, "v_cache", v_cache, k_cache.shape());
-  TANDEM_CHECK(v_cache.dtype() == k_cache.dtype(), "{}: v_cache is {} but k_cache is {}", op,
-               v_cache.dtype(), k_cache.dtype());
+  const int64_t N = v_cache.size(0), P = v_cache.size(1);
+  TANDEM_CHECK(k_cache.ndim() == 4 && k_cache.size(0) == N && k_cache.size(1) == Hkv &&
+                   k_cache.size(2) == D && k_cache.size(3) == P,
+               "{}: k_cache {} must be ({}, {}, {}, {}) for v_cache {}: keys are stored "
+               "transposed per block and head, (num_blocks, Hkv, D, P) (see kernels/ops.h)",
+               op, k_cache.shape().str(), N, Hkv, D, P, v_cache.shape().str());
+  TANDEM_CHECK(k_cache.dtype() == v_cache.dtype(), "{}: k_cache is {} but v_cache is {}", op,
+               k_cache.dtype(), v_cache.dtype());
 }
 
 }  // namespace
@@ -124,8 +129,9 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
   check_device(op, k.device(), {&k, &v, &slot_mapping, &k_cache, &v_cache});
   check_stream(op, k.device(), stream);
   TANDEM_ON_CUDA(k.device(), kv_cache_write, k.data_as<float>(), v.data_as<float>(),
-                 slot_mapping.data_as<int32_t>(), k.size(0), k.size(1) * k.size(2), k_cache.data(),
-                 v_cache.data(), k_cache.dtype(), k_cache.size(0) * k_cache.size(1), stream.handle);
+                 slot_mapping.data_as<int32_t>(), k.size(0), k.size(1), k.size(2), v_cache.size(1),
+                 k_cache.data(), v_cache.data(), k_cache.dtype(), v_cache.size(0) * v_cache.size(1),
+                 stream.handle);
   cpu::kv_cache_write(k, v, slot_mapping, k_cache, v_cache);
 }
 
@@ -137,11 +143,11 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor
   check_dtype(op, "q", q, {DType::f32});
   check_ndim(op, "q", q, 3);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  check_ndim(op, "k_cache", k_cache, 4);
-  const int64_t Hkv = k_cache.size(2);
+  check_ndim(op, "v_cache", v_cache, 4);
+  const int64_t Hkv = v_cache.size(2);
   TANDEM_CHECK(Hkv > 0 && H % Hkv == 0 && D > 0,
-               "{}: q {} has {} heads, not a positive multiple of the {} heads of k_cache {}", op,
-               q.shape().str(), H, Hkv, k_cache.shape().str());
+               "{}: q {} has {} heads, not a positive multiple of the {} heads of v_cache {}", op,
+               q.shape().str(), H, Hkv, v_cache.shape().str());
   check_cache(op, k_cache, v_cache, Hkv, D);
   for (auto [name, t] : {std::pair{"kv_indptr", &kv_indptr},
                          {"kv_indices", &kv_indices},
@@ -157,7 +163,7 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor
                {&q, &k_cache, &v_cache, &kv_indptr, &kv_indices, &kv_last_len, &out});
   check_stream(op, q.device(), stream);
   TANDEM_ON_CUDA(q.device(), paged_attention_decode, q.data_as<float>(), k_cache.data(),
-                 v_cache.data(), k_cache.dtype(), k_cache.size(0), k_cache.size(1),
+                 v_cache.data(), k_cache.dtype(), v_cache.size(0), v_cache.size(1),
                  kv_indptr.data_as<int32_t>(), kv_indices.data_as<int32_t>(), kv_indices.numel(),
                  kv_last_len.data_as<int32_t>(), B, H, Hkv, D, out.data_as<float>(), scale,
                  stream.handle);

@@ -229,11 +229,11 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         float scale, const Stream& stream = {});
 
 // ---------------------------------------------------------------------------------------------
-// Paged KV cache. The cache is a pool of blocks of P token slots:
-// k_cache and v_cache (num_blocks, P, Hkv, D), f32 or bf16. A sequence's blocks are listed
-// in CSR form (as FlashInfer does): kv_indptr (B + 1) i32, kv_indices (kv_indptr[B]) i32 block
-// ids, kv_last_len (B) i32 = slots used in its last block (1..P). Its length is
-// (blocks - 1) * P + last_len. Sequences may share blocks (a group's common prompt).
+// Paged KV cache, blocks of P token slots, f32 or bf16: v_cache (num_blocks, P, Hkv, D); k_cache
+// (num_blocks, Hkv, D, P), keys transposed per block and head (decode reads them in place): key
+// (h, d) of slot s at [s / P][h][d][s % P]. A sequence's blocks in CSR form (as FlashInfer):
+// kv_indptr (B + 1) i32, kv_indices (kv_indptr[B]) i32 block ids, kv_last_len (B) i32 = slots
+// used in its last block (1..P); length (blocks - 1) * P + last_len. Blocks may be shared.
 
 // Writes k, v (T, Hkv, D) f32 into the cache slots slot_mapping (T) i32 (block * P + offset).
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,

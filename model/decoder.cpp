@@ -566,7 +566,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
     // Continuing chunks: every query row becomes a one-query "sequence" over the cached tokens
     // up to and including itself, for paged_attention_decode (the same key order as
     // attention, so the same bits).
-    const int64_t P = kv.k_cache[0].size(1);
+    const int64_t P = kv.v_cache[0].size(1);
     const std::vector<int32_t> indptr = to_host(kv.kv_indptr, "kv_indptr");
     const std::vector<int32_t> indices = to_host(kv.kv_indices, "kv_indices");
     const std::vector<int32_t> last_len = to_host(kv.kv_last_len, "kv_last_len");

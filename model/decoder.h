@@ -92,7 +92,7 @@ struct DecoderOptions {
 // The paged KV cache of one step, in kernels/ops.h's conventions (FlashInfer's CSR layout).
 // Tensors live on the decoder's device; index arrays are i32.
 struct KvCacheView {
-  std::vector<Tensor> k_cache, v_cache;  // per layer: (num_blocks, P, Hkv, D), f32 or bf16
+  std::vector<Tensor> k_cache, v_cache;  // per layer, f32 or bf16, in kernels/ops.h's layouts
   // The B sequences' blocks AFTER this step's tokens are written: kv_indptr (B + 1),
   // kv_indices (kv_indptr[B]), kv_last_len (B) in 1..P.
   Tensor kv_indptr, kv_indices, kv_last_len;

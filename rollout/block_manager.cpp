@@ -72,8 +72,9 @@ void BlockManager::reserve_memory() {
 }
 
 void BlockManager::carve() {
+  const Shape k_shape{layer_shape_[0], layer_shape_[2], layer_shape_[3], layer_shape_[1]};
   for (int64_t l = 0; l < num_layers_; ++l) {
-    k_cache_.push_back(arena_.alloc(layer_shape_, DType::f32));
+    k_cache_.push_back(arena_.alloc(k_shape, DType::f32));
     v_cache_.push_back(arena_.alloc(layer_shape_, DType::f32));
     k_cache_.back().zero();
     v_cache_.back().zero();
@@ -230,15 +231,17 @@ bool BlockManager::append_slots(SeqId id, int64_t num_tokens) {
   if (blocks_needed(id, num_tokens) > num_free_) return false;
   const int64_t used = s.num_slots % block_size_;
   if (used != 0 && ref_count(s.table.back()) > 1) {
-    // Copy-on-write: the new tokens would land in a block another sequence still reads.
+    // Copy-on-write: the new tokens would land in a block another sequence still reads. Its
+    // used V slots, and its whole K block: a K slot is a column of the transposed keys, and the
+    // columns past `used` hold nothing any sequence reads.
     const int32_t old_block = s.table.back(), new_block = take_free_block();
     for (size_t l = 0; l < k_cache_.size(); ++l) {
-      for (const std::vector<Tensor>* cache : {&k_cache_, &v_cache_}) {
-        const Tensor& c = (*cache)[l];
-        const Tensor slots = c.view({c.size(0) * block_size_, c.size(2), c.size(3)});
-        slots.narrow(new_block * block_size_, used)
-            .copy_from(slots.narrow(old_block * block_size_, used));
-      }
+      const Tensor& k = k_cache_[l];
+      k.narrow(new_block, 1).copy_from(k.narrow(old_block, 1));
+      const Tensor& v = v_cache_[l];
+      const Tensor slots = v.view({v.size(0) * block_size_, v.size(2), v.size(3)});
+      slots.narrow(new_block * block_size_, used)
+          .copy_from(slots.narrow(old_block * block_size_, used));
     }
     release(old_block);
     s.table.back() = new_block;

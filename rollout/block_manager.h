@@ -21,8 +21,8 @@ class BlockManager {
  public:
   using SeqId = int64_t;
 
-  // k_cache()[l], v_cache()[l]: (num_blocks, P, Hkv, D) f32 on `device`, P = block_size, all
-  // in one kv_blocks arena, zeroed.
+  // k_cache()[l] (num_blocks, Hkv, D, P), v_cache()[l] (num_blocks, P, Hkv, D) (kernels/ops.h)
+  // f32 on `device`, P = block_size, all in one kv_blocks arena, zeroed.
   BlockManager(const model::ModelConfig& config, int64_t block_size, int64_t num_blocks,
                Device device = Device::cpu());
 
@@ -112,9 +112,9 @@ class BlockManager {
 
   int64_t block_size_;
   Arena arena_;        // every layer's K and V; before the shape, as its size checks the arguments
-  Shape layer_shape_;  // (num_blocks, P, Hkv, D)
+  Shape layer_shape_;  // V's (num_blocks, P, Hkv, D); K's is (num_blocks, Hkv, D, P)
   int64_t num_layers_;
-  std::vector<Tensor> k_cache_, v_cache_;  // per layer (num_blocks, P, Hkv, D), in arena_
+  std::vector<Tensor> k_cache_, v_cache_;  // per layer, in arena_
   std::vector<Block> blocks_;
   std::deque<std::pair<uint64_t, int32_t>>
       free_list_;  // (tick, block), oldest first; stale entries skipped

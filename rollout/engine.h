@@ -85,8 +85,8 @@ struct RequestOutput {
 };
 
 struct EngineOptions {
-  int64_t block_size = 16;    // P: tokens per KV block
-  int64_t num_blocks = 1024;  // KV blocks in the arena (each layer: k and v (N, P, Hkv, D) f32)
+  int64_t block_size = 16;          // P: tokens per KV block
+  int64_t num_blocks = 1024;        // KV blocks in the arena (per layer a K and a V tensor, f32)
   int64_t max_batch_tokens = 2048;  // tokens computed per step (prefill chunks + decodes)
   int64_t max_seqs = 256;           // sequences per step; also the cap on n and on running samples
   int64_t max_context = 4096;       // prompt + max_tokens, at most the model's positions

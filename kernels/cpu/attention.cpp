@@ -37,21 +37,25 @@ bool cpu_has_avx512() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Key blocks. Keys are gathered transposed, kt (D, 16), so that the 16 scores of a block come
-// out of one vector loop; values are read by row, vr[j] (D floats) for j < n: f32 values where
-// they lie, others widened into vb (16, D). Lanes >= n are zero in kt. Both the packed and the
-// paged path gather with this one function.
+// Key blocks. The row step reads keys transposed, kt (D, 16) with rows ldk floats apart, so
+// that the 16 scores of a block come out of one vector loop; values by row, vr[j] (D floats)
+// for j < n: f32 values where they lie, others widened into vb (16, D). Lanes >= n of kt do not
+// reach any result. The packed path gathers its key rows into kt (ldk 16); the paged cache
+// stores keys transposed already, read in place where they suit (see decode_typed), else
+// gathered.
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return static_cast<float>(x); }
 
+// Key j's element d is krows[j][d * kstride]: rows of the packed batch (kstride 1) or columns
+// of the paged cache's transposed blocks (kstride P).
 template <class T>
-void gather_block_portable(const T* const* krows, const T* const* vrows, int n, int64_t D,
-                           float* kt, float* vb, const float** vr) {
+void gather_block_portable(const T* const* krows, int64_t kstride, const T* const* vrows, int n,
+                           int64_t D, float* kt, float* vb, const float** vr) {
   for (int j = 0; j < kBlk; ++j) {
     if (j < n) {
       const T* kr = krows[j];
-      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = widen(kr[d]);
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlk + j] = widen(kr[d * kstride]);
       if constexpr (std::is_same_v<T, float>) {
         vr[j] = vrows[j];
       } else {
@@ -69,13 +73,9 @@ void gather_block_portable(const T* const* krows, const T* const* vrows, int n, 
 void gather_block(const float* const* krows, const float* const* vrows, int n, int64_t D, float* kt,
                   float* vb, const float** vr) {
   if (D % kBlk != 0 || !g_simd_enabled || !cpu_has_avx512())
-    return gather_block_portable(krows, vrows, n, D, kt, vb, vr);
+    return gather_block_portable(krows, 1, vrows, n, D, kt, vb, vr);
   transpose_rows_avx512(krows, n, D, kt);
   for (int j = 0; j < n; ++j) vr[j] = vrows[j];
-}
-void gather_block(const bf16* const* krows, const bf16* const* vrows, int n, int64_t D, float* kt,
-                  float* vb, const float** vr) {
-  gather_block_portable(krows, vrows, n, D, kt, vb, vr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -107,12 +107,12 @@ inline float softmax_update(const float* d, int n, float m_old, float m_new, flo
   return alpha;
 }
 
-void row_step_portable(const float* q, const float* kt, const float* const* vr, int n, int64_t D,
-                       float scale, float* state) {
+void row_step_portable(const float* q, const float* kt, int64_t ldk, const float* const* vr, int n,
+                       int64_t D, float scale, float* state) {
   float part[4][kBlk] = {};
   for (int64_t d = 0; d < D; ++d) {
     float* pr = part[d & 3];
-    for (int j = 0; j < kBlk; ++j) pr[j] = std::fma(q[d], kt[d * kBlk + j], pr[j]);
+    for (int j = 0; j < n; ++j) pr[j] = std::fma(q[d], kt[d * ldk + j], pr[j]);
   }
   float s[kBlk], p[kBlk], t[8];
   for (int j = 0; j < kBlk; ++j)
@@ -162,8 +162,8 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void pv_rows_avx512
 // a single-row step.
 template <int R>
 __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const* q, const float* kt,
-                                                             const float* const* vr, int n,
-                                                             int64_t D, float scale,
+                                                             int64_t ldk, const float* const* vr,
+                                                             int n, int64_t D, float scale,
                                                              float* const* state) {
   __m512 part[R][4];
   for (int r = 0; r < R; ++r)
@@ -171,13 +171,13 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
   int64_t d = 0;
   for (; d + 4 <= D; d += 4) {
     for (int c = 0; c < 4; ++c) {
-      const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kBlk);
+      const __m512 kv = _mm512_loadu_ps(kt + (d + c) * ldk);
       for (int r = 0; r < R; ++r)
         part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
     }
   }
   for (int c = 0; d + c < D; ++c) {
-    const __m512 kv = _mm512_loadu_ps(kt + (d + c) * kBlk);
+    const __m512 kv = _mm512_loadu_ps(kt + (d + c) * ldk);
     for (int r = 0; r < R; ++r)
       part[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + c]), kv, part[r][c]);
   }
@@ -231,25 +231,25 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
 constexpr int kMaxRows = 4;
 
 // R rows (any R) against one key block, each with n valid keys.
-void rows_step(int R, const float* const* q, const float* kt, const float* const* vr, int n,
-               int64_t D, float scale, float* const* state) {
+void rows_step(int R, const float* const* q, const float* kt, int64_t ldk, const float* const* vr,
+               int n, int64_t D, float scale, float* const* state) {
   if (!attention_simd_active()) {
-    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, vr, n, D, scale, state[r]);
+    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, ldk, vr, n, D, scale, state[r]);
     return;
   }
   for (int r0 = 0; r0 < R; r0 += kMaxRows) {
     switch (std::min(kMaxRows, R - r0)) {
       case 1:
-        rows_step_avx512<1>(q + r0, kt, vr, n, D, scale, state + r0);
+        rows_step_avx512<1>(q + r0, kt, ldk, vr, n, D, scale, state + r0);
         break;
       case 2:
-        rows_step_avx512<2>(q + r0, kt, vr, n, D, scale, state + r0);
+        rows_step_avx512<2>(q + r0, kt, ldk, vr, n, D, scale, state + r0);
         break;
       case 3:
-        rows_step_avx512<3>(q + r0, kt, vr, n, D, scale, state + r0);
+        rows_step_avx512<3>(q + r0, kt, ldk, vr, n, D, scale, state + r0);
         break;
       default:
-        rows_step_avx512<4>(q + r0, kt, vr, n, D, scale, state + r0);
+        rows_step_avx512<4>(q + r0, kt, ldk, vr, n, D, scale, state + r0);
         break;
     }
   }
@@ -365,12 +365,14 @@ __attribute__((target("avx512f"))) void transpose_rows_avx512(const float* const
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Paged cache helpers.
+// Paged cache helpers. k_cache (num_blocks, Hkv, D, P): each block's keys transposed per head;
+// v_cache (num_blocks, P, Hkv, D): by slot.
 
 template <class T>
 void write_slots(const Tensor& k, const Tensor& v, const int32_t* slots, const Tensor& k_cache,
                  const Tensor& v_cache) {
-  const int64_t T_ = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t T_ = k.size(0), Hkv = k.size(1), D = k.size(2), row = Hkv * D;
+  const int64_t P = v_cache.size(1);
   const float* ks = k.data_as<float>();
   const float* vs = v.data_as<float>();
   T* kc = static_cast<T*>(k_cache.data());
@@ -380,12 +382,14 @@ void write_slots(const Tensor& k, const Tensor& v, const int32_t* slots, const T
       [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
           const int64_t s = slots[t];
+          // Key element (h, d) of slot s: block s / P, row h * D + d, column s % P.
+          T* kcol = kc + (s / P) * row * P + s % P;
           for (int64_t i = 0; i < row; ++i) {
             if constexpr (std::is_same_v<T, float>) {
-              kc[s * row + i] = ks[t * row + i];
+              kcol[i * P] = ks[t * row + i];
               vc[s * row + i] = vs[t * row + i];
             } else {
-              kc[s * row + i] = T(ks[t * row + i]);
+              kcol[i * P] = T(ks[t * row + i]);
               vc[s * row + i] = T(vs[t * row + i]);
             }
           }
@@ -394,12 +398,27 @@ void write_slots(const Tensor& k, const Tensor& v, const int32_t* slots, const T
       16);
 }
 
+// Asks for the key block at kb (D rows of 16 floats, ldk apart) and its 16 value rows from v0
+// (vstride apart) to be brought into the cache.
+inline void prefetch_block(const float* kb, int64_t ldk, const float* v0, int64_t vstride,
+                           int64_t D) {
+  for (int64_t d = 0; d < D; ++d) __builtin_prefetch(kb + d * ldk);
+  for (int j = 0; j < kBlk; ++j)
+    for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(v0 + j * vstride + c);
+}
+
+// Key blocks of 16 positions. With f32 keys and P a multiple of 16, a key block lies in one cache
+// block, its keys already transposed: the row step reads them in place (rows P floats apart),
+// the very floats a gather would copy. Otherwise (bf16, or a key block across cache blocks) the
+// keys are gathered into kt. In place, the next key block (of the item, else the first of the
+// next item) is prefetched while this one is computed: blocks lie scattered over the pool.
 template <class T>
 void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                   const int32_t* indptr, const int32_t* indices, const int32_t* last_len,
                   const Tensor& out, float scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t P = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+  const int64_t P = v_cache.size(1), Hkv = v_cache.size(2), G = H / Hkv;
+  const bool in_place = std::is_same_v<T, float> && P % kBlk == 0;
   const T* kc = static_cast<const T*>(k_cache.data());
   const T* vc = static_cast<const T*>(v_cache.data());
   const float* qp = q.data_as<float>();
@@ -417,17 +436,39 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
       for (int64_t g = 0; g < G; ++g) init_row(state + g * state_stride(D), D);
       for (int64_t k0 = 0; k0 < len; k0 += kBlk) {
         const int n = static_cast<int>(std::min<int64_t>(kBlk, len - k0));
-        const T* krows[kBlk];
-        const T* vrows[kBlk];
-        for (int j = 0; j < n; ++j) {
-          const int64_t pos = k0 + j;
-          const int64_t blk = indices[indptr[b] + pos / P];
-          const int64_t off = ((blk * P + pos % P) * Hkv + kvh) * D;
-          krows[j] = kc + off;
-          vrows[j] = vc + off;
-        }
         const float* vr[kBlk];
-        gather_block(krows, vrows, n, D, kt, vb, vr);
+        const float* kb = kt;
+        int64_t ldk = kBlk;
+        if constexpr (std::is_same_v<T, float>) {
+          if (in_place) {
+            const auto at = [&](int64_t bb, int64_t h, int64_t pos, const float** v0) {
+              const int64_t blk = indices[indptr[bb] + pos / P];
+              *v0 = vc + ((blk * P + pos % P) * Hkv + h) * D;
+              return kc + (blk * Hkv + h) * D * P + pos % P;
+            };
+            const float* v0 = nullptr;
+            kb = at(b, kvh, k0, &v0);
+            ldk = P;
+            for (int j = 0; j < n; ++j) vr[j] = v0 + j * Hkv * D;
+            const float* vn = nullptr;
+            if (k0 + kBlk < len) {
+              prefetch_block(at(b, kvh, k0 + kBlk, &vn), P, vn, Hkv * D, D);
+            } else if (item + 1 < B * Hkv) {
+              prefetch_block(at((item + 1) / Hkv, (item + 1) % Hkv, 0, &vn), P, vn, Hkv * D, D);
+            }
+          }
+        }
+        if (!in_place) {
+          const T* kcols[kBlk];
+          const T* vrows[kBlk];
+          for (int j = 0; j < n; ++j) {
+            const int64_t pos = k0 + j;
+            const int64_t blk = indices[indptr[b] + pos / P];
+            kcols[j] = kc + (blk * Hkv + kvh) * D * P + pos % P;
+            vrows[j] = vc + ((blk * P + pos % P) * Hkv + kvh) * D;
+          }
+          gather_block_portable(kcols, P, vrows, n, D, kt, vb, vr);
+        }
         for (int64_t g0 = 0; g0 < G; g0 += kMaxRows) {
           const int R = static_cast<int>(std::min<int64_t>(kMaxRows, G - g0));
           const float* qs[kMaxRows];
@@ -436,7 +477,7 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             qs[r] = qp + (b * H + kvh * G + g0 + r) * D;
             ss[r] = state + (g0 + r) * state_stride(D);
           }
-          rows_step(R, qs, kt, vr, n, D, scale, ss);
+          rows_step(R, qs, kb, ldk, vr, n, D, scale, ss);
         }
       }
       for (int64_t g = 0; g < G; ++g)
@@ -509,19 +550,19 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
                   const float* qr = qp + ((sp.start + i) * H + h) * D;
                   if (nv < n) {
                     float* st = row_state(ti, g, i);
-                    rows_step(1, &qr, kt, vr, nv, D, scale, &st);
+                    rows_step(1, &qr, kt, kBlk, vr, nv, D, scale, &st);
                     continue;
                   }
                   qs[R] = qr;
                   ss[R] = row_state(ti, g, i);
                   if (++R == kMaxRows) {
-                    rows_step(R, qs, kt, vr, n, D, scale, ss);
+                    rows_step(R, qs, kt, kBlk, vr, n, D, scale, ss);
                     R = 0;
                   }
                 }
               }
             }
-            if (R > 0) rows_step(R, qs, kt, vr, n, D, scale, ss);
+            if (R > 0) rows_step(R, qs, kt, kBlk, vr, n, D, scale, ss);
           }
           for (int ti = 0; ti < ntiles; ++ti) {
             const int64_t r0 = tiles[ti] * kBlk, r1 = std::min(sp.len, r0 + kBlk);
@@ -539,12 +580,12 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
 
 void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                     const Tensor& k_cache, const Tensor& v_cache) {
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t slots = v_cache.size(0) * v_cache.size(1);
   const int32_t* sm = slot_mapping.data_as<int32_t>();
   for (int64_t t = 0; t < slot_mapping.numel(); ++t)
     TANDEM_CHECK(sm[t] >= 0 && sm[t] < slots,
                  "kv_cache_write: slot_mapping[{}] = {} is outside the cache's {} slots {}", t,
-                 sm[t], slots, k_cache.shape().str());
+                 sm[t], slots, v_cache.shape().str());
   if (k_cache.dtype() == DType::f32) return write_slots<float>(k, v, sm, k_cache, v_cache);
   write_slots<bf16>(k, v, sm, k_cache, v_cache);
 }
@@ -552,7 +593,7 @@ void kv_cache_write(const Tensor& k, const Tensor& v, const Tensor& slot_mapping
 void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& kv_indptr, const Tensor& kv_indices,
                             const Tensor& kv_last_len, const Tensor& out, float scale) {
-  const int64_t B = q.size(0), num_blocks = k_cache.size(0), P = k_cache.size(1);
+  const int64_t B = q.size(0), num_blocks = v_cache.size(0), P = v_cache.size(1);
   const int32_t* indptr = kv_indptr.data_as<int32_t>();
   const int32_t* indices = kv_indices.data_as<int32_t>();
   const int32_t* last_len = kv_last_len.data_as<int32_t>();

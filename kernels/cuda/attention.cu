@@ -252,14 +252,16 @@ __global__ void attention_dkdv_kernel(const float* dout, const float* q, const f
   }
 }
 
+// Values by slot (num_slots, row); keys transposed per block, (num_slots / P, row, P).
 template <class T>
 __global__ void kv_cache_write_kernel(const float* k, const float* v, const int32_t* slots,
-                                      int64_t T_, int64_t row, T* kc, T* vc, int64_t num_slots) {
+                                      int64_t T_, int64_t row, int64_t P, T* kc, T* vc,
+                                      int64_t num_slots) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < T_ * row;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / row, e = i % row, s = slots[t];
     if (s < 0 || s >= num_slots) continue;
-    kc[s * row + e] = from_f32<T>(k[i]);
+    kc[((s / P) * row + e) * P + s % P] = from_f32<T>(k[i]);
     vc[s * row + e] = from_f32<T>(v[i]);
   }
 }
@@ -301,20 +303,28 @@ __global__ void paged_decode_kernel(const float* q, const T* kc, const T* vc, in
   for (int64_t k0 = 0; k0 < len; k0 += kTile) {
     const int64_t n = min(static_cast<int64_t>(kTile), len - k0);
     __syncthreads();
+    // Keys (blocks transposed, (Hkv, D, P)) with consecutive threads on consecutive slots;
+    // values (by slot, (P, Hkv, D)) on consecutive d.
     for (int64_t i = threadIdx.x; i < kTile * D; i += blockDim.x) {
-      const int64_t j = i / D, d = i % D;
-      float kx = 0.0f, vx = 0.0f;
+      const int64_t d = i / kTile, j = i % kTile;
+      float kx = 0.0f;
       if (j < n) {
         const int64_t pos = k0 + j, blk = indices[first + pos / P];
-        if (blk < 0 || blk >= num_blocks) {
+        if (blk < 0 || blk >= num_blocks)
           bad = 1;
-        } else {
-          const int64_t at = ((blk * P + pos % P) * Hkv + kvh) * D + d;
-          kx = to_f32(kc[at]);
-          vx = to_f32(vc[at]);
-        }
+        else
+          kx = to_f32(kc[((blk * Hkv + kvh) * D + d) * P + pos % P]);
       }
-      ks[i] = kx;
+      ks[j * D + d] = kx;
+    }
+    for (int64_t i = threadIdx.x; i < kTile * D; i += blockDim.x) {
+      const int64_t j = i / D, d = i % D;
+      float vx = 0.0f;
+      if (j < n) {
+        const int64_t pos = k0 + j, blk = indices[first + pos / P];
+        if (blk >= 0 && blk < num_blocks)
+          vx = to_f32(vc[((blk * P + pos % P) * Hkv + kvh) * D + d]);
+      }
       vs[i] = vx;
     }
     __syncthreads();
@@ -397,17 +407,18 @@ void attention_backward(const float* dout, const float* q, const float* k, const
 }
 
 void kv_cache_write(const float* k, const float* v, const int32_t* slot_mapping, int64_t T,
-                    int64_t row, void* k_cache, void* v_cache, DType cache_type, int64_t num_slots,
-                    void* stream) {
+                    int64_t Hkv, int64_t D, int64_t P, void* k_cache, void* v_cache,
+                    DType cache_type, int64_t num_slots, void* stream) {
   if (T == 0) return;
+  const int64_t row = Hkv * D;
   const unsigned blocks = blocks_for(T * row, 256);
   if (cache_type == DType::f32) {
     kv_cache_write_kernel<<<blocks, 256, 0, native(stream)>>>(
-        k, v, slot_mapping, T, row, static_cast<float*>(k_cache), static_cast<float*>(v_cache),
+        k, v, slot_mapping, T, row, P, static_cast<float*>(k_cache), static_cast<float*>(v_cache),
         num_slots);
   } else {
     kv_cache_write_kernel<<<blocks, 256, 0, native(stream)>>>(
-        k, v, slot_mapping, T, row, static_cast<bf16*>(k_cache), static_cast<bf16*>(v_cache),
+        k, v, slot_mapping, T, row, P, static_cast<bf16*>(k_cache), static_cast<bf16*>(v_cache),
         num_slots);
   }
   CUDA_CHECK_LAUNCH();

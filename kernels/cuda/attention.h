@@ -17,11 +17,12 @@ void attention_backward(const float* dout, const float* q, const float* k, const
                         const float* out, const float* lse, const int32_t* cu_seqlens, int64_t B,
                         int64_t T, int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
                         float* dv, float scale, void* stream);
-// k, v (T, row) f32 into the caches' slots (num_slots, row), cache_type f32 or bf16.
+// k, v (T, Hkv, D) f32 into the caches' slots (block * P + offset), cache_type f32 or bf16:
+// v_cache (num_slots / P, P, Hkv, D), k_cache (num_slots / P, Hkv, D, P) (kernels/ops.h).
 void kv_cache_write(const float* k, const float* v, const int32_t* slot_mapping, int64_t T,
-                    int64_t row, void* k_cache, void* v_cache, DType cache_type, int64_t num_slots,
-                    void* stream);
-// q (B, H, D), caches (num_blocks, P, Hkv, D) -> out (B, H, D).
+                    int64_t Hkv, int64_t D, int64_t P, void* k_cache, void* v_cache,
+                    DType cache_type, int64_t num_slots, void* stream);
+// q (B, H, D), k_cache (num_blocks, Hkv, D, P), v_cache (num_blocks, P, Hkv, D) -> out (B, H, D).
 void paged_attention_decode(const float* q, const void* k_cache, const void* v_cache,
                             DType cache_type, int64_t num_blocks, int64_t P,
                             const int32_t* kv_indptr, const int32_t* kv_indices,

@@ -237,7 +237,7 @@ Paged make_paged(Packed& p, int64_t P, int64_t shared_blocks, DType cache_dtype,
     c.blocks.push_back(bl);
   }
   // The cache starts with random values everywhere; kv_cache_write fills the used slots.
-  c.k_cache = random_tensor({needed, P, p.Hkv, p.D}, cache_dtype, seed + 5);
+  c.k_cache = random_tensor({needed, p.Hkv, p.D, P}, cache_dtype, seed + 5);
   c.v_cache = random_tensor({needed, P, p.Hkv, p.D}, cache_dtype, seed + 6);
   const int64_t n = static_cast<int64_t>(tokens.size());
   Tensor kw = Tensor::empty({n, p.Hkv, p.D}, DType::f32),
@@ -293,19 +293,26 @@ void check_decode_matches_packed(Packed& p, int64_t P, int64_t shared_blocks, DT
   }
   const Forward f = run_attention(p);
   const int max_len = *std::max_element(p.lens.begin(), p.lens.end());
-  int64_t rows_checked = 0, rows_equal = 0;
-  std::vector<int64_t> tokens;
-  for (int64_t pos = 0; pos < max_len; ++pos) {
-    const Tensor out = decode_at(p, c, pos, tokens);
-    for (size_t b = 0; b < tokens.size(); ++b) {
-      ++rows_checked;
-      rows_equal += bitwise_equal(rows(out, static_cast<int64_t>(b), 1), rows(f.out, tokens[b], 1));
+  // Decode on the AVX-512 path (where this CPU has it) and on the portable one.
+  for (bool simd : {true, false}) {
+    if (simd && !ops::cpu::attention_simd_active()) continue;
+    ops::cpu::set_attention_simd(simd);
+    int64_t rows_checked = 0, rows_equal = 0;
+    std::vector<int64_t> tokens;
+    for (int64_t pos = 0; pos < max_len; ++pos) {
+      const Tensor out = decode_at(p, c, pos, tokens);
+      for (size_t b = 0; b < tokens.size(); ++b) {
+        ++rows_checked;
+        rows_equal +=
+            bitwise_equal(rows(out, static_cast<int64_t>(b), 1), rows(f.out, tokens[b], 1));
+      }
     }
+    ops::cpu::set_attention_simd(true);
+    INFO("P " << P << " cache " << dtype_name(cache_dtype) << (simd ? " simd" : " portable") << ": "
+              << rows_equal << " of " << rows_checked << " decoded rows equal the packed rows");
+    CHECK(rows_checked == p.T);
+    CHECK(rows_equal == rows_checked);
   }
-  INFO("P " << P << " cache " << dtype_name(cache_dtype) << ": " << rows_equal << " of "
-            << rows_checked << " decoded rows equal the packed rows");
-  CHECK(rows_checked == p.T);
-  CHECK(rows_equal == rows_checked);
 }
 
 }  // namespace
@@ -365,6 +372,8 @@ TEST_CASE("paged decode matches packed attention bitwise for ragged batches", "[
   }
   Packed qwen = make_packed({40, 7, 50, 1}, 12, 2, 128, 45);
   check_decode_matches_packed(qwen, 16, 2, DType::f32);
+  Packed wide = make_packed({40, 7, 50, 33}, 9, 3, 64, 49);  // key blocks in place at P 64
+  check_decode_matches_packed(wide, 64, 1, DType::f32);
   Packed bf = make_packed({33, 7, 1, 16, 50}, 9, 3, 64, 47);
   check_decode_matches_packed(bf, 16, 1, DType::bf16);
 }
@@ -603,8 +612,12 @@ TEST_CASE("kv_cache_write stores keys and values at their slots in f32 and bf16 
   std::vector<double> slots;
   for (int64_t t = 0; t < T; ++t) slots.push_back(static_cast<double>((t * 11 + 5) % (NB * P)));
   const Tensor sm = tensor_from(slots, {T}, DType::i32);
+  // Element i = h * D + d of slot s: in v_cache by slot, in k_cache transposed per block.
+  const auto k_at = [&](int64_t s, int64_t i) {
+    return static_cast<size_t>(((s / P) * Hkv * D + i) * P + s % P);
+  };
   for (DType dt : {DType::f32, DType::bf16}) {
-    Tensor kc = random_tensor({NB, P, Hkv, D}, dt, 83);
+    Tensor kc = random_tensor({NB, Hkv, D, P}, dt, 83);
     Tensor vc = random_tensor({NB, P, Hkv, D}, dt, 84);
     const std::vector<double> kc0 = to_f64(kc), vc0 = to_f64(vc);
     ops::kv_cache_write(k, v, sm, kc, vc);
@@ -621,7 +634,7 @@ TEST_CASE("kv_cache_write stores keys and values at their slots in f32 and bf16 
             dt == DType::f32 ? kr[src] : static_cast<float>(bf16(static_cast<float>(kr[src])));
         const double want_v =
             dt == DType::f32 ? vr[src] : static_cast<float>(bf16(static_cast<float>(vr[src])));
-        REQUIRE(kc1[dst] == want_k);
+        REQUIRE(kc1[k_at(s, i)] == want_k);
         REQUIRE(vc1[dst] == want_v);
       }
     }
@@ -629,7 +642,7 @@ TEST_CASE("kv_cache_write stores keys and values at their slots in f32 and bf16 
       if (written[static_cast<size_t>(s)]) continue;
       for (int64_t i = 0; i < Hkv * D; ++i) {
         const size_t at = static_cast<size_t>(s * Hkv * D + i);
-        REQUIRE(kc1[at] == kc0[at]);
+        REQUIRE(kc1[k_at(s, i)] == kc0[k_at(s, i)]);
         REQUIRE(vc1[at] == vc0[at]);
       }
     }
@@ -662,7 +675,7 @@ TEST_CASE("attention ops throw on bad shapes and out-of-range indices", "[unit]"
       Error);
   // Cache slots and blocks.
   const int64_t NB = 3, P = 4;
-  Tensor kc = random_tensor({NB, P, 2, 8}, DType::f32, 93);
+  Tensor kc = random_tensor({NB, 2, 8, P}, DType::f32, 93);
   Tensor vc = random_tensor({NB, P, 2, 8}, DType::f32, 94);
   const Tensor k2 = random_tensor({2, 2, 8}, DType::f32, 95);
   CHECK_THROWS_AS(ops::kv_cache_write(k2, k2, tensor_from({1, 12}, {2}, DType::i32), kc, vc),
@@ -672,6 +685,9 @@ TEST_CASE("attention ops throw on bad shapes and out-of-range indices", "[unit]"
   CHECK_THROWS_AS(ops::kv_cache_write(k2, k2, tensor_from({1, 2}, {2}, DType::i32), kc,
                                       random_tensor({NB, P, 2, 8}, DType::bf16, 96)),
                   Error);
+  // A k_cache laid out by slot, like v_cache.
+  CHECK_THROWS_WITH(ops::kv_cache_write(k2, k2, tensor_from({1, 2}, {2}, DType::i32), vc, vc),
+                    Catch::Contains("transposed"));
   const Tensor q = random_tensor({2, 4, 8}, DType::f32, 97);
   Tensor o = Tensor::empty({2, 4, 8}, DType::f32);
   const Tensor indptr = tensor_from({0, 1, 3}, {3}, DType::i32);
@@ -776,7 +792,7 @@ std::vector<Tensor> decode_inputs(const std::vector<int>& lens, int64_t H, int64
     last.push_back(static_cast<double>((len - 1) % P + 1));
   }
   return {random_tensor({B, H, D}, DType::f32, seed, -2.0, 2.0),
-          random_tensor({97, P, Hkv, D}, dt, seed + 1, -2.0, 2.0),
+          random_tensor({97, Hkv, D, P}, dt, seed + 1, -2.0, 2.0),
           random_tensor({97, P, Hkv, D}, dt, seed + 2),
           tensor_from(indptr, {B + 1}, DType::i32),
           tensor_from(indices, {static_cast<int64_t>(indices.size())}, DType::i32),
@@ -791,8 +807,9 @@ TANDEM_PARITY_CASES(attention) {
   add_packed_cases({77, 130}, 12, 2, 128);
   for (DType dt : {DType::f32, DType::bf16}) {
     add_parity_case({
-        .name =
-            fmt::format("kv_cache_write {} cache (37, 3, 64) into (11, 16, 3, 64)", dtype_name(dt)),
+        .name = fmt::format(
+            "kv_cache_write {} cache (37, 3, 64) into (11, 3, 64, 16) and (11, 16, 3, 64)",
+            dtype_name(dt)),
         .inputs =
             [](uint64_t seed) {
               std::vector<double> slots;
@@ -803,7 +820,7 @@ TANDEM_PARITY_CASES(attention) {
             },
         .outputs =
             [dt](const std::vector<Tensor>&) {
-              return std::vector<Tensor>{random_tensor({11, 16, 3, 64}, dt, 5),
+              return std::vector<Tensor>{random_tensor({11, 3, 64, 16}, dt, 5),
                                          random_tensor({11, 16, 3, 64}, dt, 6)};
             },
         .run =

@@ -529,7 +529,7 @@ struct PagedCache {
       : P(P), lengths(static_cast<size_t>(B), 0), device(dev) {
     for (int64_t l = 0; l < c.num_layers; ++l) {
       view.k_cache.push_back(
-          Tensor::zeros({num_blocks, P, c.num_kv_heads, c.head_dim}, DType::f32, dev));
+          Tensor::zeros({num_blocks, c.num_kv_heads, c.head_dim, P}, DType::f32, dev));
       view.v_cache.push_back(
           Tensor::zeros({num_blocks, P, c.num_kv_heads, c.head_dim}, DType::f32, dev));
     }

@@ -64,12 +64,14 @@ TEST_CASE("block manager fork shares blocks and copies a shared partial block on
   const std::vector<int32_t> tokens = iota_tokens(6);
   bm.allocate(1, tokens);
   REQUIRE(bm.append_slots(1, 6));
-  // Fill the sequence's slots with recognisable K/V.
-  const int64_t row = c.num_kv_heads * c.head_dim;
+  // Fill the sequence's slots with recognisable K/V. Element e of slot s: v_cache[s][e],
+  // k_cache[s / P][e][s % P] (keys transposed per block).
+  const int64_t row = c.num_kv_heads * c.head_dim, P = 4;
+  const auto k_at = [&](int64_t s, int64_t e) { return ((s / P) * row + e) * P + s % P; };
   for (size_t l = 0; l < bm.k_cache().size(); ++l)
     for (int64_t p = 0; p < 6; ++p)
       for (int64_t e = 0; e < row; ++e) {
-        bm.k_cache()[l].data_as<float>()[bm.slot(1, p) * row + e] = float(100 * l + 10 * p + e);
+        bm.k_cache()[l].data_as<float>()[k_at(bm.slot(1, p), e)] = float(100 * l + 10 * p + e);
         bm.v_cache()[l].data_as<float>()[bm.slot(1, p) * row + e] = -float(100 * l + 10 * p + e);
       }
   bm.fork(1, 2);
@@ -86,7 +88,7 @@ TEST_CASE("block manager fork shares blocks and copies a shared partial block on
   for (size_t l = 0; l < bm.k_cache().size(); ++l)
     for (int64_t p = 0; p < 6; ++p)
       for (int64_t e = 0; e < row; ++e) {
-        CHECK(bm.k_cache()[l].data_as<float>()[bm.slot(2, p) * row + e] ==
+        CHECK(bm.k_cache()[l].data_as<float>()[k_at(bm.slot(2, p), e)] ==
               float(100 * l + 10 * p + e));
         CHECK(bm.v_cache()[l].data_as<float>()[bm.slot(2, p) * row + e] ==
               -float(100 * l + 10 * p + e));
@@ -147,7 +149,7 @@ TEST_CASE("block manager prefix cache hits hold the tokens they claim under rand
           "[unit]") {
   // Blocks of 2 tokens over a 3-token vocabulary: prompts share prefixes often and the few blocks
   // are cached, evicted and reused all the time, so the cache's table keeps inserting and erasing
-  // entries in crowded probe runs. Each computed slot's K holds its token; every hit must too.
+  // entries in crowded probe runs. Each computed slot's V holds its token; every hit must too.
   const int64_t P = 2, N = 48, slot_floats = 1 * 8;  // Hkv * D
   BlockManager bm(tiny_config(), P, N);
   std::mt19937 rng(7);
@@ -163,9 +165,9 @@ TEST_CASE("block manager prefix cache hits hold the tokens they claim under rand
     for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 3);
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t cached = bm.allocate(id, tokens);
-    float* k = bm.k_cache()[0].data_as<float>();
+    float* v = bm.v_cache()[0].data_as<float>();
     for (int64_t p = 0; p < cached; ++p)
-      REQUIRE(k[bm.slot(id, p) * slot_floats] ==
+      REQUIRE(v[bm.slot(id, p) * slot_floats] ==
               static_cast<float>(tokens[static_cast<size_t>(p)]));
     hits += cached;
     if (!bm.append_slots(id, n)) {
@@ -173,7 +175,7 @@ TEST_CASE("block manager prefix cache hits hold the tokens they claim under rand
       continue;
     }
     for (int64_t p = cached; p < n; ++p)
-      k[bm.slot(id, p) * slot_floats] = static_cast<float>(tokens[static_cast<size_t>(p)]);
+      v[bm.slot(id, p) * slot_floats] = static_cast<float>(tokens[static_cast<size_t>(p)]);
     bm.mark_computed(id, tokens, n);
     live.push_back(id);
     max_cached = std::max(max_cached, bm.num_cached_blocks());
@@ -194,7 +196,7 @@ TEST_CASE("block manager releases its KV arena and takes it back zeroed with eve
   CHECK(bm.allocate(1, iota_tokens(9)) == 0);
   REQUIRE(bm.append_slots(1, 9));
   bm.mark_computed(1, iota_tokens(9), 9);
-  bm.k_cache()[0].data_as<float>()[bm.slot(1, 2) * 8] = 3.5f;  // a written K
+  bm.v_cache()[0].data_as<float>()[bm.slot(1, 2) * 8] = 3.5f;  // a written V
   CHECK_THROWS_WITH(bm.release_memory(), Catch::Contains("1 sequences hold blocks"));
   bm.free(1);
   CHECK(bm.num_cached_blocks() == 2);
@@ -207,7 +209,7 @@ TEST_CASE("block manager releases its KV arena and takes it back zeroed with eve
   CHECK(bm.num_free_blocks() == 6);
   for (const auto* cache : {&bm.k_cache(), &bm.v_cache()})
     for (const Tensor& t : *cache) {
-      CHECK(t.shape() == Shape{6, 4, 1, 8});
+      CHECK(t.shape() == (cache == &bm.k_cache() ? Shape{6, 1, 8, 4} : Shape{6, 4, 1, 8}));
       const float* p = t.data_as<float>();
       for (int64_t i = 0; i < t.numel(); ++i) REQUIRE(p[i] == 0.0f);
     }

@@ -98,7 +98,7 @@ struct Cache {
   Cache(const model::ModelConfig& c, int64_t B, int64_t cap) {
     nb = (cap + P - 1) / P;
     for (int64_t l = 0; l < c.num_layers; ++l) {
-      kv.k_cache.push_back(Tensor::zeros({B * nb, P, c.num_kv_heads, c.head_dim}, DType::f32));
+      kv.k_cache.push_back(Tensor::zeros({B * nb, c.num_kv_heads, c.head_dim, P}, DType::f32));
       kv.v_cache.push_back(Tensor::zeros({B * nb, P, c.num_kv_heads, c.head_dim}, DType::f32));
     }
   }
