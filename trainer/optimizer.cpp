@@ -10,7 +10,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/clones.h"
+#include "kernels/cpu/elementwise.h"
 #include "kernels/op_timing.h"
 #include "kernels/ops.h"
 
@@ -63,30 +63,11 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 }
 
 // The global norm on the CPU, AdamW's and ShardedAdamW's alike: the gradients flattened in storage
-// order, cut into blocks of kNormBlock; a block's sum of squares in f64 (block_squares), the
-// blocks' sums added in block order, the square root rounded to f32. A rank holds whole blocks,
-// so the norm of the same gradients has the same bits on any number of ranks.
+// order, cut into blocks of kNormBlock; a block's sum of squares in f64
+// (ops::cpu::chunk_sum_squares), the blocks' sums added in block order, the square root rounded to
+// f32. A rank holds whole blocks, so the norm of the same gradients has the same bits on any number
+// of ranks.
 constexpr int64_t kNormBlock = ShardedAdamW::kNormBlock;
-
-// Lane j sums the squares of x[i], i = j (mod 16), in increasing i; the lanes then combine in
-// the fixed tree (8, 4, 2, 1).
-TANDEM_CPU_CLONES double block_squares(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  double lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) {
-      const double v = x[i + j];
-      lane[j] = lane[j] + v * v;
-    }
-  for (int j = 0; i + j < n; ++j) {
-    const double v = x[i + j];
-    lane[j] = lane[j] + v * v;
-  }
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) lane[j] = lane[j] + lane[j + w];
-  return lane[0];
-}
 
 // The sums of the blocks of x[0, n), one per block of `blocks` (those past n are 0).
 std::vector<double> block_sums(const float* x, int64_t n, int64_t blocks) {
@@ -94,7 +75,7 @@ std::vector<double> block_sums(const float* x, int64_t n, int64_t blocks) {
   parallel_for(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1 && b * kNormBlock < n; ++b)
       sums[static_cast<size_t>(b)] =
-          block_squares(x + b * kNormBlock, std::min(kNormBlock, n - b * kNormBlock));
+          ops::cpu::chunk_sum_squares(x + b * kNormBlock, std::min(kNormBlock, n - b * kNormBlock));
   });
   return sums;
 }
@@ -192,7 +173,7 @@ float AdamW::grad_norm(const model::Weights& grads) {
         }
         x = joined.data();
       }
-      sums[static_cast<size_t>(b)] = block_squares(x, hi - lo);
+      sums[static_cast<size_t>(b)] = ops::cpu::chunk_sum_squares(x, hi - lo);
     }
   });
   return norm_of_sums(sums);

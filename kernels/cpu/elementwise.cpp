@@ -9,13 +9,9 @@
 #include "kernels/cpu/clones.h"
 
 namespace tandem::ops::cpu {
-namespace {
 
-// Elements per chunk of a reduction: fixed, so the sum does not depend on the thread count.
-constexpr int64_t kReduceChunk = 4096;
-
-// The sum of squares of x[0, n) in f64: lane j sums the elements i = j (mod 16) in increasing i,
-// then the lanes combine in a fixed tree (8, 4, 2, 1). The order depends on n alone.
+// Lane j sums the squares of x[i], i = j (mod 16), in increasing i; the lanes then combine in
+// the fixed tree (8, 4, 2, 1).
 TANDEM_CPU_CLONES double chunk_sum_squares(const float* x, int64_t n) {
   constexpr int kLanes = 16;
   double lane[kLanes] = {};
@@ -33,6 +29,11 @@ TANDEM_CPU_CLONES double chunk_sum_squares(const float* x, int64_t n) {
     for (int j = 0; j < w; ++j) lane[j] = lane[j] + lane[j + w];
   return lane[0];
 }
+
+namespace {
+
+// Elements per chunk of a reduction: fixed, so the sum does not depend on the thread count.
+constexpr int64_t kReduceChunk = 4096;
 
 template <class S, class D>
 void cast_typed(const Tensor& src, const Tensor& dst) {
