@@ -86,6 +86,33 @@ float norm_of_sums(std::span<const double> sums) {
   return static_cast<float>(std::sqrt(total));
 }
 
+// The flat offset of each storage tensor: the parameters' elements in storage order, each
+// tensor flattened, one after the other.
+std::vector<int64_t> flat_starts(std::span<const model::NamedTensor> storage) {
+  std::vector<int64_t> starts;
+  int64_t total = 0;
+  for (const model::NamedTensor& s : storage) {
+    starts.push_back(total);
+    total += s.tensor.numel();
+  }
+  return starts;
+}
+
+// Calls fn(tensor index, offset in the tensor, offset in [lo, hi), length) for each piece of
+// the flat range [lo, hi) (within the storage's elements) that lies in one storage tensor.
+template <class Fn>
+void for_each_piece(std::span<const model::NamedTensor> storage, std::span<const int64_t> starts,
+                    int64_t lo, int64_t hi, Fn&& fn) {
+  if (lo >= hi) return;
+  auto t =
+      static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1);
+  for (int64_t at = lo; at < hi; ++t) {
+    const int64_t len = std::min(hi, starts[t] + storage[t].tensor.numel()) - at;
+    fn(t, at - starts[t], at - lo, len);
+    at += len;
+  }
+}
+
 // ops::adamw works on flat (N) tensors.
 Tensor flat(const Tensor& t) { return t.view({t.numel()}); }
 
@@ -147,32 +174,26 @@ float AdamW::grad_norm(const model::Weights& grads) {
   for (const model::NamedTensor& s : grads.storage()) tensors.push_back(s.tensor);
   if (!grads.device().is_cpu()) return ops::global_norm(tensors);
   const ops::detail::OpTimer timer("global_norm");  // bench train's "gradient norm" phase
-  std::vector<int64_t> starts;
-  int64_t total = 0;
-  for (const Tensor& t : tensors) {
-    starts.push_back(total);
-    total += t.numel();
-  }
+  const std::vector<int64_t> starts = flat_starts(grads.storage());
+  const int64_t total = starts.empty() ? 0 : starts.back() + tensors.back().numel();
   const int64_t blocks = (total + kNormBlock - 1) / kNormBlock;
   std::vector<double> sums(static_cast<size_t>(blocks));
   parallel_for(blocks, [&](int64_t b0, int64_t b1) {
     std::vector<float> joined;  // a block that crosses tensors, copied whole
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kNormBlock, hi = std::min(total, lo + kNormBlock);
-      auto t = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) -
-                                   starts.begin() - 1);
-      while (starts[t] + tensors[t].numel() <= lo) ++t;  // past empty tensors
-      const float* x = tensors[t].data_as<float>() + (lo - starts[t]);
-      if (hi > starts[t] + tensors[t].numel()) {
-        joined.resize(static_cast<size_t>(kNormBlock));
-        for (int64_t at = lo; at < hi; ++t) {
-          const int64_t end = std::min(hi, starts[t] + tensors[t].numel());
-          std::copy(tensors[t].data_as<float>() + (at - starts[t]),
-                    tensors[t].data_as<float>() + (end - starts[t]), joined.data() + (at - lo));
-          at = end;
-        }
-        x = joined.data();
-      }
+      const float* x = nullptr;
+      for_each_piece(grads.storage(), starts, lo, hi,
+                     [&](size_t t, int64_t off, int64_t at, int64_t count) {
+                       const float* piece = tensors[t].data_as<float>() + off;
+                       if (count == hi - lo) {
+                         x = piece;
+                         return;
+                       }
+                       joined.resize(static_cast<size_t>(kNormBlock));
+                       std::copy(piece, piece + count, joined.data() + at);
+                       x = joined.data();
+                     });
       sums[static_cast<size_t>(b)] = ops::cpu::chunk_sum_squares(x, hi - lo);
     }
   });
@@ -225,8 +246,8 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
   TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
                "optimizer: sharded AdamW needs f32 master weights on the CPU, got {}",
                params.dtype());
+  starts_ = flat_starts(params.storage());
   for (const model::NamedTensor& s : params.storage()) {
-    starts_.push_back(total_);
     total_ += s.tensor.numel();
     decay_.push_back(AdamW::decays(config_, s.name));
   }
@@ -244,16 +265,8 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
 
 template <class Fn>
 void ShardedAdamW::for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const {
-  hi = std::min(hi, total_);
-  if (lo >= hi) return;
-  auto t = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), lo) -
-                               starts_.begin() - 1);
-  for (int64_t at = lo; at < hi; ++t) {
-    const int64_t tensor_end = starts_[t] + params_.storage()[t].tensor.numel();
-    const int64_t len = std::min(hi, tensor_end) - at;
-    fn(t, at - starts_[t], at - lo, len);
-    at += len;
-  }
+  trainer::for_each_piece(params_.storage(), starts_, lo, std::min(hi, total_),
+                          std::forward<Fn>(fn));
 }
 
 StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {

@@ -147,12 +147,12 @@ class ShardedAdamW {
   template <class Fn>
   void for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const;
 
-  // The update of the range from grad_ under the global norm, then the ranges all-gathered.
   // The global norm of the summed gradients (this rank's range in grad_): the f64 sums of squares
   // of every rank's blocks of kNormBlock, gathered and added in block order (NaN when this rank
   // saw a non-finite value: not `finite`), the same bits as AdamW::grad_norm of those gradients.
   // Collective.
   float global_norm(bool finite) const;
+  // The update of the range from grad_ under the global norm, then the ranges all-gathered.
   StepResult update(float norm, float lr);
 
   model::Weights& params_;
