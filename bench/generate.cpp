@@ -17,6 +17,7 @@
 
 #include "bench/bench.h"
 #include "bench/peers.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/loader.h"
@@ -37,10 +38,6 @@ nlohmann::json run_peer(const std::string& model, const std::vector<int32_t>& pr
 }
 
 void print(const Options& opt, const nlohmann::ordered_json& j) { print_line(opt, j); }
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // One greedy request of new_tokens tokens (no stop ids, so always that many): the engine's first
 // step prefills the prompt and samples the first token; every later step decodes one token.

@@ -13,6 +13,7 @@
 
 #include "bench/bench.h"
 #include "bench/peers.h"
+#include "core/clock.h"
 #include "model/loader.h"
 #include "model/prompt.h"
 #include "rollout/engine.h"
@@ -21,12 +22,6 @@
 
 namespace tandem::bench {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Request i of the endless sequence both sides serve: a distinct prompt of `len` tokens.
 rollout::Request request_of(const model::Tokenizer& tok, int64_t i, int64_t len, int n,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "core/clock.h"
 #include "core/comm.h"
 #include "core/error.h"
 #include "kernels/ops.h"
@@ -27,12 +28,6 @@
 
 namespace tandem::bench {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // CPU seconds of this process so far (all threads; the kernel's socket copies included).
 double process_cpu_seconds() {

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/clock.h"
 #include "core/comm.h"
 #include "trainer/append_file.h"
 #include "trainer/checkpoint.h"
@@ -25,12 +26,6 @@
 #include "trainer/tensorboard.h"
 
 namespace tandem::trainer::job_detail {
-
-using Clock = std::chrono::steady_clock;
-
-inline double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // A running job: the model, data, rewards, rollout engine, trainer and outputs of one process,
 // and the phases of a step.

@@ -1,6 +1,7 @@
 // PolicyTrainer: old/ref logprobs, micro-batched forward/backward through the decoder with the
 // GRPO loss's gradient, AdamW per minibatch.
 #include "trainer/train_step.h"
+#include "core/clock.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,10 +12,6 @@
 
 namespace tandem::trainer {
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 int64_t completion_tokens(std::span<const TrainSample> samples) {
   int64_t n = 0;

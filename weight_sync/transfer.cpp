@@ -2,6 +2,7 @@
 // helper thread while the previous round is in flight, staging, checksums and the final agreement;
 // the pieces within the rank, straight from source to destination on SyncOptions::threads threads.
 #include "weight_sync/transfer.h"
+#include "core/clock.h"
 
 #include <fmt/format.h>
 
@@ -26,12 +27,6 @@ constexpr int64_t kAlign = 8;  // wire offsets of pieces; chunk sizes are multip
 constexpr int64_t kParallelBytes = int64_t{4} << 20;
 constexpr int64_t kStreamBytes = int64_t{64} << 20;
 constexpr int64_t kLocalBlock = int64_t{1} << 18;  // elements a thread takes at a time
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // CPU seconds of the calling thread (time it spent running, not waiting for a core).
 double thread_cpu_seconds() {

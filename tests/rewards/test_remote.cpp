@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "rewards/builtins.h"
 #include "rewards/factory.h"
@@ -26,6 +27,7 @@
 #include "tests/testutil.h"
 
 using namespace tandem::rewards;
+using tandem::seconds_since;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
@@ -89,10 +91,6 @@ nlohmann::json client_options(int port, nlohmann::json more = nlohmann::json::ob
                       {"backoff_ms", 20}};
   o.update(more);
   return o;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 // A port nothing listens on: bound once by a server that is gone again.
