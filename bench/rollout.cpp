@@ -1,7 +1,8 @@
 // `tandem bench rollout`: aggregate decode tokens/s of the rollout engine at batch 1, 8, 32, 64
 // (prompts of 64 tokens, 64 new tokens, greedy) beside llama.cpp's batched API on a GGUF of the
-// same weights at the same precision, with the machine's bound; and what group prefix sharing
-// (n = 8 samples of one prompt) saves in prefill work, KV memory and time.
+// same weights at the same precision, with the machine's bound, for f32 and bf16 weights in the
+// f32 precision and bf16 weights in the bf16 precision; and what group prefix sharing (n = 8
+// samples of one prompt) saves in prefill work, KV memory and time.
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -9,10 +10,12 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "bench/bench.h"
 #include "bench/peers.h"
 #include "core/parallel.h"
+#include "kernels/ops.h"
 #include "model/loader.h"
 #include "rollout/engine.h"
 
@@ -105,19 +108,40 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
   const int repeats = opt.quick ? 1 : 2;
   const std::vector<int64_t> batches =
       opt.quick ? std::vector<int64_t>{1, 8} : std::vector<int64_t>{1, 8, 32, 64};
-  const Ceilings ceilings = measure_ceilings(opt);
   const std::string model_name = fs::path(path).stem().string();
   int errors = 0;
 
-  for (DType dtype : {DType::f32, DType::bf16}) {
+  // The weights' dtype and whether the products run in the bf16 precision. By default f32 and
+  // bf16 weights in the f32 precision (bf16 weights widened exactly), then bf16 weights in the
+  // bf16 precision where the CPU has a bf16 path: the like-for-like row for the peer's BF16
+  // GGUF, whose dot products also round the activations to bf16. --cpu-matmul bf16: both
+  // dtypes in the bf16 precision.
+  struct Series {
+    DType dtype;
+    bool bf16_compute;
+  };
+  const bool all_bf16 = opt.cpu_matmul == "bf16";
+  std::vector<Series> series = {{DType::f32, all_bf16}, {DType::bf16, all_bf16}};
+  if (!all_bf16 && opt.device.is_cpu() &&
+      ops::matmul_bf16_path() != ops::MatmulBf16Path::f32_kernel)
+    series.push_back({DType::bf16, true});
+  const Ceilings f32_ceilings = all_bf16 ? Ceilings{} : measure_ceilings(opt);
+  std::optional<Ceilings> bf16_ceilings;
+
+  for (const auto [dtype, bf16_compute] : series) {
+    const ops::ScopedMatmulPrecision precision(bf16_compute ? ops::MatmulPrecision::bf16
+                                                            : ops::MatmulPrecision::f32);
+    if (bf16_compute && !bf16_ceilings) bf16_ceilings = measure_ceilings(opt);
+    const Ceilings& ceilings = bf16_compute ? *bf16_ceilings : f32_ceilings;
+    const std::string suffix = bf16_compute ? " " + bf16_compute_name() : "";
     model::LoadedModel m = model::load_model(path, dtype);
     const std::string peer_gguf = path.ends_with(".gguf") ? precision_gguf(path, dtype) : "";
     const double weight_bytes = static_cast<double>(m.weights->nbytes());
     const double flops_per_token = 2.0 * static_cast<double>(m.weights->num_parameters());
     for (int64_t B : batches) {
       const std::string case_name =
-          fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype),
-                      opt.precision_suffix(), B, prompt_len, new_tokens);
+          fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype), suffix,
+                      B, prompt_len, new_tokens);
       if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
       const auto prompts = make_prompts(m.tok(), B, prompt_len);
       const Timing t = run_engine(*m.weights, prompts, 1, new_tokens, repeats);
@@ -182,7 +206,7 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
     const int64_t G = 8;
     const std::string group_case =
         fmt::format("{} {}{} group n={} sharing one prompt of {} vs {} prompts", model_name,
-                    dtype_name(dtype), opt.precision_suffix(), G, prompt_len, G);
+                    dtype_name(dtype), suffix, G, prompt_len, G);
     if (!opt.filter.empty() && group_case.find(opt.filter) == std::string::npos) continue;
     const auto one = make_prompts(m.tok(), 1, prompt_len);
     const auto eight = make_prompts(m.tok(), G, prompt_len);

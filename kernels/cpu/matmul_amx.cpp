@@ -189,6 +189,24 @@ void amx_pack_transposed(const void* src, bool bf16, int64_t ld, int64_t cols, i
   typed(src, bf16, [&](auto p) { pack_transposed_impl(p, ld, cols, k, dst, g0, g1, kp); });
 }
 
+// The rows of block (ig, jg) that y has, from the first `tiles` of the 16 x 16 tiles in c
+// (row-major pairs: tile t holds rows (t / 2) * 16.., columns (t % 2) * 16..), [added to y].
+TANDEM_AMX inline void store_tiles(const float (*c)[16 * 16], int tiles, float* y, int64_t ldy,
+                                   int64_t ig, int64_t jg, int64_t rows, int64_t cols, bool add) {
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t r0 = ig * 32 + (t / 2) * 16, c0 = jg * 32 + (t % 2) * 16;
+    const int64_t nr = std::min<int64_t>(16, rows - r0), nc = cols - c0;
+    if (nr <= 0 || nc <= 0) continue;
+    const __mmask16 m = mask_of(nc);
+    for (int64_t r = 0; r < nr; ++r) {
+      float* out = y + (r0 + r) * ldy + c0;
+      __m512 v = _mm512_load_ps(c[t] + r * 16);
+      if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
+      _mm512_mask_storeu_ps(out, m, v);
+    }
+  }
+}
+
 TANDEM_AMX void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t* b,
                            int64_t col_groups, int64_t kp, float* y, int64_t ldy, int64_t rows,
                            int64_t cols, bool add) {
@@ -203,6 +221,20 @@ TANDEM_AMX void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t
       const uint16_t* a1 = a0 + 16 * kp;
       _tile_zero(0);
       _tile_zero(1);
+      if (rows - ig * 32 <= 16) {
+        // No row of the second 16 is stored (decode): its tiles are not computed.
+        for (int64_t k = 0; k < kp; k += 32) {
+          _tile_loadd(4, a0 + k, stride_a);
+          _tile_loadd(6, b0 + k * 16, 64);
+          _tile_loadd(7, b1 + k * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        store_tiles(c, 2, y, ldy, ig, jg, rows, cols, add);
+        continue;
+      }
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t k = 0; k < kp; k += 32) {
@@ -228,18 +260,7 @@ TANDEM_AMX void amx_blocks(const uint16_t* a, int64_t row_groups, const uint16_t
       _tile_stored(1, c[1], 64);
       _tile_stored(2, c[2], 64);
       _tile_stored(3, c[3], 64);
-      for (int64_t t = 0; t < 4; ++t) {
-        const int64_t r0 = ig * 32 + (t / 2) * 16, c0 = jg * 32 + (t % 2) * 16;
-        const int64_t nr = std::min<int64_t>(16, rows - r0), nc = cols - c0;
-        if (nr <= 0 || nc <= 0) continue;
-        const __mmask16 m = mask_of(nc);
-        for (int64_t r = 0; r < nr; ++r) {
-          float* out = y + (r0 + r) * ldy + c0;
-          __m512 v = _mm512_load_ps(c[t] + r * 16);
-          if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
-          _mm512_mask_storeu_ps(out, m, v);
-        }
-      }
+      store_tiles(c, 4, y, ldy, ig, jg, rows, cols, add);
     }
   }
   _tile_release();
