@@ -120,8 +120,6 @@ MatmulBf16Path bf16_path() {
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
 // of the thread's share of N passes over it.
 constexpr int64_t kXBlockBytes = int64_t{512} << 10;
-// Smallest w (bytes) whose panels are prefetched ahead (a core's L2).
-constexpr int64_t kPrefetchMinBytes = int64_t{2} << 20;
 // Most x rows for which the AVX-512 kernel reads a bf16 w directly, widening it in registers
 // (the same values, so the same bits): the copy to an f32 panel costs about as much as the
 // math when few x rows use it (decode), while with many rows it is amortised and the kernel's
@@ -174,8 +172,6 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
   const bool avx512 = use_avx512();
   const bool w_direct = avx512 && w.bf16 && M <= kDirectBf16MaxRows;
   const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
-  // Software prefetch of the next w panel pays only when w does not stay in a core's L2.
-  const bool prefetch_w = N * K * (w.bf16 ? 2 : 4) > kPrefetchMinBytes || w_direct;
   const int64_t panels = (N + kTileCols - 1) / kTileCols;
   const int64_t kc_max = std::min(K, kChunk);
   const int64_t row_bytes = 4 * std::max<int64_t>(1, kc_max);
@@ -227,7 +223,9 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
               float* yb = y + i0 * N + j;
               if (avx512) {
                 detail::Prefetch next;
-                if (prefetch_w && j + kTileCols < j1) {
+                // Every product prefetches its next w panel: in a model's pass each w is read
+                // once and comes from memory, however small (docs/kernels-matmul.md).
+                if (j + kTileCols < j1) {
                   const int64_t esize = w.bf16 ? 2 : 4;
                   next.base =
                       static_cast<const char*>(w.data) + ((j + kTileCols) * ldw_src + k0) * esize;
