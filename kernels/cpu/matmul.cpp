@@ -120,6 +120,8 @@ MatmulBf16Path bf16_path() {
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
 // of the thread's share of N passes over it.
 constexpr int64_t kXBlockBytes = int64_t{512} << 10;
+// w panels per work item of a forward product's threads (those of at least 4 items).
+constexpr int64_t kPanelsPerItem = 16;
 // Most x rows for which the AVX-512 kernel reads a bf16 w directly, widening it in registers
 // (the same values, so the same bits): the copy to an f32 panel costs about as much as the
 // math when few x rows use it (decode), while with many rows it is amortised and the kernel's
@@ -165,8 +167,9 @@ void copy_rows(Rows src, int64_t ld, int64_t i0, int64_t rows, int64_t k0, int64
 }
 
 // y (M, N) [+]= x (M, K) · w (N, K)^T. Threads take contiguous ranges of kTileCols-row panels
-// of w and never split K; blocks of x rows and chunks of K are visited in a fixed order, so
-// every element's arithmetic is the one of detail::kChunk, whatever M, N and the thread count.
+// of w (items of kPanelsPerItem panels as they finish, when there are many) and never split K;
+// blocks of x rows and chunks of K are visited in a fixed order, so every element's arithmetic is
+// the one of detail::kChunk, whatever M, N and the thread count.
 void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (M == 0 || N == 0) return;
   const bool avx512 = use_avx512();
@@ -182,71 +185,79 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
   const int64_t panel_bytes = std::max<int64_t>(1, kTileCols * K * (w.bf16 ? 2 : 4));
   const int64_t min_panels = std::max<int64_t>(
       1, std::min(kMinWorkPerThread / panel_work, kMinWBytesPerThread / panel_bytes));
-  parallel_for(
-      panels,
-      [&](int64_t p0, int64_t p1) {
-        thread_local std::vector<float> x_scratch, w_scratch;
-        const int64_t j0 = p0 * kTileCols, j1 = std::min(N, p1 * kTileCols);
-        for (int64_t i0 = 0; i0 < M; i0 += block_rows) {
-          const int64_t rows = std::min(block_rows, M - i0);
-          // K = 0: every chunk loop below is empty; y is an empty sum.
-          if (K == 0 && !accumulate)
-            for (int64_t i = i0; i < i0 + rows; ++i)
-              std::fill(y + i * N + j0, y + i * N + j1, 0.0f);
-          for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-            const int64_t kc = std::min(kChunk, K - k0);
-            const bool add = accumulate || k0 > 0;
-            const float* xb;
-            int64_t ldx = ldx_src;
-            if (x.bf16) {
-              float* d = grow(x_scratch, rows * kc);
-              copy_rows(x, ldx_src, i0, rows, k0, kc, d);
-              xb = d;
-              ldx = kc;
+  const auto body = [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> x_scratch, w_scratch;
+    const int64_t j0 = p0 * kTileCols, j1 = std::min(N, p1 * kTileCols);
+    for (int64_t i0 = 0; i0 < M; i0 += block_rows) {
+      const int64_t rows = std::min(block_rows, M - i0);
+      // K = 0: every chunk loop below is empty; y is an empty sum.
+      if (K == 0 && !accumulate)
+        for (int64_t i = i0; i < i0 + rows; ++i) std::fill(y + i * N + j0, y + i * N + j1, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t kc = std::min(kChunk, K - k0);
+        const bool add = accumulate || k0 > 0;
+        const float* xb;
+        int64_t ldx = ldx_src;
+        if (x.bf16) {
+          float* d = grow(x_scratch, rows * kc);
+          copy_rows(x, ldx_src, i0, rows, k0, kc, d);
+          xb = d;
+          ldx = kc;
+        } else {
+          xb = static_cast<const float*>(x.data) + i0 * ldx_src + k0;
+        }
+        for (int64_t j = j0; j < j1; j += kTileCols) {
+          const int64_t cols = std::min<int64_t>(kTileCols, N - j);
+          const float* wp = nullptr;
+          int64_t ldw = ldw_src;
+          if (w_direct) {
+            // Read in place by the bf16 overload of chunk_avx512 below.
+          } else if (w.bf16) {
+            float* d = grow(w_scratch, cols * kc);
+            copy_rows(w, ldw_src, j, cols, k0, kc, d);
+            wp = d;
+            ldw = kc;
+          } else {
+            wp = static_cast<const float*>(w.data) + j * ldw_src + k0;
+          }
+          float* yb = y + i0 * N + j;
+          if (avx512) {
+            detail::Prefetch next;
+            // Every product prefetches its next w panel: in a model's pass each w is read
+            // once and comes from memory, however small (docs/kernels-matmul.md).
+            if (j + kTileCols < N) {
+              const int64_t esize = w.bf16 ? 2 : 4;
+              next.base =
+                  static_cast<const char*>(w.data) + ((j + kTileCols) * ldw_src + k0) * esize;
+              next.rows = std::min<int64_t>(kTileCols, N - j - kTileCols);
+              next.row_bytes = kc * esize;
+              next.stride_bytes = ldw_src * esize;
+            }
+            if (w_direct) {
+              const uint16_t* wb = static_cast<const uint16_t*>(w.data) + j * ldw_src + k0;
+              detail::chunk_avx512(xb, ldx, wb, ldw, yb, N, rows, cols, kc, add, next);
             } else {
-              xb = static_cast<const float*>(x.data) + i0 * ldx_src + k0;
+              detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
             }
-            for (int64_t j = j0; j < j1; j += kTileCols) {
-              const int64_t cols = std::min<int64_t>(kTileCols, N - j);
-              const float* wp = nullptr;
-              int64_t ldw = ldw_src;
-              if (w_direct) {
-                // Read in place by the bf16 overload of chunk_avx512 below.
-              } else if (w.bf16) {
-                float* d = grow(w_scratch, cols * kc);
-                copy_rows(w, ldw_src, j, cols, k0, kc, d);
-                wp = d;
-                ldw = kc;
-              } else {
-                wp = static_cast<const float*>(w.data) + j * ldw_src + k0;
-              }
-              float* yb = y + i0 * N + j;
-              if (avx512) {
-                detail::Prefetch next;
-                // Every product prefetches its next w panel: in a model's pass each w is read
-                // once and comes from memory, however small (docs/kernels-matmul.md).
-                if (j + kTileCols < j1) {
-                  const int64_t esize = w.bf16 ? 2 : 4;
-                  next.base =
-                      static_cast<const char*>(w.data) + ((j + kTileCols) * ldw_src + k0) * esize;
-                  next.rows = std::min<int64_t>(kTileCols, j1 - j - kTileCols);
-                  next.row_bytes = kc * esize;
-                  next.stride_bytes = ldw_src * esize;
-                }
-                if (w_direct) {
-                  const uint16_t* wb = static_cast<const uint16_t*>(w.data) + j * ldw_src + k0;
-                  detail::chunk_avx512(xb, ldx, wb, ldw, yb, N, rows, cols, kc, add, next);
-                } else {
-                  detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
-                }
-              } else {
-                detail::chunk_portable(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add);
-              }
-            }
+          } else {
+            detail::chunk_portable(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add);
           }
         }
+      }
+    }
+  };
+  // Products of many panels: threads take items of kPanelsPerItem panels as they finish, so
+  // that a thread the machine slows down takes fewer, where equal ranges left the other waiting
+  // at the join. Which thread computes a panel changes no bit.
+  const int64_t threads = std::min<int64_t>(num_threads(), (panels + min_panels - 1) / min_panels);
+  if (threads <= 1 || panels < 4 * kPanelsPerItem) return parallel_for(panels, body, min_panels);
+  const int64_t items = (panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  parallel_for_dynamic(
+      items,
+      [&](int64_t item) {
+        body(item * kPanelsPerItem, std::min(panels, (item + 1) * kPanelsPerItem));
       },
-      min_panels);
+      items / threads);
 }
 
 // dst (cols, rows; leading dimension ldd) f32 = src (rows, cols)^T, f32 or bf16, in 16 x 16
