@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -218,9 +219,15 @@ def main():
         processor = RewardService.Processor(Handler(rpc, args))
         server = TSocket.TServerSocket(host=args.host, port=args.port)
         server.listen()
+        # accept() wakes twice a second: Python runs a signal's handler in the main thread only,
+        # and if the kernel hands SIGTERM to another thread, a blocked accept() never sees it.
+        server.handle.settimeout(0.5)
         print("listening on %d" % server.handle.getsockname()[1], flush=True)
         while True:
-            client = server.accept()
+            try:
+                client = server.accept()
+            except socket.timeout:
+                continue
             if client is None:
                 continue
             client.setTimeout(args.idle_timeout_s * 1000)
