@@ -125,24 +125,38 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
   if (!all_bf16 && opt.device.is_cpu() &&
       ops::matmul_bf16_path() != ops::MatmulBf16Path::f32_kernel)
     series.push_back({DType::bf16, true});
-  const Ceilings f32_ceilings = all_bf16 ? Ceilings{} : measure_ceilings(opt);
-  std::optional<Ceilings> bf16_ceilings;
+  const int64_t G = 8;  // samples of the group prefix-sharing case
+  const auto batch_case = [&](DType dtype, const std::string& suffix, int64_t B) {
+    return fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype), suffix,
+                       B, prompt_len, new_tokens);
+  };
+  const auto group_case = [&](DType dtype, const std::string& suffix) {
+    return fmt::format("{} {}{} group n={} sharing one prompt of {} vs {} prompts", model_name,
+                       dtype_name(dtype), suffix, G, prompt_len, G);
+  };
+  const auto wanted = [&](const std::string& name) {
+    return opt.filter.empty() || name.find(opt.filter) != std::string::npos;
+  };
+  // Each precision's ceilings, measured before its first case.
+  std::optional<Ceilings> f32_ceilings, bf16_ceilings;
 
   for (const auto [dtype, bf16_compute] : series) {
+    const std::string suffix = bf16_compute ? fmt::format(" {}", bf16_compute_name()) : "";
+    bool any = wanted(group_case(dtype, suffix));
+    for (int64_t B : batches) any = any || wanted(batch_case(dtype, suffix, B));
+    if (!any) continue;
     const ops::ScopedMatmulPrecision precision(bf16_compute ? ops::MatmulPrecision::bf16
                                                             : ops::MatmulPrecision::f32);
-    if (bf16_compute && !bf16_ceilings) bf16_ceilings = measure_ceilings(opt);
-    const Ceilings& ceilings = bf16_compute ? *bf16_ceilings : f32_ceilings;
-    const std::string suffix = bf16_compute ? " " + bf16_compute_name() : "";
+    std::optional<Ceilings>& measured = bf16_compute ? bf16_ceilings : f32_ceilings;
+    if (!measured) measured = measure_ceilings(opt);
+    const Ceilings& ceilings = *measured;
     model::LoadedModel m = model::load_model(path, dtype);
     const std::string peer_gguf = path.ends_with(".gguf") ? precision_gguf(path, dtype) : "";
     const double weight_bytes = static_cast<double>(m.weights->nbytes());
     const double flops_per_token = 2.0 * static_cast<double>(m.weights->num_parameters());
     for (int64_t B : batches) {
-      const std::string case_name =
-          fmt::format("{} {}{} batch {}, prompt {}, {} new", model_name, dtype_name(dtype), suffix,
-                      B, prompt_len, new_tokens);
-      if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
+      const std::string case_name = batch_case(dtype, suffix, B);
+      if (!wanted(case_name)) continue;
       const auto prompts = make_prompts(m.tok(), B, prompt_len);
       const Timing t = run_engine(*m.weights, prompts, 1, new_tokens, repeats);
       const double steps = static_cast<double>(new_tokens - 1);
@@ -203,17 +217,14 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
     // Group prefix sharing: one prompt with 8 samples against 8 distinct prompts of the same
     // length (nothing to share). The prompt's KV blocks are computed and held once per group, so
     // prompt KV memory scales like the prefill tokens.
-    const int64_t G = 8;
-    const std::string group_case =
-        fmt::format("{} {}{} group n={} sharing one prompt of {} vs {} prompts", model_name,
-                    dtype_name(dtype), suffix, G, prompt_len, G);
-    if (!opt.filter.empty() && group_case.find(opt.filter) == std::string::npos) continue;
+    const std::string group = group_case(dtype, suffix);
+    if (!wanted(group)) continue;
     const auto one = make_prompts(m.tok(), 1, prompt_len);
     const auto eight = make_prompts(m.tok(), G, prompt_len);
     const Timing grouped = run_engine(*m.weights, one, static_cast<int>(G), 1, repeats);
     const Timing separate = run_engine(*m.weights, eight, 1, 1, repeats);
     nlohmann::ordered_json s{{"bench", "rollout"},
-                             {"case", group_case},
+                             {"case", group},
                              {"metric", "prefill_seconds_saved_fraction"},
                              {"unit", "fraction"},
                              {"value", 1.0 - grouped.prefill / separate.prefill},
