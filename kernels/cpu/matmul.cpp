@@ -166,6 +166,20 @@ void copy_rows(Rows src, int64_t ld, int64_t i0, int64_t rows, int64_t k0, int64
   }
 }
 
+// Rows [r0, r0 + rows), columns [k0, k0 + kc) of an operand as f32: in place (leading
+// dimension ld = ld_src) or, bf16, widened into scratch (ld = kc).
+const float* f32_block(Rows src, int64_t ld_src, int64_t r0, int64_t rows, int64_t k0, int64_t kc,
+                       std::vector<float>& scratch, int64_t& ld) {
+  if (!src.bf16) {
+    ld = ld_src;
+    return static_cast<const float*>(src.data) + r0 * ld_src + k0;
+  }
+  float* d = grow(scratch, rows * kc);
+  copy_rows(src, ld_src, r0, rows, k0, kc, d);
+  ld = kc;
+  return d;
+}
+
 // y (M, N) [+]= x (M, K) · w (N, K)^T. Threads take contiguous ranges of kTileCols-row panels
 // of w (items of kPanelsPerItem panels as they finish, when there are many) and never split K;
 // blocks of x rows and chunks of K are visited in a fixed order, so every element's arithmetic is
@@ -196,30 +210,14 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, K - k0);
         const bool add = accumulate || k0 > 0;
-        const float* xb;
         int64_t ldx = ldx_src;
-        if (x.bf16) {
-          float* d = grow(x_scratch, rows * kc);
-          copy_rows(x, ldx_src, i0, rows, k0, kc, d);
-          xb = d;
-          ldx = kc;
-        } else {
-          xb = static_cast<const float*>(x.data) + i0 * ldx_src + k0;
-        }
+        const float* xb = f32_block(x, ldx_src, i0, rows, k0, kc, x_scratch, ldx);
         for (int64_t j = j0; j < j1; j += kTileCols) {
           const int64_t cols = std::min<int64_t>(kTileCols, N - j);
-          const float* wp = nullptr;
+          // w_direct: read in place by the bf16 overload of chunk_avx512 below.
           int64_t ldw = ldw_src;
-          if (w_direct) {
-            // Read in place by the bf16 overload of chunk_avx512 below.
-          } else if (w.bf16) {
-            float* d = grow(w_scratch, cols * kc);
-            copy_rows(w, ldw_src, j, cols, k0, kc, d);
-            wp = d;
-            ldw = kc;
-          } else {
-            wp = static_cast<const float*>(w.data) + j * ldw_src + k0;
-          }
+          const float* wp =
+              w_direct ? nullptr : f32_block(w, ldw_src, j, cols, k0, kc, w_scratch, ldw);
           float* yb = y + i0 * N + j;
           if (avx512) {
             detail::Prefetch next;
