@@ -7,13 +7,13 @@
 
 #include <unistd.h>
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 
 #include "bench/bench.h"
 #include "bench/peers.h"
+#include "core/clock.h"
 #include "core/parallel.h"
 #include "kernels/ops.h"
 #include "model/loader.h"
@@ -25,9 +25,9 @@ namespace {
 namespace fs = std::filesystem;
 
 double seconds_of(const std::function<void()>& fn) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const Clock::time_point t0 = Clock::now();
   fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return seconds_since(t0);
 }
 
 // B distinct prompts of `len` tokens: different texts, so nothing is shared between them.

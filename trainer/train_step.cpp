@@ -1,13 +1,12 @@
 // PolicyTrainer: old/ref logprobs, micro-batched forward/backward through the decoder with the
 // GRPO loss's gradient, AdamW per minibatch.
 #include "trainer/train_step.h"
-#include "core/clock.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <limits>
 
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace tandem::trainer {
@@ -330,7 +329,7 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
 
   // pi_old: the rollout's logprobs are exact when the policy has not moved since the rollout
   // (one epoch, one minibatch); otherwise recompute them before the first update.
-  auto t0 = std::chrono::steady_clock::now();
+  auto t0 = Clock::now();
   std::vector<float> rollout_all;
   for (const TrainSample& s : samples)
     rollout_all.insert(rollout_all.end(), s.rollout_logp.begin(), s.rollout_logp.end());
@@ -347,12 +346,12 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
     m.rollout_vs_trainer_mean_abs = old.empty() ? 0 : sum / static_cast<double>(old.size());
   }
   m.seconds_old = seconds_since(t0);
-  t0 = std::chrono::steady_clock::now();
+  t0 = Clock::now();
   std::vector<float> ref;
   if (config_.loss.kl_beta > 0) ref = logprobs(*reference_, samples);
   m.seconds_ref = seconds_since(t0);
 
-  t0 = std::chrono::steady_clock::now();
+  t0 = Clock::now();
   // Minibatch mb is entries [mb * per_mb, (mb + 1) * per_mb) of the batch; this rank trains the
   // ones it holds, normalised by the whole minibatch's tokens and sequences.
   const size_t per_mb = batch / static_cast<size_t>(config_.minibatches);

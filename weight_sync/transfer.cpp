@@ -2,7 +2,6 @@
 // helper thread while the previous round is in flight, staging, checksums and the final agreement;
 // the pieces within the rank, straight from source to destination on SyncOptions::threads threads.
 #include "weight_sync/transfer.h"
-#include "core/clock.h"
 
 #include <fmt/format.h>
 
@@ -14,6 +13,7 @@
 #include <cstring>
 #include <future>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "kernels/ops.h"
 #include "weight_sync/cast.h"

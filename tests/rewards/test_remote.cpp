@@ -27,8 +27,8 @@
 #include "tests/testutil.h"
 
 using namespace tandem::rewards;
-using tandem::seconds_since;
 using Catch::Matchers::Contains;
+using tandem::seconds_since;
 namespace fs = std::filesystem;
 
 namespace {
