@@ -86,28 +86,24 @@ float norm_of_sums(std::span<const double> sums) {
   return static_cast<float>(std::sqrt(total));
 }
 
-// The flat offset of each storage tensor: the parameters' elements in storage order, each
-// tensor flattened, one after the other.
+// The flat offsets of the storage tensors, one more than there are tensors: tensor t holds the
+// elements [starts[t], starts[t + 1]) of the parameters flattened in storage order, and the last
+// offset is their total.
 std::vector<int64_t> flat_starts(std::span<const model::NamedTensor> storage) {
-  std::vector<int64_t> starts;
-  int64_t total = 0;
-  for (const model::NamedTensor& s : storage) {
-    starts.push_back(total);
-    total += s.tensor.numel();
-  }
+  std::vector<int64_t> starts = {0};
+  for (const model::NamedTensor& s : storage) starts.push_back(starts.back() + s.tensor.numel());
   return starts;
 }
 
 // Calls fn(tensor index, offset in the tensor, offset in [lo, hi), length) for each piece of
-// the flat range [lo, hi) (within the storage's elements) that lies in one storage tensor.
+// the flat range [lo, hi) (within [0, starts.back())) that lies in one storage tensor.
 template <class Fn>
-void for_each_piece(std::span<const model::NamedTensor> storage, std::span<const int64_t> starts,
-                    int64_t lo, int64_t hi, Fn&& fn) {
+void for_each_piece(std::span<const int64_t> starts, int64_t lo, int64_t hi, Fn&& fn) {
   if (lo >= hi) return;
   auto t =
       static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1);
   for (int64_t at = lo; at < hi; ++t) {
-    const int64_t len = std::min(hi, starts[t] + storage[t].tensor.numel()) - at;
+    const int64_t len = std::min(hi, starts[t + 1]) - at;
     fn(t, at - starts[t], at - lo, len);
     at += len;
   }
@@ -175,7 +171,7 @@ float AdamW::grad_norm(const model::Weights& grads) {
   if (!grads.device().is_cpu()) return ops::global_norm(tensors);
   const ops::detail::OpTimer timer("global_norm");  // bench train's "gradient norm" phase
   const std::vector<int64_t> starts = flat_starts(grads.storage());
-  const int64_t total = starts.empty() ? 0 : starts.back() + tensors.back().numel();
+  const int64_t total = starts.back();
   const int64_t blocks = (total + kNormBlock - 1) / kNormBlock;
   std::vector<double> sums(static_cast<size_t>(blocks));
   parallel_for(blocks, [&](int64_t b0, int64_t b1) {
@@ -183,17 +179,16 @@ float AdamW::grad_norm(const model::Weights& grads) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kNormBlock, hi = std::min(total, lo + kNormBlock);
       const float* x = nullptr;
-      for_each_piece(grads.storage(), starts, lo, hi,
-                     [&](size_t t, int64_t off, int64_t at, int64_t count) {
-                       const float* piece = tensors[t].data_as<float>() + off;
-                       if (count == hi - lo) {
-                         x = piece;
-                         return;
-                       }
-                       joined.resize(static_cast<size_t>(kNormBlock));
-                       std::copy(piece, piece + count, joined.data() + at);
-                       x = joined.data();
-                     });
+      for_each_piece(starts, lo, hi, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+        const float* piece = tensors[t].data_as<float>() + off;
+        if (count == hi - lo) {
+          x = piece;
+          return;
+        }
+        joined.resize(static_cast<size_t>(kNormBlock));
+        std::copy(piece, piece + count, joined.data() + at);
+        x = joined.data();
+      });
       sums[static_cast<size_t>(b)] = ops::cpu::chunk_sum_squares(x, hi - lo);
     }
   });
@@ -247,10 +242,9 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
                "optimizer: sharded AdamW needs f32 master weights on the CPU, got {}",
                params.dtype());
   starts_ = flat_starts(params.storage());
-  for (const model::NamedTensor& s : params.storage()) {
-    total_ += s.tensor.numel();
+  total_ = starts_.back();
+  for (const model::NamedTensor& s : params.storage())
     decay_.push_back(AdamW::decays(config_, s.name));
-  }
   // Even ranges of whole norm blocks.
   const int64_t blocks = (total_ + kNormBlock - 1) / kNormBlock;
   shard_ = (blocks + world_ - 1) / world_ * kNormBlock;
@@ -265,12 +259,11 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
 
 template <class Fn>
 void ShardedAdamW::for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const {
-  trainer::for_each_piece(params_.storage(), starts_, lo, std::min(hi, total_),
-                          std::forward<Fn>(fn));
+  trainer::for_each_piece(starts_, lo, std::min(hi, total_), std::forward<Fn>(fn));
 }
 
 StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
-  TANDEM_CHECK(grads.dtype() == DType::f32 && grads.storage().size() == starts_.size(),
+  TANDEM_CHECK(grads.dtype() == DType::f32 && grads.storage().size() + 1 == starts_.size(),
                "optimizer: the gradients belong to another model");
   const int64_t n = world_, chunk = stage_.numel() / (2 * n);
   float* stage = stage_.data_as<float>();

@@ -160,7 +160,7 @@ class ShardedAdamW {
   AdamWConfig config_;
   int rank_ = 0, world_ = 1;
   int64_t total_ = 0, shard_ = 0, begin_ = 0, end_ = 0;
-  std::vector<int64_t> starts_;  // flat offset of each storage tensor
+  std::vector<int64_t> starts_;  // flat offset of each storage tensor, then total_
   std::vector<bool> decay_;      // per storage tensor
   Tensor m_, v_, grad_;          // (shard_) each; the tail past end_ stays zero
   Tensor stage_;                 // (N * kStageElements)
