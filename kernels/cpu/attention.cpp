@@ -426,6 +426,13 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
   double macs = 0;
   for (int64_t b = 0; b < B; ++b) macs += static_cast<double>(indptr[b + 1] - indptr[b]) * P;
   macs *= 2.0 * static_cast<double>(H * D);
+  // Sequence bb's position pos in head h: its key (a column of the block's transposed keys, the
+  // next key P elements on) and, in *v, its value row.
+  const auto at = [&](int64_t bb, int64_t h, int64_t pos, const T** v) {
+    const int64_t blk = indices[indptr[bb] + pos / P];
+    *v = vc + ((blk * P + pos % P) * Hkv + h) * D;
+    return kc + (blk * Hkv + h) * D * P + pos % P;
+  };
   parallel_items(B * Hkv, macs, [&](int64_t begin, int64_t end) {
     float* kt = scratch_floats(0, static_cast<size_t>(D * kBlk));
     float* vb = scratch_floats(1, static_cast<size_t>(D * kBlk));
@@ -441,11 +448,6 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
         int64_t ldk = kBlk;
         if constexpr (std::is_same_v<T, float>) {
           if (in_place) {
-            const auto at = [&](int64_t bb, int64_t h, int64_t pos, const float** v0) {
-              const int64_t blk = indices[indptr[bb] + pos / P];
-              *v0 = vc + ((blk * P + pos % P) * Hkv + h) * D;
-              return kc + (blk * Hkv + h) * D * P + pos % P;
-            };
             const float* v0 = nullptr;
             kb = at(b, kvh, k0, &v0);
             ldk = P;
@@ -461,12 +463,7 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
         if (!in_place) {
           const T* kcols[kBlk];
           const T* vrows[kBlk];
-          for (int j = 0; j < n; ++j) {
-            const int64_t pos = k0 + j;
-            const int64_t blk = indices[indptr[b] + pos / P];
-            kcols[j] = kc + (blk * Hkv + kvh) * D * P + pos % P;
-            vrows[j] = vc + ((blk * P + pos % P) * Hkv + kvh) * D;
-          }
+          for (int j = 0; j < n; ++j) kcols[j] = at(b, kvh, k0 + j, &vrows[j]);
           gather_block_portable(kcols, P, vrows, n, D, kt, vb, vr);
         }
         for (int64_t g0 = 0; g0 < G; g0 += kMaxRows) {
