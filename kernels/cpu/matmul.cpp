@@ -118,7 +118,7 @@ MatmulBf16Path bf16_path() {
 }
 
 // Bytes of one block of x rows (one chunk of K wide): it stays in a core's L2 while every w panel
-// of the thread's share of N passes over it.
+// of the thread's range (or work item) of N passes over it.
 constexpr int64_t kXBlockBytes = int64_t{512} << 10;
 // w panels per work item of a forward product's threads (those of at least 4 items).
 constexpr int64_t kPanelsPerItem = 16;
