@@ -15,9 +15,9 @@
 
 #include "core/error.h"
 #include "core/utf8.h"
-#include "rewards/bounded_thrift.h"
 #include "rewards/rpc/RewardService.h"
 #include "rewards/rpc/reward_constants.h"
+#include "rpc/thrift_client.h"
 
 namespace tandem::rewards {
 namespace {
@@ -45,36 +45,15 @@ struct Refused : Error {
 
 }  // namespace
 
-struct RemoteReward::Connection {
-  std::shared_ptr<at::transport::TSocket> socket;
-  std::shared_ptr<at::transport::TTransport> transport;
-  std::unique_ptr<rpc::RewardServiceClient> client;
+struct RemoteReward::Link : ThriftClient<rpc::RewardServiceClient> {
+  using ThriftClient::ThriftClient;
 };
-
-void route_thrift_output_to_log() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    at::GlobalOutput.setOutputFunction([](const char* msg) { spdlog::debug("thrift: {}", msg); });
-  });
-}
 
 RemoteReward::RemoteReward(std::string name, Options options)
     : name_(std::move(name)), options_(std::move(options)) {
   route_thrift_output_to_log();
   const std::string& a = options_.address;
-  const size_t colon = a.rfind(':');
-  const bool port_ok = colon != std::string::npos && colon + 1 < a.size() &&
-                       a.size() - colon <= 6 &&
-                       a.find_first_not_of("0123456789", colon + 1) == std::string::npos;
-  TANDEM_CHECK(port_ok && colon > 0,
-               "reward '{}' (remote): address '{}' is not host:port (e.g. 127.0.0.1:9090)", name_,
-               a);
-  host_ = a.substr(0, colon);
-  if (host_.size() > 2 && host_.front() == '[' && host_.back() == ']')  // [::1]:9090
-    host_ = host_.substr(1, host_.size() - 2);
-  port_ = std::stoi(a.substr(colon + 1));
-  TANDEM_CHECK(port_ >= 1 && port_ <= 65535,
-               "reward '{}' (remote): port {} of '{}' is not 1..65535", name_, port_, a);
+  const Endpoint peer = parse_endpoint(a, fmt::format("reward '{}' (remote)", name_), 9090);
   auto check_range = [&](const char* key, int64_t v, int64_t lo, int64_t hi) {
     TANDEM_CHECK(v >= lo && v <= hi, "reward '{}' (remote): option '{}' is {}, expected {}..{}",
                  name_, key, v, lo, hi);
@@ -86,6 +65,9 @@ RemoteReward::RemoteReward(std::string name, Options options)
   check_range("backoff_ms", options_.backoff_ms, 0, 60'000);
   check_range("max_concurrency", options_.max_concurrency, 1, 1024);
   check_range("batch_size", options_.batch_size, 1, 1'000'000);
+  // An answer holds one score per sample sent, so a longer list is never read.
+  link_ = std::make_unique<Link>(
+      peer, ThriftLimits{.max_container_elements = static_cast<int32_t>(options_.batch_size)});
   if (!options_.check_on_start) return;
   const RemoteServerInfo i = info();
   const int32_t expected = rpc::g_reward_constants.PROTOCOL_VERSION;
@@ -102,64 +84,29 @@ RemoteReward::RemoteReward(std::string name, Options options)
 
 RemoteReward::~RemoteReward() = default;
 
-std::unique_ptr<RemoteReward::Connection> RemoteReward::take_connection(bool& reused) {
-  {
-    auto c = idle_.take();
-    reused = c != nullptr;
-    if (reused) {
-      return c;
-    }
-  }
-  // An answer holds one score per sample sent, so a longer list is never read.
-  const ThriftLimits limits{.max_container_elements = static_cast<int32_t>(options_.batch_size)};
-  check_thrift_limits(limits, fmt::format("reward '{}' (remote)", name_));
-  BoundedClientSocket link =
-      open_bounded_client(host_, port_, static_cast<int>(options_.connect_timeout_ms),
-                          static_cast<int>(options_.timeout_ms), limits);
-  auto c = std::make_unique<Connection>();
-  c->socket = std::move(link.socket);
-  c->transport = std::move(link.transport);
-  c->client = std::make_unique<rpc::RewardServiceClient>(std::move(link.protocol));
-  return c;
-}
-
 // Transport errors (refused, reset, timed out) and Overloaded are retried after a pause that
-// doubles; the connection of a transport error is dropped (a late answer could still arrive on
-// it). A refusal (InvalidRequest, Unauthorized), a protocol error or the server's own exception
-// are final.
+// doubles (rpc/thrift_client.h). A refusal (InvalidRequest, Unauthorized), a protocol error or the
+// server's own exception are final.
 template <typename Call>
 auto RemoteReward::with_retries(const std::string& what, Call&& call) {
   const std::string where = fmt::format("reward '{}' (remote {})", name_, options_.address);
-  std::string last;
-  bool stale_retried = false;
-  for (int64_t attempt = 0;;) {
-    std::unique_ptr<Connection> c;
-    bool reused = false;
+  const CallTries tries{.what = fmt::format("{}: {}", where, what),
+                        .retries = options_.retries,
+                        .backoff_ms = options_.backoff_ms,
+                        .connect_timeout_ms = options_.connect_timeout_ms,
+                        .timeout_ms = options_.timeout_ms,
+                        .retry_log_level = spdlog::level::warn};
+  auto judge = [&]() -> std::string {
     try {
-      c = take_connection(reused);
-      auto result = call(*c->client);
-      idle_.give_back(std::move(c));
-      return result;
-    } catch (const at::transport::TTransportException& e) {
-      last = fmt::format("transport error: {}", e.what());
-      idle_.drop_all();
-      // A pooled connection is dead after the server restarted: try a fresh one at once, once.
-      if (reused && !stale_retried &&
-          e.getType() != at::transport::TTransportException::TIMED_OUT) {
-        stale_retried = true;
-        continue;
-      }
+      throw;
     } catch (const rpc::Overloaded& e) {
-      last = fmt::format("server overloaded: {}", e.message);
-      idle_.give_back(std::move(c));
+      return fmt::format("server overloaded: {}", e.message);
     } catch (const rpc::Unauthorized& e) {
-      idle_.give_back(std::move(c));
       throw FatalRewardError(
           fmt::format("{}: {}: the server refused the token ({}): the token is wrong or missing; "
                       "set the reward's token (token_env in the job config) to the server's",
                       where, what, e.message));
     } catch (const rpc::InvalidRequest& e) {
-      idle_.give_back(std::move(c));
       throw Refused(
           fmt::format("{}: {}: the server refused the request: {}", where, what, e.message));
     } catch (const at::protocol::TProtocolException& e) {
@@ -167,19 +114,15 @@ auto RemoteReward::with_retries(const std::string& what, Call&& call) {
           fmt::format("{}: {}: protocol error (is it a RewardService, framed binary "
                       "protocol?): {}",
                       where, what, e.what()));
-    } catch (const at::TApplicationException& e) {
+    } catch (const at::TException& e) {
       throw Refused(fmt::format("{}: {}: the server failed: {}", where, what, e.what()));
     }
-    if (attempt == options_.retries) break;
-    const int64_t pause =
-        std::min<int64_t>(options_.backoff_ms << std::min<int64_t>(attempt, 16), 5000);
-    spdlog::warn("{}: {}: {}; retry {} of {} in {} ms", where, what, last, attempt + 1,
-                 options_.retries, pause);
-    std::this_thread::sleep_for(std::chrono::milliseconds(pause));
-    ++attempt;
-  }
-  throw Error(
-      fmt::format("{}: {} failed after {} tries: {}", where, what, options_.retries + 1, last));
+  };
+  auto give_up = [&](const CallExhausted& last) {
+    return Error(fmt::format("{}: {} failed after {} tries: {}", where, what, options_.retries + 1,
+                             last.why));
+  };
+  return link_->call(tries, std::forward<Call>(call), judge, give_up);
 }
 
 RemoteServerInfo RemoteReward::info() {

@@ -6,7 +6,6 @@
 #include <mutex>
 #include <vector>
 
-#include "rewards/idle_connections.h"
 #include "rewards/reward.h"
 
 namespace tandem::rewards {
@@ -55,23 +54,15 @@ class RemoteReward : public RewardFunction {
   const Options& options() const { return options_; }
 
  private:
-  struct Connection;
-  // A connected client from the pool, or a new one; returned after a successful request.
-  std::unique_ptr<Connection> take_connection(bool& reused);
+  struct Link;  // the connections to the server (rpc/thrift_client.h)
   // Runs `call` on a connection with the retry policy; `what` names the request in errors.
   template <typename Call>
   auto with_retries(const std::string& what, Call&& call);
 
   std::string name_;
   Options options_;
-  std::string host_;
-  int port_ = 0;
-  IdleConnections<Connection> idle_;  // connected, between calls
+  std::unique_ptr<Link> link_;
   std::atomic<uint64_t> next_request_{0};
 };
-
-// Sends Thrift's own diagnostics (printed to stderr by default) to the log at debug level: the
-// client's and server's errors already say what failed. RemoteReward and RewardServer call it.
-void route_thrift_output_to_log();
 
 }  // namespace tandem::rewards

@@ -13,10 +13,9 @@
 
 #include "core/build_info.h"
 #include "core/error.h"
-#include "rewards/bounded_thrift.h"
-#include "rewards/remote.h"
 #include "rewards/rpc/RewardService.h"
 #include "rewards/rpc/reward_constants.h"
+#include "rpc/bounded_thrift.h"
 
 namespace tandem::rewards {
 namespace {

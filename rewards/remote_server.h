@@ -10,7 +10,7 @@ namespace tandem::rewards {
 // A threaded server (one thread per connection) on its own thread. Requests are bounded (batch
 // size, message size, connections, score calls in flight) and checked (token, extra_json); a bad
 // one is answered with InvalidRequest or Unauthorized, never a crash. Every size read from the
-// wire is checked before it is allocated (rewards/bounded_thrift.h): a frame over
+// wire is checked before it is allocated (rpc/bounded_thrift.h): a frame over
 // max_message_bytes, a string or list longer than what is left of its frame, a list over
 // max(max_batch_size, 65536) or nesting deeper than 16 closes that connection and is counted
 // (stats().refused, and a warning in the log). The function is called from

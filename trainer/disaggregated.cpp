@@ -58,7 +58,6 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
                  pl.token_env, job.where("placement.token_env"));
     token_ = token;
   }
-  rollout::route_thrift_output_to_log();
   const int64_t vocab = m.config().vocab_size;
   const auto deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(pl.connect_timeout_s * 1000));

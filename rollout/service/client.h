@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "core/error.h"
-#include "rewards/idle_connections.h"
 #include "rollout/service/rpc/RolloutService.h"
+#include "rpc/thrift_client.h"
 
 namespace tandem::rollout {
 
@@ -46,10 +46,6 @@ class CallError : public Error {
   CallFailure failure_;
 };
 
-// Sends Thrift's own diagnostics (printed to stderr by default) to the log at debug level: the
-// client's and server's errors already say what failed. RolloutClient and RolloutServer call it.
-void route_thrift_output_to_log();
-
 class RolloutClient {
  public:
   // Checks the options (tandem::Error naming the option); connects lazily, at the first call.
@@ -74,15 +70,11 @@ class RolloutClient {
   const ClientOptions& options() const { return options_; }
 
  private:
-  struct Connection;
-  std::unique_ptr<Connection> take_connection(bool& reused, int64_t timeout_ms);
   template <typename Call>
   auto with_retries(const char* what, Call&& call);
 
   ClientOptions options_;
-  std::string host_;
-  int port_ = 0;
-  IdleConnections<Connection> idle_;  // connected, between calls
+  ThriftClient<rpc::RolloutServiceClient> link_;  // connected, between calls
 };
 
 }  // namespace tandem::rollout

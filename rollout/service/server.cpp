@@ -22,10 +22,10 @@
 #include "core/build_info.h"
 #include "core/error.h"
 #include "core/utf8.h"
-#include "rewards/bounded_thrift.h"
 #include "rollout/service/client.h"
 #include "rollout/service/rpc/RolloutService.h"
 #include "rollout/service/rpc/rollout_constants.h"
+#include "rpc/bounded_thrift.h"
 
 namespace tandem::rollout {
 namespace {

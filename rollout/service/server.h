@@ -36,7 +36,7 @@ bool is_loopback_host(const std::string& host);
 // host has no token.
 void check_server_options(const ServerOptions& options);
 
-// Every size read from the wire is checked before it is allocated (rewards/bounded_thrift.h): a
+// Every size read from the wire is checked before it is allocated (rpc/bounded_thrift.h): a
 // malformed or oversize frame closes that connection only (stats().refused, and a warning), and
 // the server serves the others on. Requests over a bound, with bad parameters or a wrong token
 // are answered with InvalidRequest or Unauthorized; more than max_in_flight generate calls with

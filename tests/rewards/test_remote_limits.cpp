@@ -18,12 +18,13 @@
 #include <thread>
 #include <vector>
 
-#include "rewards/bounded_thrift.h"
 #include "rewards/builtins.h"
 #include "rewards/factory.h"
 #include "rewards/remote.h"
 #include "rewards/remote_server.h"
 #include "rewards/rpc/RewardService.h"
+#include "rpc/bounded_thrift.h"
+#include "tests/rpc/raw_frames.h"
 #include "tests/testutil.h"
 
 using namespace tandem::rewards;
@@ -31,31 +32,28 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-// Binary protocol pieces, big-endian as on the wire.
-std::string i32(int32_t v) {
-  const uint32_t u = htonl(static_cast<uint32_t>(v));
-  return std::string(reinterpret_cast<const char*>(&u), 4);
-}
-std::string i16(int16_t v) {
-  const uint16_t u = htons(static_cast<uint16_t>(v));
-  return std::string(reinterpret_cast<const char*>(&u), 2);
-}
+using tandem::test::connect_loopback;
+using tandem::test::framed;
+using tandem::test::send_all;
+using tandem::test::wire_i16;
+using tandem::test::wire_i32;
+
 std::string field(int8_t type, int16_t id) {
-  return std::string(1, static_cast<char>(type)) + i16(id);
-}
-std::string framed(const std::string& payload) {
-  return i32(static_cast<int32_t>(payload.size())) + payload;
+  return std::string(1, static_cast<char>(type)) + wire_i16(id);
 }
 // The start of a strict binary call of score(): the message header and the ScoreRequest field.
 std::string score_call_start() {
-  return i32(static_cast<int32_t>(0x80010001)) + i32(5) + "score" + i32(1) + field(12, 1);
+  return wire_i32(static_cast<int32_t>(0x80010001)) + wire_i32(5) + "score" + wire_i32(1) +
+         field(12, 1);
 }
 // score() whose samples list claims 0x7fffffff structs: 32 bytes on the wire.
 std::string list_bomb() {
-  return framed(score_call_start() + field(15, 2) + std::string(1, 12) + i32(0x7fffffff));
+  return framed(score_call_start() + field(15, 2) + std::string(1, 12) + wire_i32(0x7fffffff));
 }
 // score() whose request_id claims 0x7ffffff0 bytes.
-std::string string_bomb() { return framed(score_call_start() + field(11, 1) + i32(0x7ffffff0)); }
+std::string string_bomb() {
+  return framed(score_call_start() + field(11, 1) + wire_i32(0x7ffffff0));
+}
 
 // A valid framed score() call, serialised by Thrift itself.
 std::string valid_score_call(const std::string& token, int samples) {
@@ -78,29 +76,10 @@ std::string valid_score_call(const std::string& token, int samples) {
   return framed(buffer->getBufferAsString());
 }
 
-int connect_to(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  return fd;
-}
-
-void send_all(int fd, const std::string& bytes) {
-  for (size_t sent = 0; sent < bytes.size();) {
-    const ssize_t n = send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) return;  // the server closed it early: what it may do
-    sent += static_cast<size_t>(n);
-  }
-}
-
 // What the server did after `bytes` on a fresh connection, within timeout_ms.
 enum class Reply { closed, answered, silent };
 Reply send_and_watch(int port, const std::string& bytes, int timeout_ms = 3000) {
-  const int fd = connect_to(port);
+  const int fd = connect_loopback(port);
   send_all(fd, bytes);
   pollfd p{fd, POLLIN, 0};
   Reply r = Reply::silent;
@@ -166,14 +145,14 @@ TEST_CASE("a reward server closes connections whose frames claim huge lists or s
   CHECK(send_and_watch(port, string_bomb()) == Reply::closed);
   // A list within the element limit that cannot fit in what is left of its frame.
   CHECK(send_and_watch(port, framed(score_call_start() + field(15, 2) + std::string(1, 12) +
-                                    i32(60))) == Reply::closed);
+                                    wire_i32(60))) == Reply::closed);
   // A frame over max_message_bytes, refused from its header.
-  CHECK(send_and_watch(port, i32(5000) + score_call_start()) == Reply::closed);
+  CHECK(send_and_watch(port, wire_i32(5000) + score_call_start()) == Reply::closed);
   // Nesting deeper than the limit (lists of lists), and an unversioned message.
   std::string deep = score_call_start() + field(15, 9);
-  for (int level = 0; level < 40; ++level) deep += std::string(1, 15) + i32(1);
+  for (int level = 0; level < 40; ++level) deep += std::string(1, 15) + wire_i32(1);
   CHECK(send_and_watch(port, framed(deep)) == Reply::closed);
-  CHECK(send_and_watch(port, framed(i32(5) + "score" + std::string(1, 1) + i32(1))) ==
+  CHECK(send_and_watch(port, framed(wire_i32(5) + "score" + std::string(1, 1) + wire_i32(1))) ==
         Reply::closed);
   CHECK(server.stats().refused == 6);
 
@@ -269,10 +248,10 @@ TEST_CASE("the example reward server exits soon after SIGTERM while clients hold
   const int port = std::stoi(line.substr(13));
 
   std::vector<int> held;
-  held.push_back(connect_to(port));  // idle
-  held.push_back(connect_to(port));  // a frame header claiming 60 MB, then a few bytes
-  send_all(held.back(), i32(60 << 20) + score_call_start());
-  held.push_back(connect_to(port));  // half a string bomb
+  held.push_back(connect_loopback(port));  // idle
+  held.push_back(connect_loopback(port));  // a frame header claiming 60 MB, then a few bytes
+  send_all(held.back(), wire_i32(60 << 20) + score_call_start());
+  held.push_back(connect_loopback(port));  // half a string bomb
   send_all(held.back(), string_bomb().substr(0, 20));
   std::jthread hung([port] {
     RemoteReward r("hang", {.address = "127.0.0.1:" + std::to_string(port),

@@ -28,12 +28,13 @@
 #include "core/utf8.h"
 #include "model/loader.h"
 #include "model/prompt.h"
-#include "rewards/bounded_thrift.h"
 #include "rollout/service/client.h"
 #include "rollout/service/client_pool.h"
 #include "rollout/service/serve_config.h"
 #include "rollout/service/server.h"
+#include "rpc/bounded_thrift.h"
 #include "tests/model/tiny_model.h"
+#include "tests/rpc/raw_frames.h"
 #include "tests/testutil.h"
 
 namespace tandem::rollout {
@@ -154,40 +155,19 @@ void check_failure(CallFailure kind, const std::string& text, Fn&& fn) {
 
 // --- raw frames ---------------------------------------------------------------------------------
 
-std::string i32(int32_t v) {
-  const uint32_t u = htonl(static_cast<uint32_t>(v));
-  return std::string(reinterpret_cast<const char*>(&u), 4);
-}
-std::string framed(const std::string& payload) {
-  return i32(static_cast<int32_t>(payload.size())) + payload;
-}
 // generate() whose request's prompt_tokens list claims 0x7fffffff ints.
 std::string list_bomb() {
-  const std::string call = i32(static_cast<int32_t>(0x80010001)) + i32(8) + "generate" + i32(1) +
-                           std::string(1, 12) + std::string("\0\1", 2);
-  return framed(call + std::string(1, 15) + std::string("\0\2", 2) + std::string(1, 8) +
-                i32(0x7fffffff));
-}
-
-int connect_to(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  return fd;
+  const std::string call = test::wire_i32(static_cast<int32_t>(0x80010001)) + test::wire_i32(8) +
+                           "generate" + test::wire_i32(1) + std::string(1, 12) +
+                           std::string("\0\1", 2);
+  return test::framed(call + std::string(1, 15) + std::string("\0\2", 2) + std::string(1, 8) +
+                      test::wire_i32(0x7fffffff));
 }
 
 // Sends bytes on a fresh connection; true when the server closed it (or answered) within 3 s.
 bool send_and_see_close(int port, const std::string& bytes) {
-  const int fd = connect_to(port);
-  for (size_t sent = 0; sent < bytes.size();) {
-    const ssize_t n = send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) break;
-    sent += static_cast<size_t>(n);
-  }
+  const int fd = test::connect_loopback(port);
+  test::send_all(fd, bytes);
   shutdown(fd, SHUT_WR);  // a frame cut short ends here rather than waiting for its rest
   pollfd p{fd, POLLIN, 0};
   const bool closed = poll(&p, 1, 3000) == 1;
@@ -331,8 +311,9 @@ TEST_CASE("rollout server refuses bad calls with typed errors and serves on", "[
 
   SECTION("malformed frames and random bytes close their connection only") {
     CHECK(send_and_see_close(port, list_bomb()));
-    CHECK(send_and_see_close(port, i32(1 << 20) + "generate"));  // over max_message_bytes
-    CHECK(send_and_see_close(port, framed(std::string(40, '\xff'))));
+    CHECK(
+        send_and_see_close(port, test::wire_i32(1 << 20) + "generate"));  // over max_message_bytes
+    CHECK(send_and_see_close(port, test::framed(std::string(40, '\xff'))));
     const int64_t refused_before_fuzz = server->stats().refused;
     CHECK(refused_before_fuzz >= 2);
     // Random bytes, random framed payloads and valid-looking headers with garbage, for a bounded
@@ -343,9 +324,10 @@ TEST_CASE("rollout server refuses bad calls with typed errors and serves on", "[
     while (std::chrono::steady_clock::now() < until) {
       std::string s(1 + rng() % 96, '\0');
       for (char& c : s) c = static_cast<char>(rng());
-      if (sent % 3 == 1) s = framed(s);
+      if (sent % 3 == 1) s = test::framed(s);
       if (sent % 3 == 2)
-        s = framed(i32(static_cast<int32_t>(0x80010001)) + i32(8) + "generate" + s);
+        s = test::framed(test::wire_i32(static_cast<int32_t>(0x80010001)) + test::wire_i32(8) +
+                         "generate" + s);
       send_and_see_close(port, s);
       ++sent;
     }

@@ -1,8 +1,8 @@
 // Bounded Thrift: framed transports and binary protocols that refuse a frame, string or container
 // larger than a limit before allocating it, for every Thrift server and client of tandem.
 //
-// It depends on Thrift and core only (its own target, tandem_bounded_thrift), so that any
-// service can use it. docs/rewards.md ("Limits of the Thrift endpoints") lists the limits.
+// Part of tandem_rpc (Thrift and core only, docs/rpc.md); docs/rewards.md and docs/serve.md list
+// the limits of each endpoint.
 #pragma once
 
 #include <thrift/TConfiguration.h>
@@ -76,5 +76,9 @@ std::shared_ptr<apache::thrift::TProcessor> report_refused_requests(
 // failure after it listened is logged naming `name` ("reward server 'x'").
 std::thread serve_when_listening(std::shared_ptr<apache::thrift::server::TServer> server,
                                  const std::string& name);
+
+// Sends Thrift's own diagnostics (printed to stderr by default) to the log at debug level: the
+// clients' and servers' errors already say what failed. Every client and server calls it.
+void route_thrift_output_to_log();
 
 }  // namespace tandem

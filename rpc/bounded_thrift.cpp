@@ -1,16 +1,18 @@
 // Bounded Thrift: a framed transport that checks the frame header before allocating, a binary
 // protocol that checks every size against its limit and the bytes left in the frame.
-#include "rewards/bounded_thrift.h"
+#include "rpc/bounded_thrift.h"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <thrift/Thrift.h>
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/protocol/TProtocolException.h>
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TTransportException.h>
 
 #include <future>
+#include <mutex>
 #include <new>
 
 #include "core/error.h"
@@ -329,6 +331,13 @@ std::thread serve_when_listening(std::shared_ptr<at::server::TServer> server,
     throw;
   }
   return thread;
+}
+
+void route_thrift_output_to_log() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    at::GlobalOutput.setOutputFunction([](const char* msg) { spdlog::debug("thrift: {}", msg); });
+  });
 }
 
 }  // namespace tandem

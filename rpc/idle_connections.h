@@ -1,5 +1,5 @@
-// IdleConnections: the connected, idle connections of an RPC client (the remote reward, the
-// rollout worker client), reused across calls and threads.
+// IdleConnections: the connected, idle connections of a Thrift client (rpc/thrift_client.h),
+// reused across calls and threads.
 #pragma once
 
 #include <memory>
