@@ -4,10 +4,10 @@
 #include "core/error.h"
 #include "kernels/check.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/attention.h"
-#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {

@@ -6,6 +6,10 @@
 #include "core/error.h"
 #include "core/tensor.h"
 
+namespace tandem::ops {
+struct SamplingTensors;
+}
+
 namespace tandem::ops::detail {
 
 inline void check_defined(const char* op, const char* name, const Tensor& t) {
@@ -34,6 +38,28 @@ inline void check_dtype(const char* op, const char* name, const Tensor& t,
   TANDEM_FAIL("{}: {} {} has dtype {}, expected {}", op, name, t.shape().str(), t.dtype(), names);
 }
 
+// t has the dtype and the shape.
+inline void check_tensor(const char* op, const char* name, const Tensor& t, DType dtype,
+                         const Shape& shape) {
+  check_dtype(op, name, t, {dtype});
+  check_shape(op, name, t, shape);
+}
+inline void check_f32(const char* op, const char* name, const Tensor& t, const Shape& shape) {
+  check_tensor(op, name, t, DType::f32, shape);
+}
+
+// logits (rows, V) f32 with V > 0; returns {rows, V}.
+struct LogitsShape {
+  int64_t rows, V;
+};
+inline LogitsShape check_logits(const char* op, const Tensor& logits) {
+  check_dtype(op, "logits", logits, {DType::f32});
+  check_ndim(op, "logits", logits, 2);
+  TANDEM_CHECK(logits.size(1) > 0, "{}: logits {} has an empty vocabulary", op,
+               logits.shape().str());
+  return {logits.size(0), logits.size(1)};
+}
+
 // Every defined tensor on `device`.
 inline void check_device(const char* op, Device device, std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts) {
@@ -47,6 +73,16 @@ inline void check_stream(const char* op, Device device, const Stream& stream) {
   TANDEM_CHECK(device.is_cpu() || stream.device.is_cpu() || stream.device == device,
                "{}: stream is on {}, tensors on {}", op, stream.device, device);
 }
+
+// check_device and check_stream: the tensors and the stream where the op runs.
+inline void check_placement(const char* op, Device device, std::initializer_list<const Tensor*> ts,
+                            const Stream& stream) {
+  check_device(op, device, ts);
+  check_stream(op, device, stream);
+}
+
+// The settings of sample and of the shard ops: (B) each, in their dtypes (kernels/sample.cpp).
+void check_sampling_tensors(const char* op, const SamplingTensors& settings, int64_t B);
 
 }  // namespace tandem::ops::detail
 

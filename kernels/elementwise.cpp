@@ -4,10 +4,10 @@
 #include "core/error.h"
 #include "kernels/check.h"
 #include "kernels/cpu/elementwise.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/elementwise.h"
-#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -57,6 +57,12 @@ float global_norm(std::span<const Tensor> tensors, const Stream& stream) {
   stream.synchronize();
   const Tensor host = acc.to(Device::cpu());
   return std::sqrt(host.data_as<float>()[0]);
+}
+
+double sum_squares_f64(const Tensor& x) {
+  check_dtype("sum_squares_f64", "x", x, {DType::f32});
+  TANDEM_CHECK(x.device().is_cpu(), "sum_squares_f64: x {} must be on the CPU", x.str());
+  return cpu::chunk_sum_squares(x.data_as<float>(), x.numel());
 }
 
 }  // namespace tandem::ops

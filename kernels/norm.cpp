@@ -2,10 +2,10 @@
 #include "kernels/cpu/norm.h"
 #include "core/error.h"
 #include "kernels/check.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/norm.h"
-#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {
@@ -14,19 +14,15 @@ using namespace detail;
 
 namespace {
 
-// x (T, C) f32 and weight (C) f32/bf16; returns {T, C}.
+// x (T, C) f32, weight (C) f32/bf16 and rstd (T) f32; returns {T, C}.
 Shape check_rows_and_weight(const char* op, const char* x_name, const Tensor& x,
-                            const Tensor& weight) {
+                            const Tensor& weight, const Tensor& rstd) {
   check_dtype(op, x_name, x, {DType::f32});
   check_ndim(op, x_name, x, 2);
   check_dtype(op, "weight", weight, {DType::f32, DType::bf16});
   check_shape(op, "weight", weight, {x.size(1)});
+  check_f32(op, "rstd", rstd, {x.size(0)});
   return x.shape();
-}
-
-void check_f32(const char* op, const char* name, const Tensor& t, const Shape& shape) {
-  check_dtype(op, name, t, {DType::f32});
-  check_shape(op, name, t, shape);
 }
 
 }  // namespace
@@ -35,11 +31,9 @@ void rmsnorm(const Tensor& x, const Tensor& weight, const Tensor& out, const Ten
              float eps, const Stream& stream) {
   const OpTimer timer("rmsnorm");
   constexpr const char* op = "rmsnorm";
-  const Shape tc = check_rows_and_weight(op, "x", x, weight);
+  const Shape tc = check_rows_and_weight(op, "x", x, weight, rstd);
   check_f32(op, "out", out, tc);
-  check_f32(op, "rstd", rstd, {tc[0]});
-  check_device(op, x.device(), {&x, &weight, &out, &rstd});
-  check_stream(op, x.device(), stream);
+  check_placement(op, x.device(), {&x, &weight, &out, &rstd}, stream);
   TANDEM_ON_CUDA(x.device(), rmsnorm, x.data_as<float>(), weight.data(), weight.dtype(),
                  out.data_as<float>(), rstd.data_as<float>(), tc[0], tc[1], eps, stream.handle);
   cpu::rmsnorm(x, weight, out, rstd, eps);
@@ -50,13 +44,12 @@ void add_rmsnorm(const Tensor& residual, const Tensor& delta, const Tensor& weig
                  const Stream& stream) {
   const OpTimer timer("add_rmsnorm");
   constexpr const char* op = "add_rmsnorm";
-  const Shape tc = check_rows_and_weight(op, "residual", residual, weight);
+  const Shape tc = check_rows_and_weight(op, "residual", residual, weight, rstd);
   check_f32(op, "delta", delta, tc);
   check_f32(op, "residual_out", residual_out, tc);
   check_f32(op, "out", out, tc);
-  check_f32(op, "rstd", rstd, {tc[0]});
-  check_device(op, residual.device(), {&residual, &delta, &weight, &residual_out, &out, &rstd});
-  check_stream(op, residual.device(), stream);
+  check_placement(op, residual.device(), {&residual, &delta, &weight, &residual_out, &out, &rstd},
+                  stream);
   TANDEM_ON_CUDA(residual.device(), add_rmsnorm, residual.data_as<float>(), delta.data_as<float>(),
                  weight.data(), weight.dtype(), residual_out.data_as<float>(), out.data_as<float>(),
                  rstd.data_as<float>(), tc[0], tc[1], eps, stream.handle);
@@ -68,13 +61,11 @@ void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight,
                       bool accumulate_dweight, const Stream& stream) {
   const OpTimer timer("rmsnorm_backward");
   constexpr const char* op = "rmsnorm_backward";
-  const Shape tc = check_rows_and_weight(op, "x", x, weight);
+  const Shape tc = check_rows_and_weight(op, "x", x, weight, rstd);
   check_f32(op, "dout", dout, tc);
-  check_f32(op, "rstd", rstd, {tc[0]});
   check_f32(op, "dx", dx, tc);
   check_f32(op, "dweight", dweight, {tc[1]});
-  check_device(op, x.device(), {&dout, &x, &weight, &rstd, &dx, &dweight});
-  check_stream(op, x.device(), stream);
+  check_placement(op, x.device(), {&dout, &x, &weight, &rstd, &dx, &dweight}, stream);
   TANDEM_ON_CUDA(x.device(), rmsnorm_backward, dout.data_as<float>(), x.data_as<float>(),
                  weight.data(), weight.dtype(), rstd.data_as<float>(), dx.data_as<float>(),
                  dweight.data_as<float>(), tc[0], tc[1], accumulate_dx, accumulate_dweight,

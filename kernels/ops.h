@@ -31,6 +31,7 @@
 
 #include "core/device.h"
 #include "core/tensor.h"
+#include "kernels/sample_kind.h"
 
 namespace tandem::ops {
 
@@ -139,6 +140,10 @@ void sum_squares(const Tensor& x, const Tensor& out, bool accumulate = false,
                  const Stream& stream = {});
 // sqrt of the sum of squares of every tensor (the global gradient norm); waits for the stream.
 float global_norm(std::span<const Tensor> tensors, const Stream& stream = {});
+// The sum of squares of x (n) f32 on the CPU in f64, in an order that depends on n alone: what
+// sum_squares adds per chunk of 4096 elements. For norms over blocks of the caller's own (the
+// optimizers' gradient norm: the same bits on any number of ranks).
+double sum_squares_f64(const Tensor& x);
 
 // ---------------------------------------------------------------------------------------------
 // Embedding.
@@ -297,6 +302,76 @@ struct SamplingTensors {
 };
 void sample(const Tensor& logits, const SamplingTensors& settings, const Tensor& token,
             const Tensor& logprob, const Stream& stream = {});
+
+// Sampling over vocabulary shards: sample's definition for a tensor-parallel group of tp ranks in
+// which rank r holds only the logits shard (B, Vs) f32 of the vocabulary entries [r Vs, (r + 1)
+// Vs) of V = tp Vs < 2^24 (ids travel as f32 values), tp <= 64. A step is a run of the local
+// phases below, every rank running the same ones, with one collective over the group between two
+// of them (model/tp_sample.h orchestrates them; docs/rollout.md, "Tensor-parallel sampling"). A
+// gathered tensor (tp, ...) is the ranks' outputs laid end to end in rank order. Every op takes
+// the rank's shard and settings (B) as sample does; every rank ends with the same tokens and
+// logprobs. Row kinds (SampleRowKind, kernels/sample_kind.h): greedy, top_k (0 < top_k < V),
+// nucleus (top_p < 1, top-k off), plain (the rest). With z = x / temperature (1 when greedy) and
+// e = softmax_exp(z - max z) over the whole row, masses summing e in 16 lanes (sample's order):
+//  1. maxima: maxima (B, 2) f32 [the shard's largest logit, its lowest global id]; kinds (B) u8.
+//     Bad settings throw naming the row on the CPU; on CUDA the row's kind is invalid.
+//  2. stats, given all_maxima (tp, B, 2): z, e (B, Vs) f32 of the shard; stats (B, 3) f32 [sum of
+//     the shard's e; plain rows on rank 0: the running sum of the kept e (e >= min_p), one f32
+//     addition after the other in vocabulary order, else 0; nucleus rows: the largest t with
+//     mass(z >= t) >= top_p times the shard's sum, plain rows: the global id of the last kept
+//     token with e > 0 or -1, other rows: max z].
+//  3. chain, hop h in [1, tp) (plain rows only), given all_stats (tp, B, 3) and hops (tp - 1, B)
+//     whose rows [0, h - 1) the earlier hops delivered: chain (B) f32 = on rank h, for plain
+//     rows, rank h - 1's end of the running kept sum (rank 0's: all_stats[0, b, 1]; rank r's:
+//     hops[r - 1, b]) continued over the shard; 0 elsewhere. Summed over the group it is hop h's
+//     row of hops.
+//  4. counts, given all_stats: counts (B) f32 = the shard's candidates of the row (top-k rows:
+//     min(top_k, Vs), its top min(top_k, Vs) with ties to the lower ids, which hold the global
+//     top-k; nucleus rows: z >= the least of the ranks' thresholds, which hold the global
+//     nucleus; other rows 0); bounds (B, 2) f32 [the threshold, the ties kept at it].
+//  5. candidates, given all_counts (tp, B) and bounds: cands (n) f32, what the rank sends: row
+//     after row its candidates as [z, global id] pairs, or the whole shard of z where the row's
+//     candidates over all ranks are more than half of V (dense). n = the rank's entry of
+//     sample_shard_elements.
+//  6. decide, given all_maxima, all_stats, hops (undefined when tp = 1), all_counts and all_cands
+//     (every rank's cands, undefined when no row is top-k or nucleus): token (B) i32 and logprob
+//     (B) f32 of the greedy, top-k and nucleus rows (sample's steps on the row's candidates in
+//     vocabulary order; plain rows untouched); draws (B, 2) f32 [token, logprob] of the plain
+//     rows on the rank whose range holds the draw, zeros elsewhere.
+//  7. draws, given all_draws (B, 2) (draws summed over the group): the plain rows' token and
+//     logprob.
+// Against sample on the whole logits: the same tokens for greedy, top-k and plain rows; a nucleus
+// row's target sums the ranks' sums in rank order, so a threshold exactly on a boundary may fall
+// differently by rounding; logprobs differ in the last bits (lse sums e in another order).
+struct VocabShard {
+  int rank = 0;
+  int count = 1;  // tp
+};
+void sample_shard_maxima(const Tensor& logits, const SamplingTensors& settings, VocabShard shard,
+                         const Tensor& maxima, const Tensor& kinds, const Stream& stream = {});
+void sample_shard_stats(const Tensor& logits, const SamplingTensors& settings, VocabShard shard,
+                        const Tensor& all_maxima, const Tensor& z, const Tensor& e,
+                        const Tensor& stats, const Stream& stream = {});
+void sample_shard_chain(const Tensor& e, const SamplingTensors& settings, VocabShard shard,
+                        const Tensor& all_stats, const Tensor& hops, int hop, const Tensor& chain,
+                        const Stream& stream = {});
+void sample_shard_counts(const Tensor& z, const SamplingTensors& settings, VocabShard shard,
+                         const Tensor& all_maxima, const Tensor& all_stats, const Tensor& counts,
+                         const Tensor& bounds, const Stream& stream = {});
+void sample_shard_candidates(const Tensor& z, const SamplingTensors& settings, VocabShard shard,
+                             const Tensor& all_counts, const Tensor& bounds, const Tensor& cands,
+                             const Stream& stream = {});
+void sample_shard_decide(const Tensor& z, const Tensor& e, const SamplingTensors& settings,
+                         VocabShard shard, const Tensor& all_maxima, const Tensor& all_stats,
+                         const Tensor& hops, const Tensor& all_counts, const Tensor& all_cands,
+                         const Tensor& token, const Tensor& logprob, const Tensor& draws,
+                         const Stream& stream = {});
+void sample_shard_draws(const Tensor& kinds, const Tensor& all_draws, const Tensor& token,
+                        const Tensor& logprob, const Stream& stream = {});
+// The f32 values each rank sends in the candidates phase, from kinds (B) u8 and all_counts (tp, B)
+// f32 on the CPU: elements (tp).
+void sample_shard_elements(const Tensor& kinds, const Tensor& all_counts, int64_t Vs,
+                           std::span<int64_t> elements);
 
 // ---------------------------------------------------------------------------------------------
 // Op timing, for benchmarks that break a step into its parts (tandem bench train). While on,

@@ -2,10 +2,10 @@
 #include "kernels/cpu/swiglu.h"
 #include "core/error.h"
 #include "kernels/check.h"
+#include "kernels/op_timing.h"
 #include "kernels/ops.h"
 #if TANDEM_HAS_CUDA
 #include "kernels/cuda/swiglu.h"
-#include "kernels/op_timing.h"
 #endif
 
 namespace tandem::ops {

@@ -10,7 +10,6 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/elementwise.h"
 #include "kernels/op_timing.h"
 #include "kernels/ops.h"
 
@@ -64,7 +63,7 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 
 // The global norm on the CPU, AdamW's and ShardedAdamW's alike: the gradients flattened in storage
 // order, cut into blocks of kNormBlock; a block's sum of squares in f64
-// (ops::cpu::chunk_sum_squares), the blocks' sums added in block order, the square root rounded to
+// (ops::sum_squares_f64), the blocks' sums added in block order, the square root rounded to
 // f32. A rank holds whole blocks, so the norm of the same gradients has the same bits on any number
 // of ranks.
 constexpr int64_t kNormBlock = ShardedAdamW::kNormBlock;
@@ -74,8 +73,9 @@ std::vector<double> block_sums(const float* x, int64_t n, int64_t blocks) {
   std::vector<double> sums(static_cast<size_t>(blocks), 0.0);
   parallel_for(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1 && b * kNormBlock < n; ++b)
-      sums[static_cast<size_t>(b)] =
-          ops::cpu::chunk_sum_squares(x + b * kNormBlock, std::min(kNormBlock, n - b * kNormBlock));
+      sums[static_cast<size_t>(b)] = ops::sum_squares_f64(
+          Tensor::wrap(const_cast<float*>(x) + b * kNormBlock,
+                       {std::min(kNormBlock, n - b * kNormBlock)}, DType::f32));
   });
   return sums;
 }
@@ -189,7 +189,8 @@ float AdamW::grad_norm(const model::Weights& grads) {
         std::copy(piece, piece + count, joined.data() + at);
         x = joined.data();
       });
-      sums[static_cast<size_t>(b)] = ops::cpu::chunk_sum_squares(x, hi - lo);
+      sums[static_cast<size_t>(b)] =
+          ops::sum_squares_f64(Tensor::wrap(const_cast<float*>(x), {hi - lo}, DType::f32));
     }
   });
   return norm_of_sums(sums);

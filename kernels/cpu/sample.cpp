@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/philox.h"
+#include "kernels/cpu/clones.h"
 #include "kernels/cpu/logprob.h"
 #include "kernels/float_order.h"
 
@@ -63,37 +64,38 @@ Scratch& scratch_for(int64_t V) {
 
 }  // namespace
 
-TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
-  int32_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
-  return c;
-}
-
-TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
-  int32_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
-  return c;
-}
-
-TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
-  const int64_t full = n - n % L;
-  float acc[L] = {};
-  for (int64_t i0 = 0; i0 < full; i0 += L) {
-    for (int j = 0; j < L; ++j) {
-      const float ej = e[i0 + j];
-      acc[j] += z[i0 + j] >= t ? ej : 0.0f;
-    }
+void check_sampling_settings(const SamplingTensors& settings) {
+  const float* temperature = settings.temperature.data_as<float>();
+  const int32_t* top_k = settings.top_k.data_as<int32_t>();
+  const float* top_p = settings.top_p.data_as<float>();
+  const float* min_p = settings.min_p.data_as<float>();
+  for (int64_t b = 0; b < settings.temperature.numel(); ++b) {
+    TANDEM_CHECK(temperature[b] >= 0.0f && std::isfinite(temperature[b]),
+                 "sample: row {} has temperature {}, expected a finite value >= 0 (0 = greedy)", b,
+                 temperature[b]);
+    TANDEM_CHECK(top_k[b] >= 0, "sample: row {} has top_k {}, expected >= 0 (0 = off)", b,
+                 top_k[b]);
+    TANDEM_CHECK(top_p[b] > 0.0f && top_p[b] <= 1.0f,
+                 "sample: row {} has top_p {}, expected a value in (0, 1] (1 = off)", b, top_p[b]);
+    TANDEM_CHECK(min_p[b] >= 0.0f && min_p[b] <= 1.0f,
+                 "sample: row {} has min_p {}, expected a value in [0, 1] (0 = off)", b, min_p[b]);
   }
-  for (int64_t i = full; i < n; ++i) {
-    const float ei = e[i];
-    acc[i - full] += z[i] >= t ? ei : 0.0f;
-  }
-  for (int w = L / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
 }
 
 namespace {
+
+static_assert(kSoftmaxLanes == kMassLanes, "sample's masses run in row_softmax's lanes");
+
+// The threshold searches' counts and masses (kernels/sample_shard_rows.h), built for this CPU.
+TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
+  return ops::count_at_least(z, n, t);
+}
+TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
+  return ops::count_greater(z, n, t);
+}
+TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
+  return ops::mass_at_least(z, e, n, t);
+}
 
 // z = x / tau and e = exp(z - max), as row_softmax computes them.
 TANDEM_CPU_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
@@ -227,17 +229,7 @@ void sample(const Tensor& logits, const SamplingTensors& settings, const Tensor&
   const float* min_p = settings.min_p.data_as<float>();
   const int64_t* seed = settings.seed.data_as<int64_t>();
   const int64_t* offset = settings.offset.data_as<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TANDEM_CHECK(temperature[b] >= 0.0f && std::isfinite(temperature[b]),
-                 "sample: row {} has temperature {}, expected a finite value >= 0 (0 = greedy)", b,
-                 temperature[b]);
-    TANDEM_CHECK(top_k[b] >= 0, "sample: row {} has top_k {}, expected >= 0 (0 = off)", b,
-                 top_k[b]);
-    TANDEM_CHECK(top_p[b] > 0.0f && top_p[b] <= 1.0f,
-                 "sample: row {} has top_p {}, expected a value in (0, 1] (1 = off)", b, top_p[b]);
-    TANDEM_CHECK(min_p[b] >= 0.0f && min_p[b] <= 1.0f,
-                 "sample: row {} has min_p {}, expected a value in [0, 1] (0 = off)", b, min_p[b]);
-  }
+  check_sampling_settings(settings);
   int32_t* tok = token.data_as<int32_t>();
   float* lp = logprob.data_as<float>();
   parallel_for(B, [&](int64_t begin, int64_t end) {

@@ -40,6 +40,45 @@ __device__ void load_tile(float* dst, const float* src, int64_t first, int64_t r
   }
 }
 
+// The query tile of a block (find_tile) at head blockIdx.y: its sequence's start and length, its
+// first query q0, its rows, the head and its key/value head.
+struct QueryTile {
+  int64_t start, len, q0, rows, h, kvh;
+};
+__device__ bool find_query_tile(const int32_t* cu_seqlens, int64_t B, int64_t H, int64_t Hkv,
+                                QueryTile* t) {
+  if (!find_tile(cu_seqlens, B, &t->start, &t->len, &t->q0)) return false;
+  t->h = blockIdx.y;
+  t->kvh = t->h / (H / Hkv);
+  t->rows = min(static_cast<int64_t>(kTile), t->len - t->q0);
+  return true;
+}
+
+// Lays arrays out one after the other from `at` (shared memory): carve(at, &a, n_a, &b, n_b, ...).
+__device__ void carve(float*) {}
+template <class... Rest>
+__device__ void carve(float* at, float** array, int64_t n, Rest... rest) {
+  *array = at;
+  carve(at + n, rest...);
+}
+
+// The key block [k0, k0 + n) of a sequence starting at `first` into the tiles ks and vs, between
+// two barriers (the previous block's readers are done; the next readers see it whole).
+__device__ void load_key_block(float* ks, float* vs, const float* k, const float* v, int64_t first,
+                               int64_t n, int64_t Hkv, int64_t kvh, int64_t D) {
+  __syncthreads();
+  load_tile(ks, k, first, n, Hkv, kvh, D);
+  load_tile(vs, v, first, n, Hkv, kvh, D);
+  __syncthreads();
+}
+
+// The log-sum-exp of the rows [first, first + rows) at head h into row_lse[16]; the rest 0.
+__device__ void load_tile_lse(float* row_lse, const float* lse, int64_t first, int64_t rows,
+                              int64_t H, int64_t h) {
+  if (threadIdx.x < kTile)
+    row_lse[threadIdx.x] = threadIdx.x < rows ? lse[(first + threadIdx.x) * H + h] : 0.0f;
+}
+
 __device__ float dot(const float* a, const float* b, int64_t D) {
   float s = 0.0f;
   for (int64_t d = 0; d < D; ++d) s = fmaf(a[d], b[d], s);
@@ -51,19 +90,13 @@ __global__ void attention_forward_kernel(const float* q, const float* k, const f
                                          const int32_t* cu_seqlens, int64_t B, int64_t H,
                                          int64_t Hkv, int64_t D, float* out, float* lse,
                                          float scale) {
-  int64_t start, len, q0;
-  if (!find_tile(cu_seqlens, B, &start, &len, &q0)) return;
-  const int64_t h = blockIdx.y, kvh = h / (H / Hkv);
-  const int64_t rows = min(static_cast<int64_t>(kTile), len - q0);
+  QueryTile t;
+  if (!find_query_tile(cu_seqlens, B, H, Hkv, &t)) return;
+  const int64_t start = t.start, len = t.len, q0 = t.q0, rows = t.rows, h = t.h, kvh = t.kvh;
   extern __shared__ float smem[];
-  float* qs = smem;
-  float* ks = qs + kTile * D;
-  float* vs = ks + kTile * D;
-  float* acc = vs + kTile * D;
-  float* s = acc + kTile * D;
-  float* m = s + kTile * kTile;
-  float* l = m + kTile;
-  float* alpha = l + kTile;
+  float *qs, *ks, *vs, *acc, *s, *m, *l, *alpha;
+  carve(smem, &qs, kTile * D, &ks, kTile * D, &vs, kTile * D, &acc, kTile * D, &s, kTile * kTile,
+        &m, kTile, &l, kTile, &alpha, kTile);
   load_tile(qs, q, start + q0, rows, H, h, D);
   for (int64_t i = threadIdx.x; i < kTile * D; i += blockDim.x) acc[i] = 0.0f;
   if (threadIdx.x < kTile) {
@@ -72,10 +105,7 @@ __global__ void attention_forward_kernel(const float* q, const float* k, const f
   }
   for (int64_t k0 = 0; k0 < q0 + rows; k0 += kTile) {
     const int64_t n = min(static_cast<int64_t>(kTile), len - k0);
-    __syncthreads();
-    load_tile(ks, k, start + k0, n, Hkv, kvh, D);
-    load_tile(vs, v, start + k0, n, Hkv, kvh, D);
-    __syncthreads();
+    load_key_block(ks, vs, k, v, start + k0, n, Hkv, kvh, D);
     for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
       const int r = i / kTile, j = i % kTile;
       const bool visible = r < rows && j < n && k0 + j <= q0 + r;
@@ -134,31 +164,21 @@ __global__ void attention_dq_kernel(const float* dout, const float* q, const flo
                                     const float* v, const float* out, const float* lse,
                                     const int32_t* cu_seqlens, int64_t B, int64_t H, int64_t Hkv,
                                     int64_t D, float* dq, float scale) {
-  int64_t start, len, q0;
-  if (!find_tile(cu_seqlens, B, &start, &len, &q0)) return;
-  const int64_t h = blockIdx.y, kvh = h / (H / Hkv);
-  const int64_t rows = min(static_cast<int64_t>(kTile), len - q0);
+  QueryTile t;
+  if (!find_query_tile(cu_seqlens, B, H, Hkv, &t)) return;
+  const int64_t start = t.start, len = t.len, q0 = t.q0, rows = t.rows, h = t.h, kvh = t.kvh;
   extern __shared__ float smem[];
-  float* qs = smem;
-  float* gs = qs + kTile * D;
-  float* ks = gs + kTile * D;
-  float* vs = ks + kTile * D;
-  float* acc = vs + kTile * D;
-  float* ds = acc + kTile * D;
-  float* row_lse = ds + kTile * kTile;
-  float* delta = row_lse + kTile;
+  float *qs, *gs, *ks, *vs, *acc, *ds, *row_lse, *delta;
+  carve(smem, &qs, kTile * D, &gs, kTile * D, &ks, kTile * D, &vs, kTile * D, &acc, kTile * D, &ds,
+        kTile * kTile, &row_lse, kTile, &delta, kTile);
   load_tile(qs, q, start + q0, rows, H, h, D);
   load_tile(gs, dout, start + q0, rows, H, h, D);
   for (int64_t i = threadIdx.x; i < kTile * D; i += blockDim.x) acc[i] = 0.0f;
   tile_delta(delta, dout, out, start + q0, rows, H, h, D);
-  if (threadIdx.x < kTile)
-    row_lse[threadIdx.x] = threadIdx.x < rows ? lse[(start + q0 + threadIdx.x) * H + h] : 0.0f;
+  load_tile_lse(row_lse, lse, start + q0, rows, H, h);
   for (int64_t k0 = 0; k0 < q0 + rows; k0 += kTile) {
     const int64_t n = min(static_cast<int64_t>(kTile), len - k0);
-    __syncthreads();
-    load_tile(ks, k, start + k0, n, Hkv, kvh, D);
-    load_tile(vs, v, start + k0, n, Hkv, kvh, D);
-    __syncthreads();
+    load_key_block(ks, vs, k, v, start + k0, n, Hkv, kvh, D);
     for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
       const int r = i / kTile, j = i % kTile;
       float g = 0.0f;
@@ -193,16 +213,9 @@ __global__ void attention_dkdv_kernel(const float* dout, const float* q, const f
   const int64_t kvh = blockIdx.y, G = H / Hkv;
   const int64_t n = min(static_cast<int64_t>(kTile), len - k0);
   extern __shared__ float smem[];
-  float* ks = smem;
-  float* vs = ks + kTile * D;
-  float* qs = vs + kTile * D;
-  float* gs = qs + kTile * D;
-  float* dk_acc = gs + kTile * D;
-  float* dv_acc = dk_acc + kTile * D;
-  float* p = dv_acc + kTile * D;
-  float* ds = p + kTile * kTile;
-  float* row_lse = ds + kTile * kTile;
-  float* delta = row_lse + kTile;
+  float *ks, *vs, *qs, *gs, *dk_acc, *dv_acc, *p, *ds, *row_lse, *delta;
+  carve(smem, &ks, kTile * D, &vs, kTile * D, &qs, kTile * D, &gs, kTile * D, &dk_acc, kTile * D,
+        &dv_acc, kTile * D, &p, kTile * kTile, &ds, kTile * kTile, &row_lse, kTile, &delta, kTile);
   load_tile(ks, k, start + k0, n, Hkv, kvh, D);
   load_tile(vs, v, start + k0, n, Hkv, kvh, D);
   for (int64_t i = threadIdx.x; i < kTile * D; i += blockDim.x) {
@@ -217,8 +230,7 @@ __global__ void attention_dkdv_kernel(const float* dout, const float* q, const f
       load_tile(qs, q, start + q0, rows, H, h, D);
       load_tile(gs, dout, start + q0, rows, H, h, D);
       tile_delta(delta, dout, out, start + q0, rows, H, h, D);
-      if (threadIdx.x < kTile)
-        row_lse[threadIdx.x] = threadIdx.x < rows ? lse[(start + q0 + threadIdx.x) * H + h] : 0.0f;
+      load_tile_lse(row_lse, lse, start + q0, rows, H, h);
       __syncthreads();
       for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
         const int r = i / kTile, j = i % kTile;
@@ -275,11 +287,8 @@ __global__ void paged_decode_kernel(const float* q, const T* kc, const T* vc, in
                                     int64_t Hkv, int64_t D, float* out, float scale) {
   const int64_t b = blockIdx.x, h = blockIdx.y, kvh = h / (H / Hkv);
   extern __shared__ float smem[];
-  float* qs = smem;
-  float* ks = qs + D;
-  float* vs = ks + kTile * D;
-  float* acc = vs + kTile * D;
-  float* s = acc + D;
+  float *qs, *ks, *vs, *acc, *s;
+  carve(smem, &qs, D, &ks, kTile * D, &vs, kTile * D, &acc, D, &s, kTile);
   __shared__ float m, l, alpha;
   __shared__ int bad;
   const int64_t first = indptr[b], blocks = indptr[b + 1] - first;

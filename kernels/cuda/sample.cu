@@ -8,6 +8,7 @@
 #include "kernels/cuda/logprob.h"
 #include "kernels/cuda/sample.h"
 #include "kernels/float_order.h"
+#include "kernels/sample_kind.h"
 
 namespace tandem::ops::cuda {
 namespace {
@@ -55,9 +56,7 @@ __global__ void sample_kernel(const float* logits, int64_t V, const float* tempe
   const float tau = temperature[b];
   const int64_t k = top_k[b];
   const float tp = top_p[b], mp = min_p[b];
-  const bool valid =
-      tau >= 0.0f && isfinite(tau) && k >= 0 && tp > 0.0f && tp <= 1.0f && mp >= 0.0f && mp <= 1.0f;
-  if (!valid) {
+  if (!sampling_settings_valid(tau, top_k[b], tp, mp)) {
     if (threadIdx.x == 0) {
       token[b] = -1;
       logprob[b] = NAN;

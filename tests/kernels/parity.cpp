@@ -79,7 +79,14 @@ const std::vector<std::string>& ops_with_parity() {
                                                "logprob_gather",
                                                "logprob_gather_backward",
                                                "adamw",
-                                               "sample"};
+                                               "sample",
+                                               "sample_shard_maxima",
+                                               "sample_shard_stats",
+                                               "sample_shard_chain",
+                                               "sample_shard_counts",
+                                               "sample_shard_candidates",
+                                               "sample_shard_decide",
+                                               "sample_shard_draws"};
   return ops;
 }
 

@@ -76,6 +76,20 @@ NormGrads rmsnorm_backward_reference(const Tensor& dout, const Tensor& x, const 
 
 Tensor f32(const Shape& s) { return Tensor::empty(s, DType::f32); }
 
+// What rmsnorm_backward reads: x (T, C), weight (C) of dtype wt, the gradient g (T, C) and the
+// forward's rstd (T), from seeds `seed`, seed + 1, seed + 2.
+struct BackwardInputs {
+  Tensor x, w, g, rstd;
+};
+BackwardInputs backward_inputs(int64_t T, int64_t C, DType wt, uint64_t seed) {
+  BackwardInputs in{random_tensor({T, C}, DType::f32, seed, -2.0, 2.0),
+                    random_tensor({C}, wt, seed + 1, 0.5, 1.5),
+                    random_tensor({T, C}, DType::f32, seed + 2), f32({T})};
+  Tensor out = f32({T, C});
+  ops::rmsnorm(in.x, in.w, out, in.rstd, kEps);
+  return in;
+}
+
 // Runs run(start, n) on rows [start, start + n) for every n in 1..T and checks each output
 // equals the same rows of the whole batch's output, bit for bit.
 void check_batch_invariant(
@@ -200,11 +214,7 @@ TEST_CASE("rmsnorm_backward matches an f64 reference within the error of an f32 
 
 TEST_CASE("rmsnorm_backward adds into dx and dweight when asked", "[unit]") {
   const int64_t T = 13, C = 37;
-  const Tensor x = random_tensor({T, C}, DType::f32, 71, -2.0, 2.0);
-  const Tensor w = random_tensor({C}, DType::bf16, 72, 0.5, 1.5);
-  const Tensor g = random_tensor({T, C}, DType::f32, 73);
-  Tensor out = f32({T, C}), rstd = f32({T});
-  ops::rmsnorm(x, w, out, rstd, kEps);
+  const auto [x, w, g, rstd] = backward_inputs(T, C, DType::bf16, 71);
   Tensor dx = f32({T, C}), dw = f32({C});
   ops::rmsnorm_backward(g, x, w, rstd, dx, dw);
   const Tensor dx0 = random_tensor({T, C}, DType::f32, 74);
@@ -229,11 +239,7 @@ TEST_CASE("rmsnorm_backward adds into dx and dweight when asked", "[unit]") {
 
 TEST_CASE("rmsnorm_backward gives the same bits with one or two threads", "[unit]") {
   const int64_t T = 333, C = 576;
-  const Tensor x = random_tensor({T, C}, DType::f32, 81, -2.0, 2.0);
-  const Tensor w = random_tensor({C}, DType::f32, 82, 0.5, 1.5);
-  const Tensor g = random_tensor({T, C}, DType::f32, 83);
-  Tensor out = f32({T, C}), rstd = f32({T});
-  ops::rmsnorm(x, w, out, rstd, kEps);
+  const auto [x, w, g, rstd] = backward_inputs(T, C, DType::f32, 81);
   const int threads = num_threads();
   std::vector<Tensor> results;
   for (int n : {1, 2}) {
