@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/clock.h"
@@ -33,14 +35,24 @@ rollout::FinishReason finish_of(rollout::rpc::FinishReason::type r) {
   }
 }
 
+// Brings the worker behind `c` to weight version `version`, loading `dir`: nothing when it holds
+// it already (a commit whose answer was lost). The version it holds after.
+int64_t update_worker(rollout::RolloutClient& c, int64_t version, const std::string& dir) {
+  const int64_t have = c.weight_version();
+  if (have >= version) return have;
+  c.begin_weight_update(version);
+  return c.commit_weight_update(version, dir);
+}
+
 }  // namespace
 
 struct RemoteRollout::Worker {
   std::string address;
-  std::string model;                               // the path it loaded, as its info() says
-  std::unique_ptr<rollout::RolloutClient> client;  // weight updates and start-up checks
-  int64_t version = 0;                             // the weights it serves, as last seen
-  bool stale = false;                              // missed the latest push
+  std::string model;  // the path it loaded, as its info() says
+  // Weight updates and start-up checks; shared with an update given up (the worker set aside).
+  std::shared_ptr<rollout::RolloutClient> client;
+  int64_t version = 0;  // the weights it serves, as last seen
+  bool stale = false;   // lacks the latest push
 };
 
 RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
@@ -65,7 +77,7 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
   for (const std::string& address : pl.workers) {
     auto w = std::make_unique<Worker>();
     w->address = address;
-    w->client = std::make_unique<rollout::RolloutClient>(
+    w->client = std::make_shared<rollout::RolloutClient>(
         rollout::ClientOptions{.address = address,
                                .timeout_ms = std::max<int64_t>(pl.request_timeout_ms, 60000),
                                .connect_timeout_ms = 2000,
@@ -122,9 +134,13 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
   po.client = {.timeout_ms = pl.request_timeout_ms, .retries = 0, .token = token_};
   po.max_in_flight_per_worker = pl.max_in_flight_per_worker;
   po.attempts = pl.attempts;
+  po.health_check_interval_ms = static_cast<int64_t>(pl.health_check_interval_s * 1000);
+  po.health_check_timeout_ms = static_cast<int64_t>(pl.health_check_timeout_s * 1000);
+  po.rejoin = [this](size_t w) { return rejoin(w); };
   pool_ = std::make_unique<rollout::RolloutPool>(std::move(po));
 
-  std::vector<std::string> errors = update_all(policy, version);
+  std::vector<std::string> errors = update_all(policy, version, true);
+  std::lock_guard lock(mutex_);
   for (size_t i = 0; i < workers_.size(); ++i)
     TANDEM_CHECK(!workers_[i]->stale,
                  "rollout worker {} did not take the job's weights at start: it serves '{}' and "
@@ -135,34 +151,17 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
 }
 
 RemoteRollout::~RemoteRollout() {
+  pool_.reset();  // its health checks (and rejoins) end first
   std::error_code ec;
   if (!current_dir_.empty()) fs::remove_all(current_dir_, ec);
 }
 
-bool RemoteRollout::update(Worker& w, std::string& error) {
-  try {
-    // It may hold them already: a commit whose answer was lost.
-    w.version = w.client->weight_version();
-    if (w.version >= current_) {
-      w.stale = false;
-      return true;
-    }
-    w.client->begin_weight_update(current_);
-    w.version = w.client->commit_weight_update(current_, current_dir_);
-    w.stale = false;
-    return true;
-  } catch (const std::exception& e) {
-    error = e.what();
-    w.stale = true;
-    return false;
-  }
-}
-
 void RemoteRollout::push(const model::Weights& policy, uint64_t version) {
-  report_push(update_all(policy, version));
+  report_push(update_all(policy, version, false));
 }
 
-std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy, uint64_t version) {
+std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy, uint64_t version,
+                                                   bool all) {
   WeightPushStats st;
   st.version = static_cast<int64_t>(version) + offset_;
   const auto t0 = Clock::now();
@@ -175,18 +174,51 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
   for (const model::NamedTensor& t : policy.storage())
     st.bytes += static_cast<int64_t>(t.tensor.nbytes());
   st.write_s = seconds_since(t0);
-  const std::string previous = current_dir_;
-  current_ = st.version;
-  current_dir_ = dir;
+  std::string previous;
+  {
+    std::lock_guard lock(mutex_);
+    previous = current_dir_;
+    current_ = st.version;
+    current_dir_ = dir;
+    for (const auto& w : workers_) w->stale = w->version < current_;
+  }
 
+  // Each serving worker is updated on a thread of its own; the push waits for it until it
+  // answers or is set aside (a missed health check), and never longer.
   const auto t1 = Clock::now();
   std::vector<std::string> errors(workers_.size());
   std::vector<std::thread> threads;
-  for (size_t i = 0; i < workers_.size(); ++i)
-    threads.emplace_back([this, i, &errors] { update(*workers_[i], errors[i]); });
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const rollout::RolloutPool::Worker state = pool_->worker(i);
+    if (state.set_aside && !all) {
+      errors[i] = fmt::format("it is set aside ({})", state.why);
+      continue;
+    }
+    threads.emplace_back([this, i, &errors, epoch = state.times_set_aside, v = st.version, dir] {
+      Worker& w = *workers_[i];
+      try {
+        const std::optional<int64_t> got = rollout::call_unless<int64_t>(
+            [c = w.client, v, dir] { return update_worker(*c, v, dir); },
+            [&] { return pool_->worker(i).times_set_aside != epoch; });
+        if (!got) {
+          errors[i] = fmt::format("it was set aside during the push ({})", pool_->worker(i).why);
+          return;
+        }
+        std::lock_guard lock(mutex_);
+        w.version = *got;
+        w.stale = w.version < current_;
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+        pool_->set_aside(i, fmt::format("it did not take weight version {}: {}", v, e.what()));
+      }
+    });
+  }
   for (std::thread& t : threads) t.join();
   st.load_s = seconds_since(t1);
-  for (const auto& w : workers_) (w->stale ? st.missed : st.updated) += 1;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& w : workers_) (w->stale ? st.missed : st.updated) += 1;
+  }
   std::error_code ec;
   if (!previous.empty() && previous != dir) fs::remove_all(previous, ec);
   last_push_ = st;
@@ -197,11 +229,7 @@ void RemoteRollout::report_push(const std::vector<std::string>& errors) {
   const WeightPushStats& st = last_push_;
   std::string all;
   for (size_t i = 0; i < workers_.size(); ++i) {
-    if (!workers_[i]->stale) continue;
-    spdlog::warn(
-        "rollout worker {} did not take weight version {}: {}; its requests go to the other "
-        "workers until it takes them (tried again before each rollout)",
-        workers_[i]->address, st.version, errors[i]);
+    if (errors[i].empty()) continue;
     all += fmt::format("\n  {}: {}", workers_[i]->address, errors[i]);
   }
   TANDEM_CHECK(st.updated > 0,
@@ -209,13 +237,35 @@ void RemoteRollout::report_push(const std::vector<std::string>& errors) {
                job_.where("placement.workers"), all);
 }
 
-void RemoteRollout::catch_up() {
-  for (const auto& w : workers_) {
-    if (!w->stale) continue;
-    std::string error;
-    if (update(*w, error))
-      spdlog::info("rollout worker {} is back and took weight version {}", w->address, current_);
+bool RemoteRollout::rejoin(size_t i) {
+  Worker& w = *workers_[i];
+  // A push may come meanwhile: the worker serves again only once it holds the latest version.
+  for (int round = 0; round < 3; ++round) {
+    int64_t target = 0;
+    std::string dir;
+    {
+      std::lock_guard lock(mutex_);
+      if (!w.stale) return true;
+      target = current_;
+      dir = current_dir_;
+    }
+    int64_t got = 0;
+    try {
+      got = update_worker(*w.client, target, dir);
+    } catch (const std::exception& e) {
+      spdlog::warn("rollout worker {} answers again but did not take weight version {}: {}",
+                   w.address, target, e.what());
+      return false;
+    }
+    std::lock_guard lock(mutex_);
+    w.version = got;
+    w.stale = w.version < current_;
+    if (!w.stale) {
+      spdlog::info("rollout worker {} took weight version {}", w.address, w.version);
+      return true;
+    }
   }
+  return false;
 }
 
 rollout::rpc::GenerateRequest RemoteRollout::call_of(rollout::Request request) const {
@@ -268,7 +318,6 @@ rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& 
 
 std::vector<rollout::RequestOutput> RemoteRollout::generate(
     std::vector<rollout::Request> requests) {
-  catch_up();
   std::vector<rollout::rpc::GenerateRequest> calls;
   for (rollout::Request& r : requests) calls.push_back(call_of(std::move(r)));
   std::vector<rollout::rpc::GenerateResponse> answers;
@@ -286,10 +335,15 @@ std::vector<rollout::RequestOutput> RemoteRollout::generate(
 
 std::vector<std::pair<std::string, rollout::RequestOutput>> RemoteRollout::generate_on_each(
     const rollout::Request& request) {
-  catch_up();
   std::vector<std::pair<std::string, rollout::RequestOutput>> out;
-  for (const auto& w : workers_) {
-    if (w->stale) continue;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const auto& w = workers_[i];
+    bool stale = false;
+    {
+      std::lock_guard lock(mutex_);
+      stale = w->stale;
+    }
+    if (stale || pool_->worker(i).set_aside) continue;
     rollout::rpc::GenerateResponse answer;
     try {
       answer = w->client->generate(call_of(request));
@@ -303,17 +357,26 @@ std::vector<std::pair<std::string, rollout::RequestOutput>> RemoteRollout::gener
 }
 
 void RemoteRollout::add_metrics(nlohmann::ordered_json& line) const {
-  int64_t live = 0, answered = 0, failures = 0;
+  int64_t live = 0, aside = 0, times_aside = 0, times_back = 0, answered = 0, failures = 0;
   for (const rollout::RolloutPool::Worker& w : pool_->workers()) {
-    live += w.down ? 0 : 1;
+    live += w.down || w.set_aside ? 0 : 1;
+    aside += w.set_aside ? 1 : 0;
+    times_aside += w.times_set_aside;
+    times_back += w.times_back;
     answered += w.answered;
     failures += w.failures;
   }
   int64_t stale = 0;
-  for (const auto& w : workers_) stale += w->stale ? 1 : 0;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& w : workers_) stale += w->stale ? 1 : 0;
+  }
   line["disaggregated/workers"] = workers_.size();
   line["disaggregated/workers_live"] = live;
   line["disaggregated/workers_stale"] = stale;
+  line["disaggregated/workers_set_aside"] = aside;
+  line["disaggregated/set_aside_total"] = times_aside;
+  line["disaggregated/back_total"] = times_back;
   line["disaggregated/calls_answered"] = answered;
   line["disaggregated/calls_failed"] = failures;
   line["disaggregated/weight_version"] = last_push_.version;

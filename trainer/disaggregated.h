@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -52,13 +53,16 @@ class RemoteRollout {
       const rollout::Request& request);
 
   // Writes `policy` (f32) into <logging.dir>/rollout-weights/v<N> (atomically; the previous one
-  // removed) and updates every worker to it: begin_weight_update, then commit_weight_update
-  // loading that directory. A worker that cannot be reached is left behind with a warning and
-  // updated before the next generate; throws when no worker took the weights.
+  // removed) and updates every serving worker to it: begin_weight_update, then
+  // commit_weight_update loading that directory. A worker set aside is skipped; one that fails the
+  // update, or is set aside while it runs (a missed health check), is set aside and left behind
+  // with a warning without waiting longer for it; its health checks catch it up once it answers.
+  // Throws when no worker took the weights.
   void push(const model::Weights& policy, uint64_t version);
   const WeightPushStats& last_push() const { return last_push_; }
 
-  // disaggregated/* metrics of the step: workers live, calls answered and failed, last push.
+  // disaggregated/* metrics of the step: workers live and set aside, calls answered and failed,
+  // last push.
   void add_metrics(nlohmann::ordered_json& line) const;
 
  private:
@@ -67,24 +71,29 @@ class RemoteRollout {
   rollout::rpc::GenerateRequest call_of(rollout::Request request) const;
   rollout::RequestOutput output_of(rollout::rpc::GenerateResponse& answer,
                                    std::vector<int32_t> prompt) const;
-  // Writes the policy and updates every worker to it; each worker's error ("" when it took it).
-  std::vector<std::string> update_all(const model::Weights& policy, uint64_t version);
+  // Writes the policy and updates every serving worker to it (`all`: every worker, at start);
+  // each worker's error ("" when it took it).
+  std::vector<std::string> update_all(const model::Weights& policy, uint64_t version, bool all);
   // Warns of the workers that missed the last push; throws when none took it.
   void report_push(const std::vector<std::string>& errors);
-  // Updates worker w to the latest pushed directory; false (and the reason) when it failed.
-  bool update(Worker& w, std::string& error);
-  void catch_up();
+  // The pool's rejoin: brings set-aside worker w to the weights last pushed; true when it holds
+  // them.
+  bool rejoin(size_t w);
 
   const JobConfig& job_;
   std::vector<int32_t> stop_ids_;
   std::map<std::string, std::string> tokenizer_files_;
   std::string token_;
   std::vector<std::unique_ptr<Worker>> workers_;
-  std::unique_ptr<rollout::RolloutPool> pool_;
-  int64_t offset_ = 0;   // the workers' version of the job's weight version 0
+  int64_t offset_ = 0;  // the workers' version of the job's weight version 0
+  // Guards current_, current_dir_ and the workers' version and stale, which the pool's
+  // health-check threads (rejoin) read and write too.
+  mutable std::mutex mutex_;
   int64_t current_ = 0;  // the workers' version of the weights last pushed
   std::string current_dir_;
   WeightPushStats last_push_;
+  // Last, so that it goes first: its health-check threads call rejoin, which uses the above.
+  std::unique_ptr<rollout::RolloutPool> pool_;
 };
 
 }  // namespace tandem::trainer

@@ -518,6 +518,17 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "Disaggregated: at start, how long the job waits for every worker to answer before "
               "it fails naming the one that did not."))
       .above(0);
+  add(bind<J>("placement.health_check_interval_s", TANDEM_MEMBER(placement.health_check_interval_s),
+              "Disaggregated: seconds between health checks of each worker (a weight_version "
+              "call, answered off the worker's engine). A worker set aside is checked at this "
+              "interval until it answers, then brought to the latest weights before it serves "
+              "again."))
+      .range(0.001, 86400);
+  add(bind<J>("placement.health_check_timeout_s", TANDEM_MEMBER(placement.health_check_timeout_s),
+              "Disaggregated: the deadline of a health check. A worker that misses it, or whose "
+              "generate call misses placement.request_timeout_ms, is set aside: its groups in "
+              "flight go to the other workers at once and pushes skip it until it is back."))
+      .range(0.001, 86400);
   // distributed
   add(bind<J>("distributed.timeout_s", TANDEM_MEMBER(distributed.timeout_s),
               "Seconds that bound the rendezvous, every store wait and every collective: a dead "

@@ -150,6 +150,10 @@ struct PlacementSection {
   int64_t attempts = 4;                 // workers a group is tried on before the step fails
   int64_t max_in_flight_per_worker = 8;
   double connect_timeout_s = 30;  // start-up: how long to wait for every worker to answer
+  // A worker that misses a health check's deadline (or a call's) is set aside until it answers
+  // one again and has taken the latest weights.
+  double health_check_interval_s = 5;
+  double health_check_timeout_s = 10;
 };
 
 // The publish of the trainer's weights into the rollout engines' after each step

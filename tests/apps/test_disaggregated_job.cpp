@@ -1,7 +1,8 @@
 // The disaggregated job over real processes: two `tandem serve` workers on a tiny random model
 // generate the rollouts of `tandem train`; the steps train the batches of the colocated job, and
-// every step finishes with all its samples when one worker is killed mid-run; start-up refusals;
-// the weight_sync canary on every worker.
+// every step finishes with all its samples when one worker is killed mid-run; a stopped worker is
+// set aside without the steps waiting for it, and caught up once it answers again; start-up
+// refusals; the weight_sync canary on every worker.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@
 
 #include "model/hf.h"
 #include "model/weights.h"
+#include "rollout/service/client.h"
 #include "tests/apps/dp_job.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
@@ -133,9 +135,83 @@ TEST_CASE("a disaggregated job on two workers trains the colocated job's batches
       CHECK(b[i]["dynamic_sampling/groups_generated"] == a[i]["dynamic_sampling/groups_generated"]);
     }
     CHECK(b[2]["disaggregated/workers_stale"] == 1);
-    CHECK(out.find("did not take weight version") != std::string::npos);
+    CHECK(out.find(fmt::format("rollout worker 127.0.0.1:{} set aside", port1)) !=
+          std::string::npos);
     CHECK(w1->stop() == 128 + SIGKILL);
   }
+  CHECK(w0->stop() == 0);
+}
+
+TEST_CASE(
+    "a disaggregated job sets a stopped worker aside without waiting for it and catches it up "
+    "when it answers again",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-stopped");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  std::unique_ptr<tandem::test::Subprocess> w0, w1;
+  const int port0 = start_worker(w0, tmp, tmp.file("model"));
+  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  // A generate call's deadline of 60 s: a step that waited for the stopped worker would take it.
+  const int64_t timeout_s = 60;
+  const std::string metrics = tmp.file("run/metrics.jsonl");
+  tandem::test::Subprocess run(
+      {"/bin/sh", "-c",
+       fmt::format("exec {}/tandem train {} logging.dir={} "
+                   "checkpoint.dir={} {} trainer.steps=6 "
+                   "placement.request_timeout_ms={} "
+                   "placement.health_check_interval_s=0.5 "
+                   "placement.health_check_timeout_s=2 2>&1",
+                   TANDEM_BIN_DIR, job, tmp.file("run"), tmp.file("run/ckpt"),
+                   disaggregated(port0, port1), timeout_s * 1000)});
+  // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
+  // written or `bound_s` passed.
+  auto wait_for_steps = [&](size_t steps, int bound_s) {
+    for (int i = 0; i < bound_s * 5 && step_lines(metrics).size() < steps; ++i)
+      run.wait_for_line("\x01", 200);
+    return step_lines(metrics).size();
+  };
+  REQUIRE(wait_for_steps(1, 120) >= 1);
+  REQUIRE(::kill(w1->pid(), SIGSTOP) == 0);
+  // Two steps with the worker stopped: neither their rollout nor their push waits the generate
+  // deadline for it.
+  const size_t stopped = wait_for_steps(3, 150);
+  INFO(run.output());
+  REQUIRE(stopped >= 3);
+  {
+    const auto b = step_lines(metrics);
+    for (size_t i = 1; i < 3; ++i) {
+      INFO("step " << i + 1 << ": " << b[i].dump());
+      CHECK(b[i]["time/rollout_s"].get<double>() < static_cast<double>(timeout_s) / 2);
+      CHECK(b[i]["time/publish_s"].get<double>() < static_cast<double>(timeout_s) / 2);
+    }
+    INFO(b[2].dump());
+    CHECK(b[2]["disaggregated/workers_set_aside"] == 1);
+    CHECK(b[2]["disaggregated/set_aside_total"].get<int64_t>() >= 1);
+    CHECK(b[2]["disaggregated/workers_stale"] == 1);
+  }
+  REQUIRE(::kill(w1->pid(), SIGCONT) == 0);
+  // The job goes on and ends on its own.
+  CHECK(wait_for_steps(6, 240) == 6);
+  const int status = run.stop(0, 60000);
+  run.wait_for_line("\x01", 1000);  // the rest of its output
+  INFO(run.output());
+  REQUIRE(status == 0);
+  const auto b = step_lines(metrics);
+  REQUIRE(b.size() == 6);
+  INFO(b[5].dump());
+  // Back: answered a health check, took the latest weights, and served again.
+  CHECK(b[5]["disaggregated/workers_set_aside"] == 0);
+  CHECK(b[5]["disaggregated/workers_stale"] == 0);
+  CHECK(b[5]["disaggregated/back_total"].get<int64_t>() >= 1);
+  CHECK_THAT(run.output(),
+             Catch::Contains(fmt::format("rollout worker 127.0.0.1:{} set aside", port1)));
+  CHECK_THAT(run.output(),
+             Catch::Contains(
+                 fmt::format("rollout worker 127.0.0.1:{} answers again and serves again", port1)));
+  tandem::rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", port1)});
+  CHECK(c.weight_version() == b[5]["disaggregated/weight_version"].get<int64_t>());
+  CHECK(w1->stop() == 0);
   CHECK(w0->stop() == 0);
 }
 
