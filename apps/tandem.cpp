@@ -23,6 +23,9 @@ void print_version() {
   fmt::print("cuda: {}\n", tandem::cuda_compiled() ? "compiled in" : "not compiled in");
   fmt::print("nccl: {}\n", tandem::nccl_compiled() ? "compiled in" : "not compiled in");
   fmt::print("gpu: {}\n", tandem::gpu_summary());
+  // The CPU family and the matmul paths it takes: what makes a seed's results the same on two
+  // machines (scripts/demo-table keys the README's per-family demo result on this line).
+  fmt::print("cpu: {}; matmul {}\n", tandem::bench::cpu_model(), tandem::bench::cpu_isa());
 }
 
 }  // namespace
@@ -33,7 +36,8 @@ int main(int argc, char** argv) {
   // Options of the app (--verbose) are accepted after a subcommand too.
   app.fallthrough();
   bool version = false, verbose = false;
-  app.add_flag("--version", version, "print the version, commit, compiled-in backends and GPUs");
+  app.add_flag("--version", version,
+               "print the version, commit, compiled-in backends, GPUs and the CPU");
   app.add_flag("-v,--verbose", verbose,
                "errors also name the failed check and its place in tandem's source");
 

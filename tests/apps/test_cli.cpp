@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -37,7 +38,7 @@ std::vector<nlohmann::json> bench_rows_without_peer(const std::string& args) {
 
 }  // namespace
 
-TEST_CASE("tandem --version names the version commit backends and GPU state", "[e2e]") {
+TEST_CASE("tandem --version names the version commit backends GPU state and CPU family", "[e2e]") {
   const Run r = run("--version");
   INFO(r.out);
   CHECK(r.status == 0);
@@ -45,6 +46,9 @@ TEST_CASE("tandem --version names the version commit backends and GPU state", "[
   CHECK(r.out.find("\ncuda: ") != std::string::npos);
   CHECK(r.out.find("\nnccl: ") != std::string::npos);
   CHECK(r.out.find("\ngpu: ") != std::string::npos);
+  // The CPU with its family numbers and the matmul paths (scripts/demo-table keys on this line).
+  CHECK(std::regex_search(r.out, std::regex(R"(\ncpu: .+\(family [0-9]+ model [0-9]+\); )"
+                                            R"(matmul f32 [a-z0-9]+, bf16 [a-z0-9-]+\n)")));
 }
 
 TEST_CASE("tandem bench kernels --json prints one valid measurement per line", "[e2e]") {
