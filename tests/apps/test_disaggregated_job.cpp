@@ -83,6 +83,28 @@ std::string disaggregated(int port0, int port1) {
       port0, port1);
 }
 
+// A tiny model, its job and two `tandem serve` workers of it, in tmp.
+struct TwoWorkers {
+  std::string job;
+  std::unique_ptr<tandem::test::Subprocess> w0, w1;
+  int port0 = 0, port1 = 0;
+  explicit TwoWorkers(const tandem::test::TempDir& tmp) {
+    tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+    job = write_job(tmp, tmp.file("model"));
+    port0 = start_worker(w0, tmp, tmp.file("model"));
+    port1 = start_worker(w1, tmp, tmp.file("model"));
+  }
+};
+
+// The calls' deadline (a generate's, a push's) of `timeout_s`; a health check every 0.5 s with a
+// deadline of 2 s.
+std::string health_checked(int64_t timeout_s) {
+  return fmt::format(
+      " placement.request_timeout_ms={} placement.health_check_interval_s=0.5 "
+      "placement.health_check_timeout_s=2",
+      timeout_s * 1000);
+}
+
 // A loopback TCP proxy to a worker that forwards every connection until a client has sent a call
 // of `method` `nth` times; from then on it forwards nothing (a worker that stops answering in the
 // middle of that call, and after it).
@@ -238,23 +260,17 @@ TEST_CASE(
     "when it answers again",
     "[multiproc]") {
   const tandem::test::TempDir tmp("disaggregated-stopped");
-  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
-  const std::string job = write_job(tmp, tmp.file("model"));
-  std::unique_ptr<tandem::test::Subprocess> w0, w1;
-  const int port0 = start_worker(w0, tmp, tmp.file("model"));
-  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  TwoWorkers w(tmp);
+  const int port1 = w.port1;
   // A generate call's deadline of 60 s: a step that waited for the stopped worker would take it.
   const int64_t timeout_s = 60;
   const std::string metrics = tmp.file("run/metrics.jsonl");
   tandem::test::Subprocess run(
       {"/bin/sh", "-c",
-       fmt::format("exec {}/tandem train {} logging.dir={} "
-                   "checkpoint.dir={} {} trainer.steps=6 "
-                   "placement.request_timeout_ms={} "
-                   "placement.health_check_interval_s=0.5 "
-                   "placement.health_check_timeout_s=2 2>&1",
-                   TANDEM_BIN_DIR, job, tmp.file("run"), tmp.file("run/ckpt"),
-                   disaggregated(port0, port1), timeout_s * 1000)});
+       fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
+                   "trainer.steps=6 2>&1",
+                   TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
+                   disaggregated(w.port0, w.port1), health_checked(timeout_s))});
   // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
   // written or `bound_s` passed.
   auto wait_for_steps = [&](size_t steps, int bound_s) {
@@ -263,7 +279,7 @@ TEST_CASE(
     return step_lines(metrics).size();
   };
   REQUIRE(wait_for_steps(1, 120) >= 1);
-  REQUIRE(::kill(w1->pid(), SIGSTOP) == 0);
+  REQUIRE(::kill(w.w1->pid(), SIGSTOP) == 0);
   // Two steps with the worker stopped: neither their rollout nor their push waits the generate
   // deadline for it.
   const size_t stopped = wait_for_steps(3, 150);
@@ -281,7 +297,7 @@ TEST_CASE(
     CHECK(b[2]["disaggregated/set_aside_total"].get<int64_t>() >= 1);
     CHECK(b[2]["disaggregated/workers_stale"] == 1);
   }
-  REQUIRE(::kill(w1->pid(), SIGCONT) == 0);
+  REQUIRE(::kill(w.w1->pid(), SIGCONT) == 0);
   // The job goes on and ends on its own.
   CHECK(wait_for_steps(6, 240) == 6);
   const int status = run.stop(0, 60000);
@@ -302,27 +318,20 @@ TEST_CASE(
                  fmt::format("rollout worker 127.0.0.1:{} answers again and serves again", port1)));
   tandem::rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", port1)});
   CHECK(c.weight_version() == b[5]["disaggregated/weight_version"].get<int64_t>());
-  CHECK(w1->stop() == 0);
-  CHECK(w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
 }
 
 TEST_CASE("a disaggregated job goes on without a worker that stops answering in a weight push",
           "[multiproc]") {
   const tandem::test::TempDir tmp("disaggregated-push-hang");
-  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
-  const std::string job = write_job(tmp, tmp.file("model"));
-  std::unique_ptr<tandem::test::Subprocess> w0, w1;
-  const int port0 = start_worker(w0, tmp, tmp.file("model"));
-  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  TwoWorkers w(tmp);
   // Worker 1 behind a proxy that goes silent in the second commit_weight_update: the first is
   // the push at start, the second the push after step 1.
-  FreezingProxy proxy(port1, "commit_weight_update", 2);
-  const int64_t timeout_s = 60;  // the calls' deadline, a push's included
-  const auto r = train(tmp, job, "run",
-                       fmt::format("{} placement.request_timeout_ms={} "
-                                   "placement.health_check_interval_s=0.5 "
-                                   "placement.health_check_timeout_s=2",
-                                   disaggregated(port0, proxy.port()), timeout_s * 1000));
+  FreezingProxy proxy(w.port1, "commit_weight_update", 2);
+  const int64_t timeout_s = 60;
+  const auto r =
+      train(tmp, w.job, "run", disaggregated(w.port0, proxy.port()) + health_checked(timeout_s));
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(proxy.frozen());
@@ -338,8 +347,8 @@ TEST_CASE("a disaggregated job goes on without a worker that stops answering in 
   CHECK(b[2]["disaggregated/workers_stale"] == 1);
   CHECK_THAT(r.out,
              Catch::Contains(fmt::format("rollout worker 127.0.0.1:{} set aside", proxy.port())));
-  CHECK(w1->stop() == 0);
-  CHECK(w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
 }
 
 TEST_CASE("a disaggregated job refuses a worker that does not answer naming it", "[e2e]") {
