@@ -239,13 +239,14 @@ void RemoteRollout::report_push(const std::vector<std::string>& errors) {
 
 bool RemoteRollout::rejoin(size_t i) {
   Worker& w = *workers_[i];
-  // A push may come meanwhile: the worker serves again only once it holds the latest version.
+  // Its version is asked again (a worker restarted on its address holds its model's weights, not
+  // the last it took), and a push may come meanwhile: the worker serves again only once it holds
+  // the latest version.
   for (int round = 0; round < 3; ++round) {
     int64_t target = 0;
     std::string dir;
     {
       std::lock_guard lock(mutex_);
-      if (!w.stale) return true;
       target = current_;
       dir = current_dir_;
     }
@@ -261,7 +262,7 @@ bool RemoteRollout::rejoin(size_t i) {
     w.version = got;
     w.stale = w.version < current_;
     if (!w.stale) {
-      spdlog::info("rollout worker {} took weight version {}", w.address, w.version);
+      spdlog::info("rollout worker {} holds weight version {}", w.address, w.version);
       return true;
     }
   }

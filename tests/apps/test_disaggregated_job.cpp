@@ -1,14 +1,21 @@
 // The disaggregated job over real processes: two `tandem serve` workers on a tiny random model
 // generate the rollouts of `tandem train`; the steps train the batches of the colocated job, and
 // every step finishes with all its samples when one worker is killed mid-run; a stopped worker is
-// set aside without the steps waiting for it, and caught up once it answers again; start-up
-// refusals; the weight_sync canary on every worker.
+// set aside without the steps waiting for it and caught up once it answers again; a push does not
+// wait for a worker that stops answering in it; start-up refusals; the weight_sync canary on every
+// worker.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -75,6 +82,112 @@ std::string disaggregated(int port0, int port1) {
       "placement.request_timeout_ms=30000",
       port0, port1);
 }
+
+// A tiny model, its job and two `tandem serve` workers of it, in tmp.
+struct TwoWorkers {
+  std::string job;
+  std::unique_ptr<tandem::test::Subprocess> w0, w1;
+  int port0 = 0, port1 = 0;
+  explicit TwoWorkers(const tandem::test::TempDir& tmp) {
+    tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+    job = write_job(tmp, tmp.file("model"));
+    port0 = start_worker(w0, tmp, tmp.file("model"));
+    port1 = start_worker(w1, tmp, tmp.file("model"));
+  }
+};
+
+// The calls' deadline (a generate's, a push's) of `timeout_s`; a health check every 0.5 s with a
+// deadline of 2 s.
+std::string health_checked(int64_t timeout_s) {
+  return fmt::format(
+      " placement.request_timeout_ms={} placement.health_check_interval_s=0.5 "
+      "placement.health_check_timeout_s=2",
+      timeout_s * 1000);
+}
+
+// A loopback TCP proxy to a worker that forwards every connection until a client has sent a call
+// of `method` `nth` times; from then on it forwards nothing (a worker that stops answering in the
+// middle of that call, and after it).
+class FreezingProxy {
+ public:
+  FreezingProxy(int to, std::string method, int nth)
+      : to_(to), method_(std::move(method)), nth_(nth) {
+    listen_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(listen_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    REQUIRE(::listen(listen_, 64) == 0);
+    socklen_t n = sizeof(a);
+    REQUIRE(::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &n) == 0);
+    port_ = ntohs(a.sin_port);
+    threads_.emplace_back([this] { accept_loop(); });
+  }
+  ~FreezingProxy() {
+    stop_ = true;
+    for (std::thread& t : threads_) t.join();
+    ::close(listen_);
+  }
+  int port() const { return port_; }
+  bool frozen() const { return frozen_; }
+
+ private:
+  void accept_loop() {
+    std::vector<std::thread> pumps;
+    while (!stop_) {
+      pollfd p{listen_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      const int client = ::accept(listen_, nullptr, nullptr);
+      if (client < 0) continue;
+      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(static_cast<uint16_t>(to_));
+      if (::connect(server, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+        ::close(server);
+        ::close(client);
+        continue;
+      }
+      pumps.emplace_back([this, client, server] { pump(client, server); });
+    }
+    for (std::thread& t : pumps) t.join();
+  }
+  // Copies bytes both ways until either side closes or the proxy stops; frozen, drops them.
+  void pump(int client, int server) {
+    char buf[65536];
+    while (!stop_) {
+      pollfd p[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+      if (::poll(p, 2, 50) <= 0) continue;
+      bool closed = false;
+      for (int side = 0; side < 2; ++side) {
+        if (!(p[side].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        const ssize_t n = ::read(p[side].fd, buf, sizeof buf);
+        if (n <= 0) {
+          closed = true;
+          break;
+        }
+        if (side == 0 &&
+            std::string_view(buf, static_cast<size_t>(n)).find(method_) != std::string_view::npos)
+          frozen_ = frozen_ || ++seen_ >= nth_;
+        if (!frozen_ && ::write(side == 0 ? server : client, buf, static_cast<size_t>(n)) != n)
+          closed = true;
+      }
+      if (closed) break;
+    }
+    ::close(client);
+    ::close(server);
+  }
+
+  int to_;
+  std::string method_;
+  int nth_;
+  int listen_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false}, frozen_{false};
+  std::atomic<int> seen_{0};
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace
 
@@ -147,23 +260,17 @@ TEST_CASE(
     "when it answers again",
     "[multiproc]") {
   const tandem::test::TempDir tmp("disaggregated-stopped");
-  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
-  const std::string job = write_job(tmp, tmp.file("model"));
-  std::unique_ptr<tandem::test::Subprocess> w0, w1;
-  const int port0 = start_worker(w0, tmp, tmp.file("model"));
-  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  TwoWorkers w(tmp);
+  const int port1 = w.port1;
   // A generate call's deadline of 60 s: a step that waited for the stopped worker would take it.
   const int64_t timeout_s = 60;
   const std::string metrics = tmp.file("run/metrics.jsonl");
   tandem::test::Subprocess run(
       {"/bin/sh", "-c",
-       fmt::format("exec {}/tandem train {} logging.dir={} "
-                   "checkpoint.dir={} {} trainer.steps=6 "
-                   "placement.request_timeout_ms={} "
-                   "placement.health_check_interval_s=0.5 "
-                   "placement.health_check_timeout_s=2 2>&1",
-                   TANDEM_BIN_DIR, job, tmp.file("run"), tmp.file("run/ckpt"),
-                   disaggregated(port0, port1), timeout_s * 1000)});
+       fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
+                   "trainer.steps=6 2>&1",
+                   TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
+                   disaggregated(w.port0, w.port1), health_checked(timeout_s))});
   // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
   // written or `bound_s` passed.
   auto wait_for_steps = [&](size_t steps, int bound_s) {
@@ -172,7 +279,7 @@ TEST_CASE(
     return step_lines(metrics).size();
   };
   REQUIRE(wait_for_steps(1, 120) >= 1);
-  REQUIRE(::kill(w1->pid(), SIGSTOP) == 0);
+  REQUIRE(::kill(w.w1->pid(), SIGSTOP) == 0);
   // Two steps with the worker stopped: neither their rollout nor their push waits the generate
   // deadline for it.
   const size_t stopped = wait_for_steps(3, 150);
@@ -190,7 +297,7 @@ TEST_CASE(
     CHECK(b[2]["disaggregated/set_aside_total"].get<int64_t>() >= 1);
     CHECK(b[2]["disaggregated/workers_stale"] == 1);
   }
-  REQUIRE(::kill(w1->pid(), SIGCONT) == 0);
+  REQUIRE(::kill(w.w1->pid(), SIGCONT) == 0);
   // The job goes on and ends on its own.
   CHECK(wait_for_steps(6, 240) == 6);
   const int status = run.stop(0, 60000);
@@ -211,8 +318,37 @@ TEST_CASE(
                  fmt::format("rollout worker 127.0.0.1:{} answers again and serves again", port1)));
   tandem::rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", port1)});
   CHECK(c.weight_version() == b[5]["disaggregated/weight_version"].get<int64_t>());
-  CHECK(w1->stop() == 0);
-  CHECK(w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
+}
+
+TEST_CASE("a disaggregated job goes on without a worker that stops answering in a weight push",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-push-hang");
+  TwoWorkers w(tmp);
+  // Worker 1 behind a proxy that goes silent in the second commit_weight_update: the first is
+  // the push at start, the second the push after step 1.
+  FreezingProxy proxy(w.port1, "commit_weight_update", 2);
+  const int64_t timeout_s = 60;
+  const auto r =
+      train(tmp, w.job, "run", disaggregated(w.port0, proxy.port()) + health_checked(timeout_s));
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(proxy.frozen());
+  const auto b = step_lines(tmp.file("run/metrics.jsonl"));
+  REQUIRE(b.size() == 3);
+  for (const auto& m : b) {
+    INFO(m.dump());
+    CHECK(m["time/publish_s"].get<double>() < static_cast<double>(timeout_s) / 2);
+    CHECK(m["time/rollout_s"].get<double>() < static_cast<double>(timeout_s) / 2);
+  }
+  INFO(b[2].dump());
+  CHECK(b[2]["disaggregated/workers_set_aside"] == 1);
+  CHECK(b[2]["disaggregated/workers_stale"] == 1);
+  CHECK_THAT(r.out,
+             Catch::Contains(fmt::format("rollout worker 127.0.0.1:{} set aside", proxy.port())));
+  CHECK(w.w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
 }
 
 TEST_CASE("a disaggregated job refuses a worker that does not answer naming it", "[e2e]") {
