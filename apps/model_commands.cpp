@@ -15,11 +15,13 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "core/memory_available.h"
 #include "model/decoder.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "rollout/engine.h"
 
+#include "rollout/engine_memory.h"
 namespace tandem::apps {
 namespace {
 
@@ -126,13 +128,23 @@ int run_generate() {
   rollout::EngineOptions eo;
   eo.max_context =
       std::min<int64_t>(std::max<int64_t>(longest, 1), m.config().max_position_embeddings);
-  // KV blocks for every sample at once, within 2 GiB; fewer means preemption, not failure.
+  // KV blocks for every sample at once, within 2 GiB and half the memory available; fewer means
+  // preemption, not failure.
+  const double available = memory_available(m.weights->device());
   const int64_t block_bytes =
       static_cast<int64_t>(rollout::BlockManager::bytes_per_block(m.config(), eo.block_size));
-  const int64_t budget = std::max<int64_t>(int64_t{2} << 30, block_bytes * 64) / block_bytes;
+  const int64_t budget_bytes =
+      available > 0 ? std::min<int64_t>(int64_t{2} << 30, static_cast<int64_t>(available / 2))
+                    : int64_t{2} << 30;
+  const int64_t budget = std::max<int64_t>(budget_bytes, block_bytes * 64) / block_bytes;
   eo.num_blocks = std::clamp<int64_t>(kv_tokens / eo.block_size + 64, 64, budget);
   eo.max_seqs = std::max<int64_t>(eo.max_seqs, gen.n);
   rollout::Engine engine(*m.weights, eo, &m.tok());
+  rollout::check_engine_memory(
+      m.config(), eo, available,
+      {"-n or --max-tokens (the KV cache holds every sample at once)",
+       fmt::format("the model's size (tandem generate computes {} tokens a step)",
+                   eo.max_batch_tokens)});
 
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<rollout::RequestOutput> outs = engine.generate(std::move(requests));

@@ -529,6 +529,33 @@ TEST_CASE("tandem serve drains every accepted request on SIGTERM under load", "[
   }
 }
 
+TEST_CASE("tandem serve refuses a KV cache or a batch beyond memory naming the key", "[e2e]") {
+  test::TempDir tmp("rollout-serve-huge");
+  const std::string config = tmp.write("serve.toml", fmt::format(R"([model]
+path = "{}"
+[engine]
+num_blocks = 100000000
+max_context = 256
+[server]
+port = 0
+[limits]
+max_prompt_tokens = 128
+max_new_tokens = 64
+)",
+                                                                 tiny_model_dir()));
+  test::CommandResult r = test::run_tandem("serve " + config, true, 60);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("of memory available: lower engine.num_blocks (" + config + ":4:") !=
+        std::string::npos);
+  r = test::run_tandem("serve " + config + " engine.num_blocks=64 engine.max_batch_tokens=10000000",
+                       true, 60);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("lower engine.max_batch_tokens (override 'engine.max_batch_tokens=") !=
+        std::string::npos);
+}
+
 TEST_CASE("the example Python rollout client generates through tandem serve", "[interop]") {
   const std::string python = test::require_python_with_thrift();
   test::TempDir tmp("rollout-serve-python");
