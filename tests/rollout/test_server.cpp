@@ -531,18 +531,12 @@ TEST_CASE("tandem serve drains every accepted request on SIGTERM under load", "[
 
 TEST_CASE("tandem serve refuses a KV cache or a batch beyond memory naming the key", "[e2e]") {
   test::TempDir tmp("rollout-serve-huge");
-  const std::string config = tmp.write("serve.toml", fmt::format(R"([model]
-path = "{}"
-[engine]
-num_blocks = 100000000
-max_context = 256
-[server]
-port = 0
-[limits]
-max_prompt_tokens = 128
-max_new_tokens = 64
-)",
-                                                                 tiny_model_dir()));
+  // engine.num_blocks on line 4; the limits fit the tiny model's 256 positions.
+  const std::string config = tmp.write(
+      "serve.toml", fmt::format("[model]\npath = \"{}\"\n[engine]\nnum_blocks = 100000000\n"
+                                "max_context = 256\n[server]\nport = 0\n[limits]\n"
+                                "max_prompt_tokens = 128\nmax_new_tokens = 64\n",
+                                tiny_model_dir()));
   test::CommandResult r = test::run_tandem("serve " + config, true, 60);
   INFO(r.out);
   CHECK(r.status == 1);
