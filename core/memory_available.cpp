@@ -19,12 +19,13 @@ double memory_available(Device d) {
     return 0;
   }
 #if TANDEM_HAS_CUDA
-  size_t free = 0, total = 0;
-  if (cudaSetDevice(d.index) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaSetDevice(d.index) != cudaSuccess ||
+      cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  return static_cast<double>(free);
+  return static_cast<double>(free_bytes);
 #else
   return 0;
 #endif
