@@ -1,6 +1,7 @@
 // tandem launch: one child process per local rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 // and MASTER_PORT set; each output line prefixed with "[rank R] "; SIGINT and SIGTERM forwarded;
-// the first rank to fail stops the others (SIGTERM, SIGKILL after a grace) and its status is ours.
+// the first rank to fail stops the others (SIGTERM, SIGKILL after a grace) and its status is ours;
+// a launcher that is killed takes its ranks with it (a watchdog process and a parent-death signal).
 #include "apps/launch.h"
 
 #include <fcntl.h>
@@ -9,6 +10,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -107,6 +109,85 @@ std::string describe_status(int code) {
   return fmt::format("exited with status {}", code);
 }
 
+// A killed launcher (SIGKILL, the OOM killer) cannot stop its ranks, which would train on as
+// orphans holding the run directory's lock. The watchdog, forked before them, holds the read end
+// of a socket pair only the launcher writes: the process group of each rank as it starts. When it
+// ends without the launcher having stood the watchdog down, the launcher is gone, and it stops
+// the groups as the launcher would: SIGTERM, then SIGKILL to what is left after the grace. The
+// groups hold whatever the ranks started (a rank's own children) too.
+struct Watchdog {
+  pid_t pid = -1;
+  int fd = -1;  // the launcher's end (close-on-exec: no rank keeps it open)
+};
+
+// The watchdog's life after the fork: nothing here allocates (the launcher may have threads
+// whose locks the fork copied), so `groups` comes with room for every rank and `notice` made.
+[[noreturn]] void watch(int fd, std::vector<pid_t>& groups, const std::string& notice,
+                        double grace_s) {
+  // Its own process group, deaf to the terminal: a Ctrl-C or a hang-up reaches the launcher,
+  // which stops the ranks itself; a dead stderr is no reason to stop.
+  ::setpgid(0, 0);
+  for (int sig : {SIGINT, SIGHUP, SIGPIPE, SIGTTOU}) ::signal(sig, SIG_IGN);
+  if (fd != 3) fd = ::dup2(fd, 3);
+  ::close_range(4, ~0u, 0);  // the launcher's other descriptors are not the watchdog's to hold
+  for (;;) {
+    int32_t group = 0;
+    const ssize_t n = ::read(fd, &group, sizeof group);
+    if (n == sizeof group) {
+      if (groups.size() < groups.capacity()) groups.push_back(group);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    break;  // the end: the launcher died without standing the watchdog down
+  }
+  if (groups.empty()) ::_exit(0);
+  [[maybe_unused]] const ssize_t w = ::write(STDERR_FILENO, notice.data(), notice.size());
+  for (pid_t g : groups) ::kill(-g, SIGTERM);
+  const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+  auto alive = [&] {
+    return std::any_of(groups.begin(), groups.end(), [](pid_t g) { return ::kill(-g, 0) == 0; });
+  };
+  while (alive() && Clock::now() < until) ::usleep(20000);
+  for (pid_t g : groups) ::kill(-g, SIGKILL);
+  ::_exit(0);
+}
+
+Watchdog start_watchdog(int nproc, double grace_s) {
+  // A socket rather than a pipe: the launcher's send to a dead watchdog fails (MSG_NOSIGNAL)
+  // instead of raising SIGPIPE in it.
+  int fds[2];
+  TANDEM_CHECK(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0,
+               "tandem launch: socketpair: {}", std::strerror(errno));
+  std::vector<pid_t> groups;
+  groups.reserve(static_cast<size_t>(nproc));
+  const std::string notice = fmt::format(
+      "tandem launch: the launcher (pid {}) died; stopping its ranks (SIGTERM, SIGKILL after {} "
+      "s)\n",
+      ::getpid(), grace_s);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  TANDEM_CHECK(pid >= 0, "tandem launch: fork: {}", std::strerror(errno));
+  if (pid == 0) watch(fds[0], groups, notice, grace_s);
+  ::close(fds[0]);
+  return {pid, fds[1]};
+}
+
+void tell_watchdog(const Watchdog& w, pid_t group) {
+  const int32_t g = group;
+  // A dead watchdog: nothing to do.
+  [[maybe_unused]] const ssize_t n = ::send(w.fd, &g, sizeof g, MSG_NOSIGNAL);
+}
+
+// The launcher ends normally (every rank reaped): the watchdog has nothing left to watch.
+void stand_down(Watchdog& w) {
+  if (w.pid > 0) {
+    ::kill(w.pid, SIGKILL);
+    ::waitpid(w.pid, nullptr, 0);
+  }
+  ::close(w.fd);
+  w = {};
+}
+
 }  // namespace
 
 int launch(const LaunchOptions& o) {
@@ -128,6 +209,9 @@ int launch(const LaunchOptions& o) {
   if (port == 0) port = o.nnodes == 1 ? free_port() : rendezvous::kDefaultMasterPort;
   const int world = o.nproc * o.nnodes;
 
+  // Before the signal pipe and the ranks' pipes, so the watchdog holds none of them.
+  Watchdog watchdog = start_watchdog(o.nproc, o.grace_s);
+  const pid_t launcher = ::getpid();
   TANDEM_CHECK(::pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "tandem launch: pipe: {}",
                std::strerror(errno));
   struct sigaction sa {};
@@ -192,6 +276,11 @@ int launch(const LaunchOptions& o) {
       // Its own process group: a Ctrl-C at the terminal reaches the launcher only, which forwards
       // it once; stopping a rank stops what it started too.
       ::setpgid(0, 0);
+      // The rank ends with the launcher even if the watchdog is gone too: SIGTERM when the launcher
+      // dies, as if it had passed one on. A launcher that died before this call is no longer our
+      // parent.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != launcher) ::_exit(128 + SIGTERM);
       ::dup2(out[1], STDOUT_FILENO);
       ::dup2(err[1], STDERR_FILENO);
       struct sigaction dfl {};
@@ -205,6 +294,7 @@ int launch(const LaunchOptions& o) {
       ::_exit(127);
     }
     ::setpgid(pid, pid);
+    tell_watchdog(watchdog, pid);
     ::close(out[1]);
     ::close(err[1]);
     r.pid = pid;
@@ -247,6 +337,7 @@ int launch(const LaunchOptions& o) {
 
     int ws = 0;
     for (pid_t pid; (pid = ::waitpid(-1, &ws, WNOHANG)) > 0;) {
+      if (pid == watchdog.pid) watchdog.pid = -1;  // killed by someone: nothing to stand down
       for (size_t i = 0; i < ranks.size(); ++i) {
         if (ranks[i].pid != pid) continue;
         ranks[i].status = exit_code(ws);
@@ -267,6 +358,7 @@ int launch(const LaunchOptions& o) {
   for (auto& r : ranks)
     for (Stream* s : {&r.out, &r.err})
       if (s->fd >= 0) ::close(s->fd);
+  stand_down(watchdog);
 
   if (failed) {
     const Rank& r = ranks[*failed];

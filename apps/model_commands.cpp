@@ -10,15 +10,18 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "core/error.h"
+#include "core/memory_available.h"
 #include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "rollout/engine.h"
+#include "rollout/engine_memory.h"
 
 namespace tandem::apps {
 namespace {
@@ -126,12 +129,22 @@ int run_generate() {
   rollout::EngineOptions eo;
   eo.max_context =
       std::min<int64_t>(std::max<int64_t>(longest, 1), m.config().max_position_embeddings);
-  // KV blocks for every sample at once, within 2 GiB; fewer means preemption, not failure.
+  // KV blocks for every sample at once, within 2 GiB and half the memory available; fewer means
+  // preemption, not failure.
+  const double available = memory_available(m.weights->device());
   const int64_t block_bytes =
       static_cast<int64_t>(rollout::BlockManager::bytes_per_block(m.config(), eo.block_size));
-  const int64_t budget = std::max<int64_t>(int64_t{2} << 30, block_bytes * 64) / block_bytes;
+  const int64_t budget_bytes =
+      available > 0 ? std::min<int64_t>(int64_t{2} << 30, static_cast<int64_t>(available / 2))
+                    : int64_t{2} << 30;
+  const int64_t budget = std::max<int64_t>(budget_bytes, block_bytes * 64) / block_bytes;
   eo.num_blocks = std::clamp<int64_t>(kv_tokens / eo.block_size + 64, 64, budget);
   eo.max_seqs = std::max<int64_t>(eo.max_seqs, gen.n);
+  rollout::check_engine_memory(
+      m.config(), eo, available,
+      {"-n or --max-tokens (the KV cache holds every sample at once)",
+       fmt::format("the model's size (tandem generate computes {} tokens a step)",
+                   eo.max_batch_tokens)});
   rollout::Engine engine(*m.weights, eo, &m.tok());
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -258,12 +271,37 @@ int run_score() {
   return 0;
 }
 
-// Written by convert into every output, listing the files it wrote: --overwrite replaces a
-// directory only when it holds this file and nothing but the files it lists.
+// Written by convert into every output, recording the name and size of each file it wrote:
+// --overwrite replaces a directory only when it holds this file and nothing but files of
+// convert's own names (convert_writes) of the sizes recorded there.
 constexpr const char* kConvertMarker = ".tandem-convert.json";
 
+// The names of the files convert writes: save_hf's (config, generation config, the weights in one
+// file or in shards with their index), hf_tokenizer_files' and the marker. A marker found in --out
+// may be anyone's; --overwrite never deletes a file of another name, whatever it lists.
+bool convert_writes(const std::string& name) {
+  static const std::set<std::string> kFixed = {kConvertMarker,
+                                               "config.json",
+                                               "generation_config.json",
+                                               "model.safetensors",
+                                               "tokenizer.json",
+                                               "tokenizer_config.json",
+                                               "special_tokens_map.json",
+                                               "model.safetensors.index.json"};
+  if (kFixed.count(name) != 0) return true;
+  // model-00001-of-00003.safetensors
+  const auto digits = [&](size_t at) {
+    return std::all_of(name.begin() + static_cast<std::ptrdiff_t>(at),
+                       name.begin() + static_cast<std::ptrdiff_t>(at + 5),
+                       [](char c) { return c >= '0' && c <= '9'; });
+  };
+  return name.size() == 32 && name.starts_with("model-") && name.ends_with(".safetensors") &&
+         name.substr(11, 4) == "-of-" && digits(6) && digits(15);
+}
+
 // Refuses an --out that convert must not replace: a file, a directory holding anything without
-// --overwrite, and with it anything but a previous convert output.
+// --overwrite, and with it anything but a previous convert output whose files are all of
+// convert's names and of the sizes its marker recorded.
 void check_convert_target(const fs::path& out) {
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(out, ec))) return;
@@ -281,22 +319,30 @@ void check_convert_target(const fs::path& out) {
                "writes into a new or empty directory; choose another --out, or pass --overwrite "
                "to replace the output of a previous tandem convert",
                out.string(), entries[0], entries.size() > 1 ? " and more" : "");
-  std::set<std::string> ours{kConvertMarker};
+  std::map<std::string, int64_t> recorded;
   try {
     std::ifstream in(out / kConvertMarker);
     const nlohmann::json j = nlohmann::json::parse(in);
-    for (const auto& f : j.at("files")) ours.insert(f.get<std::string>());
+    for (const auto& [name, bytes] : j.at("files").items()) recorded[name] = bytes.get<int64_t>();
   } catch (const std::exception&) {
     TANDEM_FAIL(
-        "--out '{}' is not the output of a tandem convert (it has no readable {}): --overwrite "
-        "replaces only those; choose another --out, or empty the directory yourself",
+        "--out '{}' is not the output of a tandem convert (it has no readable {} recording the "
+        "names and sizes of the files convert wrote): --overwrite replaces only those; choose "
+        "another --out, or empty the directory yourself",
         out.string(), kConvertMarker);
   }
   for (const std::string& e : entries) {
-    TANDEM_CHECK(ours.count(e) != 0,
-                 "--out '{}' holds '{}', which tandem convert did not write: --overwrite replaces "
+    if (e == kConvertMarker) continue;
+    const fs::path p = out / e;
+    const bool regular = fs::is_regular_file(fs::symlink_status(p, ec));
+    const auto it = recorded.find(e);
+    const bool ours = convert_writes(e) && regular && it != recorded.end() &&
+                      static_cast<int64_t>(fs::file_size(p, ec)) == it->second && !ec;
+    TANDEM_CHECK(ours,
+                 "--out '{}' holds '{}', which tandem convert did not write (convert writes "
+                 "only files of its own names, of the sizes {} records): --overwrite replaces "
                  "only what it wrote; move that file away or choose another --out",
-                 out.string(), e);
+                 out.string(), e, kConvertMarker);
   }
 }
 
@@ -312,12 +358,16 @@ int run_convert() {
   nlohmann::json marker = {{"written_by", "tandem convert"},
                            {"model", convert.model},
                            {"dtype", convert.dtype},
-                           {"files", nlohmann::json::array()}};
-  std::vector<std::string> files;
-  for (const fs::directory_entry& e : fs::directory_iterator(out))
-    files.push_back(e.path().filename().string());
-  std::sort(files.begin(), files.end());
-  for (const std::string& f : files) marker["files"].push_back(f);
+                           {"files", nlohmann::json::object()}};
+  for (const fs::directory_entry& e : fs::directory_iterator(out)) {
+    const std::string name = e.path().filename().string();
+    // A file of a name convert_writes does not know could never be replaced by --overwrite.
+    TANDEM_CHECK(convert_writes(name),
+                 "tandem convert wrote '{}' into '{}', a name its --overwrite check does not know: "
+                 "add it to convert_writes",
+                 name, out.string());
+    marker["files"][name] = static_cast<int64_t>(e.file_size());
+  }
   {
     std::ofstream f(out / kConvertMarker, std::ios::binary | std::ios::trunc);
     f << marker.dump(2) << "\n";
@@ -374,7 +424,8 @@ void add_model_commands(CLI::App& app) {
       ->required();
   convert_cmd->add_flag("--overwrite", convert.overwrite,
                         "replace --out when it is the output of a previous tandem convert (it "
-                        "holds .tandem-convert.json and only the files listed there)");
+                        "holds .tandem-convert.json and only files of convert's names and of "
+                        "the sizes recorded there)");
   convert_cmd->add_option("--dtype", convert.dtype, "f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}));
 }

@@ -10,8 +10,10 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/memory_available.h"
 #include "model/loader.h"
 #include "model/prompt.h"
+#include "rollout/engine_memory.h"
 #include "rollout/service/serve_config.h"
 #include "rollout/service/server.h"
 
@@ -56,6 +58,10 @@ int run_serve_command() {
   if (positions > 0 && cfg.engine.max_context > positions)
     cfg.resolved.fail("engine.max_context", fmt::format("{} exceeds the model's {} positions",
                                                         cfg.engine.max_context, positions));
+  rollout::check_engine_memory(
+      m.config(), cfg.engine, memory_available(m.weights->device()),
+      {fmt::format("engine.num_blocks ({})", cfg.resolved.where("engine.num_blocks")),
+       fmt::format("engine.max_batch_tokens ({})", cfg.resolved.where("engine.max_batch_tokens"))});
   const model::PromptFormat format =
       model::prompt_format(m.tok(), cfg.chat_template, cfg.system_prompt);
   const std::string path = m.path;

@@ -22,11 +22,13 @@
 #include "core/comm.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/memory_available.h"
 #include "kernels/ops.h"
 #include "model/loader.h"
 #include "rewards/factory.h"
 #include "rewards/reward_set.h"
 #include "rollout/engine.h"
+#include "rollout/engine_memory.h"
 #include "trainer/append_file.h"
 #include "trainer/canary.h"
 #include "trainer/checkpoint.h"
@@ -201,8 +203,13 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
     reference_->copy_from(policy_);
   }
   rollout_ = std::make_unique<RolloutGroup>(job, policy_, comm);
-  engine_ = std::make_unique<rollout::Engine>(rollout_->weights(), engine_options(job, m_.config()),
-                                              &m_.tok(), rollout_->tp_group());
+  const rollout::EngineOptions eo = engine_options(job, m_.config());
+  rollout::check_engine_memory(
+      rollout_->weights().config(), eo, memory_available(rollout_->weights().device()),
+      {fmt::format("rollout.num_blocks ({})", job.where("rollout.num_blocks")),
+       fmt::format("rollout.max_batch_tokens ({})", job.where("rollout.max_batch_tokens"))});
+  engine_ =
+      std::make_unique<rollout::Engine>(rollout_->weights(), eo, &m_.tok(), rollout_->tp_group());
   // pi_old is the trainer's policy: an engine sampling from other-precision weights, or summing
   // its tensor-parallel shards' partial products in another order, reports logprobs that are not
   // the trainer's bitwise, so the trainer computes its own.

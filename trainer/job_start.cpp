@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/memory_available.h"
 #include "trainer/checkpoint.h"
 
 namespace tandem::trainer {
@@ -78,15 +79,6 @@ fs::path make_dir(const std::string& dir, const std::string& key, const JobConfi
   TANDEM_CHECK(!ec, "{} '{}' cannot be created: {}: set {} to a directory you can write ({})", key,
                dir, ec.message(), key, job.where(key));
   return fs::canonical(dir);
-}
-
-// The available memory in bytes (MemAvailable), or 0 when unknown.
-double available_memory() {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.starts_with("MemAvailable:")) return std::stod(line.substr(13)) * 1024;  // kB
-  return 0;
 }
 
 // Flattens a TOML table into "a.b.c" -> value text; arrays of tables as "rewards[0].name".
@@ -186,7 +178,7 @@ void check_resume_config(const JobConfig& job) {
 void check_data_memory(const JobConfig& job) {
   if (job.data.source != "synthetic") return;
   const double need = static_cast<double>(job.data.synthetic_size) * kBytesPerSyntheticExample;
-  const double have = available_memory();
+  const double have = memory_available(Device::cpu());
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   TANDEM_CHECK(have <= 0 || need <= 0.5 * have,
                "data.synthetic_size {} needs about {:.1f} GiB of memory for the prompts, more than "

@@ -5,13 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <vector>
 
+#include "core/atomic_file.h"
 #include "core/error.h"
 
 namespace tandem::trainer {
@@ -221,16 +221,7 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
     if (!(c.optional && empty)) html += svg(c);
   }
   html += "</div></body></html>\n";
-  const std::string tmp = html_path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TANDEM_CHECK(out.good(), "report: cannot write {}", tmp);
-    out << html;
-    out.close();
-    TANDEM_CHECK(!out.fail(),
-                 "report: {}: write failed (disk full?): free space or move logging.dir", tmp);
-  }
-  std::filesystem::rename(tmp, html_path);
+  write_file_atomically(html_path, html, "free space or move logging.dir");
 }
 
 }  // namespace tandem::trainer

@@ -10,7 +10,8 @@
 namespace tandem::trainer {
 
 // Reads metrics_jsonl and writes the report to html_path (through a temporary file and a
-// rename, so a reader never sees half a page). Lines that are not JSON objects are skipped.
+// rename, so a reader never sees half a page; a failed write removes the temporary file and
+// throws naming html_path). Lines that are not JSON objects are skipped.
 void write_report(const std::string& metrics_jsonl, const std::string& html_path,
                   const std::string& title);
 

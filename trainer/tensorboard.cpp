@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/atomic_file.h"
 #include "core/crc32c.h"
 #include "core/error.h"
 #include "trainer/tensorboard_event.pb.h"
@@ -105,14 +106,10 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t resume_step
     kept.push_back(version.SerializeAsString());
   }
   // Rewritten whole (through a temporary file and a rename), so a kill leaves the old file.
-  const std::string tmp = path_ + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    for (const std::string& r : kept) out << tfrecord(r);
-    out.flush();
-    TANDEM_CHECK(out.good(), "cannot write the TensorBoard event file '{}' (logging.dir)", tmp);
-  }
-  fs::rename(tmp, path_);
+  std::string file;
+  for (const std::string& r : kept) file += tfrecord(r);
+  write_file_atomically(
+      path_, file, "cannot rewrite the TensorBoard event file: free space or move logging.dir");
   out_.open(path_, std::ios::binary | std::ios::app);
   TANDEM_CHECK(out_.good(), "cannot write the TensorBoard event file '{}' (logging.dir)", path_);
 }

@@ -221,6 +221,49 @@ TEST_CASE("tandem convert never removes what it did not write", "[e2e]") {
   CHECK(fs::exists(fs::path(out) / "model.safetensors"));
 }
 
+TEST_CASE("tandem convert --overwrite deletes only files of its names and recorded sizes",
+          "[e2e]") {
+  const std::string src = (kRepo / "tests" / "golden" / "tiny-qwen2").string();
+  const tandem::test::TempDir tmp("cli-convert-marker");
+  auto convert = [&](const std::string& out) {
+    return run("convert --model " + src + " --out " + out + " --overwrite");
+  };
+  auto read = [](const fs::path& p) {
+    std::ifstream in(p);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  // A marker someone else wrote, listing the user's file (as names, and as names with sizes).
+  for (const std::string marker :
+       {R"({"files": ["notes.txt", ".tandem-convert.json"]})", R"({"files": {"notes.txt": 7}})"}) {
+    INFO(marker);
+    const fs::path dir = tmp.file("forged");
+    fs::create_directory(dir);
+    tmp.write("forged/notes.txt", "keep me");
+    tmp.write("forged/.tandem-convert.json", marker);
+    const Run r = convert(dir.string());
+    INFO(r.out);
+    CHECK(r.status == 1);
+    CHECK(read(dir / "notes.txt") == "keep me");
+    CHECK(!fs::exists(dir / "model.safetensors"));
+  }
+  // A previous output whose config.json the user rewrote: convert's name, not its size.
+  const fs::path out = tmp.file("out");
+  Run r = run("convert --model " + src + " --out " + out.string());
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  const auto marker = nlohmann::json::parse(read(out / ".tandem-convert.json"));
+  CHECK(marker["files"]["model.safetensors"] == fs::file_size(out / "model.safetensors"));
+  const std::string mine = read(out / "config.json") + "\n// my edits\n";
+  tmp.write("out/config.json", mine);
+  r = convert(out.string());
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("holds 'config.json', which tandem convert did not write") != std::string::npos);
+  CHECK(read(out / "config.json") == mine);
+}
+
 TEST_CASE("tandem score refuses a line longer than the model's context naming file and line",
           "[e2e]") {
   const std::string model = (kRepo / "tests" / "golden" / "tiny-qwen2").string();

@@ -438,6 +438,22 @@ TEST_CASE("tandem train refuses a synthetic data set beyond memory with one line
   CHECK(r.out.find("data.synthetic_size 1000000000 needs about") != std::string::npos);
 }
 
+TEST_CASE("tandem train refuses a KV cache or a batch beyond memory naming the key", "[e2e]") {
+  const tandem::test::TempDir tmp("train-huge-engine");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  // Inside the keys' documented ranges, far beyond this machine's memory: refused before the
+  // engine allocates, naming the key to lower and where it was set.
+  for (const std::string key : {"rollout.num_blocks", "rollout.max_batch_tokens"}) {
+    const auto r = train_tiny(tmp, tmp.file("model"),
+                              key + (key == "rollout.num_blocks" ? "=100000000" : "=1000000000"));
+    INFO(r.out);
+    CHECK(r.status == 1);
+    CHECK(r.out.find("of memory available: lower " + key + " (override '" + key + "=") !=
+          std::string::npos);
+    CHECK(r.out.find("out of host memory") == std::string::npos);
+  }
+}
+
 TEST_CASE("tandem train fails when its metrics cannot be written", "[e2e]") {
   const tandem::test::TempDir tmp("train-disk-full");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));

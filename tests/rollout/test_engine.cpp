@@ -18,6 +18,7 @@
 #include "model/tokenizer.h"
 #include "model/weights.h"
 #include "rollout/engine.h"
+#include "rollout/engine_memory.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
@@ -638,6 +639,36 @@ TEST_CASE("engine on CUDA serves mixed groups with the CUDA training forward's l
     CHECK(cmp.max_abs < 1e-4);
     CHECK(engine.blocks().num_free_blocks() == o.num_blocks);
   }
+}
+
+}  // namespace tandem::rollout
+
+namespace tandem::rollout {
+
+TEST_CASE("engine memory check names the key of the larger of KV cache and batch", "[unit]") {
+  const model::ModelConfig c = tiny_config();
+  EngineOptions o;
+  o.num_blocks = 100000;
+  o.max_batch_tokens = 64;
+  const EngineMemory m = engine_memory(c, o);
+  CHECK(m.kv_cache_bytes ==
+        static_cast<double>(BlockManager::bytes_per_block(c, o.block_size)) * 100000);
+  CHECK(m.batch_bytes == static_cast<double>(model::Decoder::plan_bytes(c, 64, false)));
+  REQUIRE(m.kv_cache_bytes > m.batch_bytes);
+  const EngineMemoryKeys keys{"cache.blocks (a.toml:3:1)", "cache.tokens (a.toml:4:1)"};
+  const double total = m.kv_cache_bytes + m.batch_bytes;
+  CHECK_NOTHROW(check_engine_memory(c, o, total, keys));
+  CHECK_NOTHROW(check_engine_memory(c, o, 0, keys));  // unknown: not checked
+  CHECK_THROWS_WITH(check_engine_memory(c, o, total - 1, keys),
+                    Catch::Contains(fmt::format("{:.0f} bytes", m.kv_cache_bytes)) &&
+                        Catch::Contains(fmt::format("the {:.0f} bytes", total - 1)) &&
+                        Catch::EndsWith("of memory available: lower cache.blocks (a.toml:3:1)"));
+  o.num_blocks = 4;
+  o.max_batch_tokens = 100000;
+  const EngineMemory b = engine_memory(c, o);
+  REQUIRE(b.batch_bytes > b.kv_cache_bytes);
+  CHECK_THROWS_WITH(check_engine_memory(c, o, b.batch_bytes, keys),
+                    Catch::EndsWith("lower cache.tokens (a.toml:4:1)"));
 }
 
 }  // namespace tandem::rollout

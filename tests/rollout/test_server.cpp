@@ -511,6 +511,27 @@ TEST_CASE("tandem serve drains every accepted request on SIGTERM under load", "[
   }
 }
 
+TEST_CASE("tandem serve refuses a KV cache or a batch beyond memory naming the key", "[e2e]") {
+  test::TempDir tmp("rollout-serve-huge");
+  // engine.num_blocks on line 4; the limits fit the tiny model's 256 positions.
+  const std::string config = tmp.write(
+      "serve.toml", fmt::format("[model]\npath = \"{}\"\n[engine]\nnum_blocks = 100000000\n"
+                                "max_context = 256\n[server]\nport = 0\n[limits]\n"
+                                "max_prompt_tokens = 128\nmax_new_tokens = 64\n",
+                                tiny_model_dir()));
+  test::CommandResult r = test::run_tandem("serve " + config, true, 60);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("of memory available: lower engine.num_blocks (" + config + ":4:") !=
+        std::string::npos);
+  r = test::run_tandem("serve " + config + " engine.num_blocks=64 engine.max_batch_tokens=10000000",
+                       true, 60);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find("lower engine.max_batch_tokens (override 'engine.max_batch_tokens=") !=
+        std::string::npos);
+}
+
 TEST_CASE("the example Python rollout client generates through tandem serve", "[interop]") {
   const std::string python = test::require_python_with_thrift();
   test::TempDir tmp("rollout-serve-python");

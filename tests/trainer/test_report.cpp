@@ -49,3 +49,23 @@ TEST_CASE("report html draws a chart per metric with one point per step", "[unit
         std::string::npos);
   CHECK(html.find("<script") == std::string::npos);
 }
+
+TEST_CASE("a report write that fails leaves no temporary file and names the report", "[unit]") {
+  const tandem::test::TempDir tmp("report-fail");
+  const std::string metrics = tmp.write("metrics.jsonl", "{\"step\": 1, \"reward/mean\": 0.5}\n");
+  // report.html is a directory holding a file: the rename of report.html.tmp onto it fails.
+  const std::string html_path = tmp.file("report.html");
+  std::filesystem::create_directory(html_path);
+  tmp.write("report.html/keep", "x");
+  try {
+    tandem::trainer::write_report(metrics, html_path, "run");
+    FAIL("the write succeeded");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find(html_path + ": write failed") != std::string::npos);
+    CHECK(what.find("free space or move logging.dir") != std::string::npos);
+  }
+  CHECK(!std::filesystem::exists(html_path + ".tmp"));
+  CHECK(std::filesystem::exists(tmp.file("report.html/keep")));
+}
