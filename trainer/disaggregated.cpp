@@ -92,10 +92,19 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
         w->model = info.model;
         break;
       } catch (const rollout::CallError& e) {
-        TANDEM_CHECK(e.failure() == rollout::CallFailure::transport && Clock::now() < deadline,
+        TANDEM_CHECK(e.failure() != rollout::CallFailure::unauthorized,
+                     "rollout worker {} refused the token ({}): set placement.token_env to the "
+                     "environment variable holding the token of the worker's server.token_env "
+                     "({})",
+                     address,
+                     pl.token_env.empty() ? "the job sends none" : "the job sends $" + pl.token_env,
+                     job.where("placement.token_env"));
+        TANDEM_CHECK(e.failure() == rollout::CallFailure::transport, "{} ({})", e.what(),
+                     job.where("placement.workers"));
+        TANDEM_CHECK(Clock::now() < deadline,
                      "rollout worker {} did not answer within placement.connect_timeout_s = {} s: "
-                     "{}; start it (`tandem serve configs/serve.toml server.port=PORT`), check "
-                     "placement.token_env, or remove it from placement.workers ({})",
+                     "{}; start it (`tandem serve configs/serve.toml server.port=PORT`), or remove "
+                     "it from placement.workers ({})",
                      address, pl.connect_timeout_s, e.what(), job.where("placement.workers"));
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       }

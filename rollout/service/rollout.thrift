@@ -98,6 +98,11 @@ struct Stats {
   8: i64 overloaded = 0            // generate calls refused with Overloaded
   9: i64 weight_version = 0
   10: bool paused = false
+  // Weight updates that ended without new weights: the commit failed, none came within
+  // limits.weight_update_timeout_s of the begin, or resume() ended it. The worker serves the
+  // weights it had; the last one's reason is last_weight_update_error.
+  11: optional i64 weight_updates_abandoned
+  12: optional string last_weight_update_error
 }
 
 struct ServerInfo {

@@ -10,6 +10,7 @@ namespace {
 
 using config::boolean;
 using config::integer;
+using config::real;
 using config::text;
 
 std::shared_ptr<const config::Schema> make_schema() {
@@ -73,6 +74,12 @@ std::shared_ptr<const config::Schema> make_schema() {
   s->add(integer("limits.max_message_bytes", v.max_message_bytes,
                  "One request frame; a bigger one closes its connection."))
       .range(1024, 2147483647);
+  s->add(real("limits.weight_update_timeout_s", v.weight_update_timeout_s,
+              "A weight update whose commit does not come within this many seconds of its "
+              "begin is abandoned: the worker generates under the weights it had "
+              "(stats().weight_updates_abandoned)."))
+      .range(std::nullopt, 86400)
+      .above(0);
   return s;
 }
 
@@ -102,6 +109,7 @@ ServeConfig from_config(config::Config c) {
   v.max_n = c.get_int("limits.max_n");
   v.max_stop = c.get_int("limits.max_stop");
   v.max_message_bytes = c.get_int("limits.max_message_bytes");
+  v.weight_update_timeout_s = c.get_float("limits.weight_update_timeout_s");
   s.token_env = c.get_string("server.token_env");
   if (!s.token_env.empty()) {
     // The token stays out of the config file (and of --print-config and the logs).

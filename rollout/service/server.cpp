@@ -106,6 +106,9 @@ void check_server_options(const ServerOptions& o) {
   in_range("max_connections", o.max_connections, 1, 1 << 16);
   in_range("idle_timeout_ms", o.idle_timeout_ms, 1, (1ll << 31) - 1);
   in_range("log_interval_s", o.log_interval_s, 1, 1 << 24);
+  TANDEM_CHECK(o.weight_update_timeout_s > 0 && o.weight_update_timeout_s <= 86400,
+               "rollout server: weight_update_timeout_s is {}, expected above 0 and at most 86400",
+               o.weight_update_timeout_s);
   TANDEM_CHECK(!o.host.empty(), "rollout server: the host is empty; use 127.0.0.1");
   TANDEM_CHECK(is_loopback_host(o.host) || !o.token.empty(),
                "rollout server: host '{}' is not a loopback address, and no token is set: a "
@@ -147,6 +150,8 @@ struct RolloutServer::Impl {
   // Engine-thread state.
   std::unordered_map<std::string, std::shared_ptr<Call>> calls;  // by engine id
   bool user_paused = false, updating = false;
+  int64_t update_version = 0;           // of the update begun (updating)
+  Clock::time_point update_deadline{};  // when that update is ended if no commit came
   uint64_t serial = 0;
 
   // Published by the engine thread for any thread to read.
@@ -159,6 +164,11 @@ struct RolloutServer::Impl {
   std::atomic<int64_t> in_flight{0}, accepted{0}, generated{0}, overloaded{0}, refused{0};
   std::atomic<int64_t> active_calls{0};
   std::atomic<bool> draining{false};
+
+  // Weight updates that ended without new weights, and why the last one did (stats()).
+  std::atomic<int64_t> updates_abandoned{0};
+  std::mutex update_error_mutex;
+  std::string last_update_error;
 
   std::shared_ptr<at::transport::TServerSocket> socket;
   std::shared_ptr<at::server::TThreadedServer> server;
@@ -244,6 +254,20 @@ struct RolloutServer::Impl {
     engine->poll();
   }
 
+  // Ends weight update `version` without new weights (begun or not): generation goes on under
+  // the weights the worker has. Said in stats() and the log.
+  void abandon_update(int64_t version, const std::string& why) {
+    updating = false;
+    ++updates_abandoned;
+    {
+      std::lock_guard lock(update_error_mutex);
+      last_update_error = fmt::format("weight update to v{}: {}", version, why);
+    }
+    spdlog::warn("rollout server '{}': weight update to v{} abandoned: {}; serving v{}",
+                 options.name, version, why, engine->weight_version());
+    publish();
+  }
+
   void publish() {
     version = engine->weight_version();
     waiting = engine->num_waiting();
@@ -266,13 +290,23 @@ struct RolloutServer::Impl {
       std::deque<std::function<void()>> pending;
       {
         std::unique_lock lock(mutex);
-        wake.wait_for(lock, std::chrono::seconds(1), [&] {
+        // An update begun is ended at its deadline, not up to a second later.
+        const Clock::duration wait =
+            updating ? std::clamp<Clock::duration>(update_deadline - Clock::now(),
+                                                   Clock::duration::zero(), std::chrono::seconds(1))
+                     : Clock::duration(std::chrono::seconds(1));
+        wake.wait_for(lock, wait, [&] {
           return stopping || !tasks.empty() || (!(user_paused || updating) && engine->has_work());
         });
         if (stopping) break;
         pending.swap(tasks);
       }
       for (auto& task : pending) task();
+      if (updating && Clock::now() >= update_deadline)
+        abandon_update(update_version,
+                       fmt::format("no commit_weight_update within {} s of begin_weight_update "
+                                   "(limits.weight_update_timeout_s)",
+                                   options.weight_update_timeout_s));
       try {
         if (!(user_paused || updating) && engine->has_work()) engine->step();
         deliver(engine->poll());
@@ -433,22 +467,46 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     authorize(token);
     m_.on_engine([&m = m_] {
       m.user_paused = false;
+      if (m.updating) m.abandon_update(m.update_version, "resume() ended it before a commit");
       m.publish();
     });
   }
 
   void begin_weight_update(const rpc::WeightUpdate& update) override {
     authorize(update.token);
-    m_.on_engine([&m = m_] {
+    m_.on_engine([&m = m_, version = update.version] {
       m.updating = true;
+      m.update_version = version;
+      m.update_deadline =
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                             std::chrono::duration<double>(m.options.weight_update_timeout_s));
       m.publish();
     });
-    spdlog::info("rollout server '{}': weight update to v{} begun; generation paused",
-                 m_.options.name, update.version);
+    spdlog::info(
+        "rollout server '{}': weight update to v{} begun; generation paused until its commit, "
+        "for at most {} s",
+        m_.options.name, update.version, m_.options.weight_update_timeout_s);
   }
 
+  // A commit that fails ends the update: the worker serves the weights it has.
   int64_t commit_weight_update(const rpc::WeightUpdate& update) override {
     authorize(update.token);
+    try {
+      return commit(update);
+    } catch (const rpc::InvalidRequest& e) {
+      try {
+        m_.on_engine([&m = m_, &update, &e] { m.abandon_update(update.version, e.message); });
+      } catch (const rpc::Internal&) {  // the worker is stopping: nothing left to resume
+      }
+      throw;
+    }
+  }
+
+  int64_t commit(const rpc::WeightUpdate& update) {
+    // The commit came: the update's bound stops running (loading takes what it takes).
+    m_.on_engine([&m = m_] {
+      if (m.updating) m.update_deadline = Clock::time_point::max();
+    });
     if (update.version <= static_cast<int64_t>(m_.version.load()))
       invalid(fmt::format("weight version {} is not newer than the worker's {}", update.version,
                           m_.version.load()));
@@ -513,6 +571,9 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     out.overloaded = m_.overloaded;
     out.weight_version = static_cast<int64_t>(m_.version.load());
     out.paused = m_.paused;
+    out.__set_weight_updates_abandoned(m_.updates_abandoned);
+    std::lock_guard lock(m_.update_error_mutex);
+    out.__set_last_weight_update_error(m_.last_update_error);
   }
 
   void info(rpc::ServerInfo& out, const std::string& token) override {
@@ -730,8 +791,8 @@ int RolloutServer::port() const { return impl_->socket->getPort(); }
 
 RolloutServer::Stats RolloutServer::stats() const {
   const Impl& m = *impl_;
-  return {m.accepted.load(), m.generated.load(), m.overloaded.load(), m.refused.load(),
-          m.in_flight.load()};
+  return {m.accepted.load(), m.generated.load(), m.overloaded.load(),
+          m.refused.load(),  m.in_flight.load(), m.updates_abandoned.load()};
 }
 
 void RolloutServer::drain() {

@@ -27,6 +27,9 @@ struct ServerOptions {
   int64_t max_connections = 64;          // further clients wait to be accepted
   int64_t idle_timeout_ms = 600'000;     // a connection silent this long is closed
   int64_t log_interval_s = 60;           // one log line per interval that saw work
+  // A weight update whose commit does not come within this many seconds of its begin is
+  // abandoned: the worker serves the weights it has again.
+  double weight_update_timeout_s = 300;
 };
 
 // An IPv4 address in 127.0.0.0/8, ::1 or "localhost".
@@ -41,15 +44,18 @@ void check_server_options(const ServerOptions& options);
 // the server serves the others on. Requests over a bound, with bad parameters or a wrong token
 // are answered with InvalidRequest or Unauthorized; more than max_in_flight generate calls with
 // Overloaded (never an unbounded queue); a request for a newer weight version than the worker's
-// with StaleWeights; a failure of the engine with Internal.
+// with StaleWeights; a failure of the engine with Internal. A weight update whose commit fails,
+// or does not come within weight_update_timeout_s of its begin, or that resume() ends, leaves the
+// worker generating under the weights it had (stats().weight_updates_abandoned, a warning).
 class RolloutServer {
  public:
   struct Stats {
-    int64_t accepted = 0;    // generate calls admitted to the engine
-    int64_t generated = 0;   // generate calls answered with samples
-    int64_t overloaded = 0;  // generate calls refused with Overloaded
-    int64_t refused = 0;     // connections closed for a malformed or oversize frame
-    int64_t in_flight = 0;   // generate calls admitted and not yet answered
+    int64_t accepted = 0;                  // generate calls admitted to the engine
+    int64_t generated = 0;                 // generate calls answered with samples
+    int64_t overloaded = 0;                // generate calls refused with Overloaded
+    int64_t refused = 0;                   // connections closed for a malformed or oversize frame
+    int64_t in_flight = 0;                 // generate calls admitted and not yet answered
+    int64_t weight_updates_abandoned = 0;  // ended without new weights (failed, timed out)
   };
 
   // Loads nothing: serves `model` (its tokenizer is required) with prompts in `format`. Listens

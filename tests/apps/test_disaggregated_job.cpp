@@ -43,11 +43,13 @@ std::string write_job(const tandem::test::TempDir& tmp, const std::string& model
   return tandem::test::dp_job::write_tiny_job(tmp, model);
 }
 
-// `tandem serve` of `model` (its weights in `dtype`) on a free loopback port; its port.
+// `tandem serve` of `model` (its weights in `dtype`) on a free loopback port, requiring `token`
+// when it is not empty; its port.
 int start_worker(std::unique_ptr<tandem::test::Subprocess>& worker,
                  const tandem::test::TempDir& tmp, const std::string& model,
-                 const std::string& dtype = "f32") {
-  const std::string config = tmp.write("serve-" + dtype + ".toml", fmt::format(R"([model]
+                 const std::string& dtype = "f32", const std::string& token = "") {
+  const std::string config = tmp.write(
+      "serve-" + dtype + ".toml", fmt::format(R"([model]
 path = "{}"
 dtype = "{}"
 [engine]
@@ -55,14 +57,16 @@ num_blocks = 256
 max_context = 256
 [server]
 port = 0
+token_env = "{}"
 [limits]
 max_prompt_tokens = 128
 max_new_tokens = 64
 max_n = 8
 )",
-                                                                               model, dtype));
-  worker = std::make_unique<tandem::test::Subprocess>(
-      std::vector<std::string>{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config});
+                                              model, dtype, token.empty() ? "" : "WORKER_TOKEN"));
+  std::vector<std::string> argv{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config};
+  if (!token.empty()) argv.insert(argv.begin(), {"/usr/bin/env", "WORKER_TOKEN=" + token});
+  worker = std::make_unique<tandem::test::Subprocess>(argv);
   const std::string line = worker->wait_for_line("listening on ", 30000);
   INFO(worker->output());
   REQUIRE(!line.empty());
@@ -375,6 +379,37 @@ TEST_CASE("a disaggregated job refuses a worker that does not answer naming it",
   INFO(colocated.out);
   CHECK(colocated.status != 0);
   CHECK(colocated.out.find("disaggregated") != std::string::npos);
+}
+
+TEST_CASE("a disaggregated job names a worker that refuses its token and only that cause",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-token");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  std::unique_ptr<tandem::test::Subprocess> worker;
+  const int port = start_worker(worker, tmp, tmp.file("model"), "f32", "s3cret");
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const std::string placement =
+      fmt::format("placement.mode=disaggregated 'placement.workers=[\"127.0.0.1:{}\"]' ", port);
+  const std::string refused = fmt::format("rollout worker 127.0.0.1:{} refused the token", port);
+  {  // no token at all
+    const auto r = train(tmp, job, "none", placement);
+    INFO(r.out);
+    CHECK(r.status != 0);
+    CHECK_THAT(r.out, Catch::Contains(refused) && Catch::Contains("the job sends none") &&
+                          Catch::Contains("placement.token_env"));
+    CHECK_THAT(r.out, !Catch::Contains("did not answer"));
+  }
+  {  // a wrong one
+    const auto r = tandem::test::run_tandem(
+        fmt::format("train {} logging.dir={} checkpoint.dir={} {} placement.token_env=WRONG_TOKEN",
+                    job, tmp.file("wrong"), tmp.file("wrong/ckpt"), placement),
+        true, 180, "WRONG_TOKEN=guess");
+    INFO(r.out);
+    CHECK(r.status != 0);
+    CHECK_THAT(r.out, Catch::Contains(refused) && Catch::Contains("$WRONG_TOKEN"));
+    CHECK_THAT(r.out, !Catch::Contains("did not answer"));
+  }
+  CHECK(worker->stop() == 0);
 }
 
 TEST_CASE("a disaggregated job refuses a worker that serves a model of another shape",

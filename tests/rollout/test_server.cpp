@@ -379,6 +379,85 @@ TEST_CASE("rollout server takes new weights from a checkpoint and stamps their v
   CHECK(again.samples[0].weight_version == 2);
 }
 
+// A worker that answered a request, then was paused by begin_weight_update(1). When the update
+// goes nowhere, it must serve its previous weights again (health, generate, stats), not wait
+// until every client's deadline.
+struct BegunUpdate {
+  std::unique_ptr<RolloutServer> server;
+  rpc::GenerateRequest request = token_request("x", {1, 20, 300, 4000}, 2, 4, 8);
+  rpc::GenerateResponse before;
+
+  explicit BegunUpdate(ServerOptions o = small_server()) : server(start_server(std::move(o))) {
+    RolloutClient c = client_of(server->port());
+    before = c.generate(request);
+    c.begin_weight_update(1);
+    CHECK(c.stats().paused);
+  }
+
+  void check_serves_previous_weights(int64_t abandoned, const std::string& why) {
+    // A short deadline: a worker left paused fails this in seconds, not in the default minute.
+    RolloutClient c(ClientOptions{.address = "127.0.0.1:" + std::to_string(server->port()),
+                                  .timeout_ms = 5000,
+                                  .retries = 0});
+    const rpc::Stats st = c.stats();
+    CHECK_FALSE(st.paused);
+    CHECK(st.weight_version == 0);
+    CHECK(st.__isset.weight_updates_abandoned);
+    CHECK(st.weight_updates_abandoned == abandoned);
+    CHECK_THAT(st.last_weight_update_error, Contains(why));
+    CHECK(c.health());
+    const rpc::GenerateResponse again = c.generate(request);
+    REQUIRE(again.samples.size() == before.samples.size());
+    CHECK(again.samples[0].tokens == before.samples[0].tokens);
+    CHECK(again.samples[0].weight_version == 0);
+  }
+};
+
+TEST_CASE("a rollout worker whose weight commit fails serves its previous weights again",
+          "[unit]") {
+  BegunUpdate w;
+  RolloutClient c = client_of(w.server->port());
+  check_failure(CallFailure::invalid, "cannot load '/nonexistent/model'",
+                [&] { c.commit_weight_update(1, "/nonexistent/model"); });
+  w.check_serves_previous_weights(1, "cannot load '/nonexistent/model'");
+
+  // A commit refused for its version ends the update all the same.
+  c.begin_weight_update(1);
+  check_failure(CallFailure::invalid, "not newer",
+                [&] { c.commit_weight_update(0, tiny_model_dir()); });
+  w.check_serves_previous_weights(2, "not newer");
+}
+
+TEST_CASE("a rollout worker ends a weight update that outlives its bound and serves on", "[unit]") {
+  ServerOptions o = small_server();
+  o.weight_update_timeout_s = 0.3;
+  BegunUpdate w(o);  // and no commit: its client died
+  RolloutClient c = client_of(w.server->port());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (c.stats().paused && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  w.check_serves_previous_weights(1, "limits.weight_update_timeout_s");
+  // A later update still takes.
+  c.begin_weight_update(1);
+  CHECK(c.commit_weight_update(1, tiny_model_dir()) == 1);
+  CHECK(c.stats().weight_updates_abandoned == 1);
+
+  // The bound is the serve key limits.weight_update_timeout_s.
+  const std::string base = "[model]\npath = \"m\"\n[limits]\n";
+  CHECK(parse_serve_config(base, "serve.toml").server.weight_update_timeout_s == 300);
+  CHECK(parse_serve_config(base + "weight_update_timeout_s = 2.5\n", "serve.toml")
+            .server.weight_update_timeout_s == 2.5);
+  CHECK_THROWS_WITH(parse_serve_config(base + "weight_update_timeout_s = 0\n", "serve.toml"),
+                    Contains("limits.weight_update_timeout_s"));
+}
+
+TEST_CASE("resume ends a weight update begun and the worker serves its previous weights",
+          "[unit]") {
+  BegunUpdate w;
+  client_of(w.server->port()).resume();
+  w.check_serves_previous_weights(1, "resume()");
+}
+
 TEST_CASE("serve config refuses a public address without a token and names the key", "[unit]") {
   const std::string base = "[model]\npath = \"m\"\n";
   const ServeConfig c = parse_serve_config(base, "serve.toml");
