@@ -82,20 +82,40 @@ void check_sampling_settings(const SamplingTensors& settings) {
   }
 }
 
-namespace {
-
 static_assert(kSoftmaxLanes == kMassLanes, "sample's masses run in row_softmax's lanes");
 
-// The threshold searches' counts and masses (kernels/sample_shard_rows.h), built for this CPU.
+// The threshold searches' counts and masses, built for this CPU (cpu/sample.h).
 TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
-  return ops::count_at_least(z, n, t);
+  int32_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
+  return c;
 }
+
 TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
-  return ops::count_greater(z, n, t);
+  int32_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
+  return c;
 }
+
 TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
-  return ops::mass_at_least(z, e, n, t);
+  const int64_t full = n - n % L;
+  float acc[L] = {};
+  for (int64_t i0 = 0; i0 < full; i0 += L) {
+    for (int j = 0; j < L; ++j) {
+      const float ej = e[i0 + j];
+      acc[j] += z[i0 + j] >= t ? ej : 0.0f;
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float ei = e[i];
+    acc[i - full] += z[i] >= t ? ei : 0.0f;
+  }
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
 }
+
+namespace {
 
 // z = x / tau and e = exp(z - max), as row_softmax computes them.
 TANDEM_CPU_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,
