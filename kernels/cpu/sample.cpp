@@ -84,35 +84,15 @@ void check_sampling_settings(const SamplingTensors& settings) {
 
 static_assert(kSoftmaxLanes == kMassLanes, "sample's masses run in row_softmax's lanes");
 
-// The threshold searches' counts and masses, built for this CPU (cpu/sample.h).
+// The threshold searches' counts and masses (kernels/sample_shard_rows.h), built per vector width.
 TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
-  int32_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += z[i] >= t ? 1 : 0;
-  return c;
+  return ops::count_at_least(z, n, t);
 }
-
 TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
-  int32_t c = 0;
-  for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
-  return c;
+  return ops::count_greater(z, n, t);
 }
-
 TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
-  const int64_t full = n - n % L;
-  float acc[L] = {};
-  for (int64_t i0 = 0; i0 < full; i0 += L) {
-    for (int j = 0; j < L; ++j) {
-      const float ej = e[i0 + j];
-      acc[j] += z[i0 + j] >= t ? ej : 0.0f;
-    }
-  }
-  for (int64_t i = full; i < n; ++i) {
-    const float ei = e[i];
-    acc[i - full] += z[i] >= t ? ei : 0.0f;
-  }
-  for (int w = L / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
+  return ops::mass_at_least(z, e, n, t);
 }
 
 namespace {
