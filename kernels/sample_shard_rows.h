@@ -39,14 +39,22 @@ TANDEM_HD float combine_lanes(float* acc) {
   return acc[0];
 }
 
-// In blocks of 16, so that CPU loops vectorise.
+// In blocks of 16, so that CPU loops vectorise. e is read whatever z is: GCC 12's AVX2 build of a
+// conditional read (a masked load) dropped terms.
 TANDEM_HD float mass_at_least(const float* z, const float* e, int64_t n, float t) {
   constexpr int L = kMassLanes;
   const int64_t full = n - n % L;
   float acc[L] = {};
-  for (int64_t i0 = 0; i0 < full; i0 += L)
-    for (int j = 0; j < L; ++j) acc[j] = add_rn(acc[j], z[i0 + j] >= t ? e[i0 + j] : 0.0f);
-  for (int64_t i = full; i < n; ++i) acc[i - full] = add_rn(acc[i - full], z[i] >= t ? e[i] : 0.0f);
+  for (int64_t i0 = 0; i0 < full; i0 += L) {
+    for (int j = 0; j < L; ++j) {
+      const float ej = e[i0 + j];
+      acc[j] = add_rn(acc[j], z[i0 + j] >= t ? ej : 0.0f);
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float ei = e[i];
+    acc[i - full] = add_rn(acc[i - full], z[i] >= t ? ei : 0.0f);
+  }
   return combine_lanes(acc);
 }
 

@@ -82,11 +82,9 @@ void check_sampling_settings(const SamplingTensors& settings) {
   }
 }
 
-namespace {
-
 static_assert(kSoftmaxLanes == kMassLanes, "sample's masses run in row_softmax's lanes");
 
-// The threshold searches' counts and masses (kernels/sample_shard_rows.h), built for this CPU.
+// The threshold searches' counts and masses (kernels/sample_shard_rows.h), built per vector width.
 TANDEM_CPU_CLONES int64_t count_at_least(const float* z, int64_t n, float t) {
   return ops::count_at_least(z, n, t);
 }
@@ -96,6 +94,8 @@ TANDEM_CPU_CLONES int64_t count_greater(const float* z, int64_t n, float t) {
 TANDEM_CPU_CLONES float mass_at_least(const float* z, const float* e, int64_t n, float t) {
   return ops::mass_at_least(z, e, n, t);
 }
+
+namespace {
 
 // z = x / tau and e = exp(z - max), as row_softmax computes them.
 TANDEM_CPU_CLONES void scale_and_exp(const float* x, int64_t V, float tau, float max, float* z,

@@ -15,6 +15,11 @@ void check_sampling_settings(const SamplingTensors& settings);
 
 void sample(const Tensor& logits, const SamplingTensors& settings, const Tensor& token,
             const Tensor& logprob);
+// ops::count_at_least, count_greater and mass_at_least (kernels/sample_shard_rows.h) built per
+// vector width for sample's searches.
+int64_t count_at_least(const float* z, int64_t n, float t);
+int64_t count_greater(const float* z, int64_t n, float t);
+float mass_at_least(const float* z, const float* e, int64_t n, float t);
 
 // The phases of ops::sample_shard_* (kernels/sample_shard_rows.h), a row per task; the settings
 // were checked by sample_shard_maxima.

@@ -1,9 +1,9 @@
 // CPU sampling over vocabulary shards: each phase of kernels/sample_shard_rows.h over the rows, a
-// range of rows per task.
+// range of rows per task. Built for the baseline x86-64 only: GCC 12's AVX2 copy of the row code
+// (target_clones, kernels/cpu/clones.h) dropped terms of the masses.
 #include <cstdint>
 
 #include "core/parallel.h"
-#include "kernels/cpu/clones.h"
 #include "kernels/cpu/sample.h"
 
 namespace tandem::ops::cpu {
@@ -11,15 +11,11 @@ namespace {
 
 using shards::ShardArgs;
 
-// Rows [begin, end) of one phase, built for this CPU (the per-row loops vectorise).
-template <class Row>
-TANDEM_CPU_CLONES void rows(int64_t begin, int64_t end, const Row& row) {
-  for (int64_t b = begin; b < end; ++b) row(b);
-}
-
 template <class Row>
 void each_row(int64_t B, const Row& row) {
-  parallel_for(B, [&](int64_t begin, int64_t end) { rows(begin, end, row); });
+  parallel_for(B, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) row(b);
+  });
 }
 
 }  // namespace
