@@ -36,6 +36,11 @@ bool cpu_has_avx512() {
   return has;
 }
 
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Key blocks. The row step reads keys transposed, kt (D, 16) with rows ldk floats apart, so
 // that the 16 scores of a block come out of one vector loop; values by row, vr[j] (D floats)
@@ -107,8 +112,12 @@ inline float softmax_update(const float* d, int n, float m_old, float m_new, flo
   return alpha;
 }
 
-void row_step_portable(const float* q, const float* kt, int64_t ldk, const float* const* vr, int n,
-                       int64_t D, float scale, float* state) {
+// Inlined into its callers: the portable loop, and the AVX2 one that compiles these same IEEE
+// operations with AVX2 and FMA (rows_step_avx2).
+__attribute__((always_inline)) inline void row_step_portable(const float* q, const float* kt,
+                                                             int64_t ldk, const float* const* vr,
+                                                             int n, int64_t D, float scale,
+                                                             float* state) {
   float part[4][kBlk] = {};
   for (int64_t d = 0; d < D; ++d) {
     float* pr = part[d & 3];
@@ -230,12 +239,29 @@ __attribute__((target("avx512f,fma"))) void rows_step_avx512(const float* const*
 
 constexpr int kMaxRows = 4;
 
+void rows_step_portable(int R, const float* const* q, const float* kt, int64_t ldk,
+                        const float* const* vr, int n, int64_t D, float scale,
+                        float* const* state) {
+  for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, ldk, vr, n, D, scale, state[r]);
+}
+
+__attribute__((target("avx2,fma"))) void rows_step_avx2(int R, const float* const* q,
+                                                        const float* kt, int64_t ldk,
+                                                        const float* const* vr, int n, int64_t D,
+                                                        float scale, float* const* state) {
+  for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, ldk, vr, n, D, scale, state[r]);
+}
+
 // R rows (any R) against one key block, each with n valid keys.
 void rows_step(int R, const float* const* q, const float* kt, int64_t ldk, const float* const* vr,
                int n, int64_t D, float scale, float* const* state) {
-  if (!attention_simd_active()) {
-    for (int r = 0; r < R; ++r) row_step_portable(q[r], kt, ldk, vr, n, D, scale, state[r]);
-    return;
+  switch (attention_isa()) {
+    case AttentionIsa::portable:
+      return rows_step_portable(R, q, kt, ldk, vr, n, D, scale, state);
+    case AttentionIsa::avx2:
+      return rows_step_avx2(R, q, kt, ldk, vr, n, D, scale, state);
+    case AttentionIsa::avx512:
+      break;
   }
   for (int r0 = 0; r0 < R; r0 += kMaxRows) {
     switch (std::min(kMaxRows, R - r0)) {
@@ -486,7 +512,12 @@ void decode_typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
 }  // namespace
 
 void set_attention_simd(bool enabled) { g_simd_enabled = enabled; }
-bool attention_simd_active() { return g_simd_enabled && cpu_has_avx512(); }
+bool attention_simd_active() { return attention_isa() != AttentionIsa::portable; }
+AttentionIsa attention_isa() {
+  if (!g_simd_enabled) return AttentionIsa::portable;
+  if (cpu_has_avx512()) return AttentionIsa::avx512;
+  return cpu_has_avx2() ? AttentionIsa::avx2 : AttentionIsa::portable;
+}
 
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
                const Tensor& prefix, const Tensor& out, const Tensor& lse, float scale) {

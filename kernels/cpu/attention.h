@@ -19,9 +19,12 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor
                             const Tensor& kv_indptr, const Tensor& kv_indices,
                             const Tensor& kv_last_len, const Tensor& out, float scale);
 
-// Whether the AVX-512 row kernel is used (when the CPU has it); false forces the portable one.
-// Both give bitwise the same numbers; tests switch it to prove that.
+// Whether a SIMD row kernel is used (AVX-512, else AVX2 with FMA, when the CPU has it); false
+// forces the portable one. All give bitwise the same numbers; tests switch it to prove that.
 void set_attention_simd(bool enabled);
 bool attention_simd_active();
+// The kernels' instruction set now.
+enum class AttentionIsa { portable, avx2, avx512 };
+AttentionIsa attention_isa();
 
 }  // namespace tandem::ops::cpu

@@ -26,8 +26,11 @@ using namespace attention_detail;
 
 // out[i * 16 + j] = sum over d of x[i * xs + d] * xt[d * 16 + j] for rows i < rows, in 4
 // partial fma chains over d = r (mod 4) combined as (p0 + p1) + (p2 + p3).
-void tile_dots_portable(const float* x, int64_t xs, int64_t rows, const float* xt, int64_t D,
-                        float* out) {
+// The portable functions are inlined into their callers, so that the AVX2 instances of the
+// items (dq_item_avx2, dkdv_item_avx2) compile these same IEEE operations with AVX2 and FMA.
+__attribute__((always_inline)) inline void tile_dots_portable(const float* x, int64_t xs,
+                                                              int64_t rows, const float* xt,
+                                                              int64_t D, float* out) {
   for (int64_t i = 0; i < rows; ++i) {
     float part[4][kBlk] = {};
     for (int64_t d = 0; d < D; ++d) {
@@ -73,8 +76,9 @@ __attribute__((target("avx512f,fma"))) void tile_dots_avx512(const float* x, int
 }
 
 // acc[d] = fma(c[t * cs], x[t * xs + d], acc[d]), for t = 0..count-1 in order.
-void axpys_portable(float* acc, const float* c, int64_t cs, const float* x, int64_t xs, int count,
-                    int64_t D) {
+__attribute__((always_inline)) inline void axpys_portable(float* acc, const float* c, int64_t cs,
+                                                          const float* x, int64_t xs, int count,
+                                                          int64_t D) {
   for (int64_t d = 0; d < D; ++d) {
     float v = acc[d];
     for (int t = 0; t < count; ++t) v = std::fma(c[t * cs], x[t * xs + d], v);
@@ -315,11 +319,17 @@ __attribute__((target("avx512f"))) void dq_item_avx512(const BackwardArgs& a, co
   dq_item<true>(a, it);
 }
 void dq_item_portable(const BackwardArgs& a, const TileItem& it) { dq_item<false>(a, it); }
+__attribute__((target("avx2,fma"))) void dq_item_avx2(const BackwardArgs& a, const TileItem& it) {
+  dq_item<false>(a, it);
+}
 __attribute__((target("avx512f"))) void dkdv_item_avx512(const BackwardArgs& a,
                                                          const TileItem& it) {
   dkdv_item<true>(a, it);
 }
 void dkdv_item_portable(const BackwardArgs& a, const TileItem& it) { dkdv_item<false>(a, it); }
+__attribute__((target("avx2,fma"))) void dkdv_item_avx2(const BackwardArgs& a, const TileItem& it) {
+  dkdv_item<false>(a, it);
+}
 
 }  // namespace
 
@@ -358,14 +368,17 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                        D,
                        scale,
                        &seqs};
-  const bool simd = attention_simd_active();
+  const AttentionIsa isa = attention_isa();
   parallel_items(static_cast<int64_t>(items.size()), 4 * causal_macs(seqs, H, D),
                  [&](int64_t b, int64_t e) {
                    for (int64_t w = b; w < e; ++w) {
                      const TileItem& it = items[static_cast<size_t>(w)];
-                     if (simd) {
+                     if (isa == AttentionIsa::avx512) {
                        dq_item_avx512(a, it);
                        dkdv_item_avx512(a, it);
+                     } else if (isa == AttentionIsa::avx2) {
+                       dq_item_avx2(a, it);
+                       dkdv_item_avx2(a, it);
                      } else {
                        dq_item_portable(a, it);
                        dkdv_item_portable(a, it);

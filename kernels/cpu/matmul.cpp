@@ -84,7 +84,17 @@ MatmulKernel kernel() {
   return g_kernel == MatmulKernel::automatic ? kernel_of_environment() : g_kernel;
 }
 
-bool use_avx512() { return kernel() != MatmulKernel::portable && cpu_has_avx512(); }
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// The f32 kernels' instruction set now: the best the CPU has, unless the portable one is forced.
+detail::F32Isa f32_isa() {
+  if (kernel() == MatmulKernel::portable) return detail::F32Isa::portable;
+  if (cpu_has_avx512()) return detail::F32Isa::avx512;
+  return cpu_has_avx2() ? detail::F32Isa::avx2 : detail::F32Isa::portable;
+}
 
 // The f32 backward products: unset or TANDEM_CPU_MATMUL_BACKWARD=outer, the outer-product
 // kernel (matmul_backward.cpp); "transpose", the forward's dot-product kernel on transposed
@@ -186,7 +196,8 @@ const float* f32_block(Rows src, int64_t ld_src, int64_t r0, int64_t rows, int64
 // the one of detail::kChunk, whatever M, N and the thread count.
 void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool accumulate) {
   if (M == 0 || N == 0) return;
-  const bool avx512 = use_avx512();
+  const detail::F32Isa isa = f32_isa();
+  const bool avx512 = isa == detail::F32Isa::avx512;
   const bool w_direct = avx512 && w.bf16 && M <= kDirectBf16MaxRows;
   const int64_t ldx_src = x.ld > 0 ? x.ld : K, ldw_src = w.ld > 0 ? w.ld : K;
   const int64_t panels = (N + kTileCols - 1) / kTileCols;
@@ -237,6 +248,8 @@ void forward(Rows x, Rows w, float* y, int64_t M, int64_t N, int64_t K, bool acc
             } else {
               detail::chunk_avx512(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add, next);
             }
+          } else if (isa == detail::F32Isa::avx2) {
+            detail::chunk_avx2(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add);
           } else {
             detail::chunk_portable(xb, ldx, wp, ldw, yb, N, rows, cols, kc, add);
           }
@@ -449,6 +462,7 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
 
 void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
 bool matmul_has_avx512() { return cpu_has_avx512(); }
+bool matmul_has_avx2() { return cpu_has_avx2(); }
 
 void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate) {
   if (g_precision == MatmulPrecision::bf16) {
@@ -478,7 +492,7 @@ void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, 
     return;
   }
   detail::outer_product({dy.data(), false, N, 1}, {w.data(), w.dtype() == DType::bf16, K},
-                        dx.data_as<float>(), dy.size(0), K, N, accumulate, use_avx512());
+                        dx.data_as<float>(), dy.size(0), K, N, accumulate, f32_isa());
 }
 
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate) {
@@ -517,7 +531,7 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
     return;
   }
   detail::outer_product({dy.data(), false, 1, N}, {x.data(), x.dtype() == DType::bf16, K},
-                        dw.data_as<float>(), N, K, M, accumulate, use_avx512());
+                        dw.data_as<float>(), N, K, M, accumulate, f32_isa());
 }
 
 }  // namespace tandem::ops::cpu
@@ -540,7 +554,17 @@ const char* matmul_bf16_path_name(MatmulBf16Path path) {
   }
   return "f32-kernel";
 }
-const char* matmul_f32_path_name() { return cpu::use_avx512() ? "avx512" : "portable"; }
+const char* matmul_f32_path_name() {
+  switch (cpu::f32_isa()) {
+    case cpu::detail::F32Isa::avx512:
+      return "avx512";
+    case cpu::detail::F32Isa::avx2:
+      return "avx2";
+    case cpu::detail::F32Isa::portable:
+      break;
+  }
+  return "portable";
+}
 bool matmul_packs_weights() {
   return cpu::g_precision == MatmulPrecision::bf16 &&
          cpu::bf16_path() != MatmulBf16Path::f32_kernel;

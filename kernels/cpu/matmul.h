@@ -1,6 +1,6 @@
 // CPU matmul and its backward products: a batch-invariant dot-product kernel for the forward
-// (AVX-512 or a portable fallback with the same bits), cache-blocked and split over N across
-// threads, and an outer-product kernel for the f32 backward products.
+// (AVX-512, AVX2 or a portable fallback, all with the same bits), cache-blocked and split over N
+// across threads, and an outer-product kernel for the f32 backward products.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +27,10 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
 // "avx512bf16" or "portable" (read once; anything else throws at the first matmul).
 enum class MatmulKernel { automatic, portable, avx512_bf16 };
 void set_matmul_kernel(MatmulKernel kernel);
-// Whether this CPU runs the AVX-512 kernel when the choice is `automatic`.
+// Whether this CPU runs the AVX-512 kernel when the choice is `automatic` (else the AVX2 one
+// where it has AVX2 and FMA, else the portable one: the same bits).
 bool matmul_has_avx512();
+bool matmul_has_avx2();
 // The process-wide precision (set_matmul_precision) and PackedWeight are declared in
 // kernels/ops.h and implemented in matmul.cpp.
 
@@ -62,6 +64,9 @@ struct Prefetch {
 };
 void chunk_avx512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
                   int64_t rows, int64_t cols, int64_t kc, bool add, const Prefetch& next);
+// The same with AVX2 and FMA (kernels/cpu/matmul_avx2.cpp), for CPUs without AVX-512.
+void chunk_avx2(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+                int64_t rows, int64_t cols, int64_t kc, bool add);
 // The same with w rows of bf16 bits, widened in registers: bitwise the result of the f32
 // overload on an f32 copy of w (bf16 -> f32 is exact), without the copy.
 void chunk_avx512(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, float* y,
@@ -103,8 +108,14 @@ struct OuterOperand {
   int64_t row_stride;
   int64_t col_stride = 1;
 };
+// The instruction set of the f32 kernels (forward and backward): every one gives the same bits.
+enum class F32Isa { portable, avx2, avx512 };
 void outer_product(const OuterOperand& a, const OuterOperand& b, float* c, int64_t rows,
-                   int64_t cols, int64_t R, bool accumulate, bool avx512);
+                   int64_t cols, int64_t R, bool accumulate, F32Isa isa);
+// The backward tile with AVX2 and FMA: tile_portable's arithmetic (matmul_avx2.cpp). b is a
+// packed panel kOuterCols wide; a(i, r) = a[i * ars + r * acs] for i < rows.
+void outer_tile_avx2(const float* a, int64_t ars, int64_t acs, const float* b, int64_t kc, float* c,
+                     int64_t ldc, bool add, int64_t rows, int64_t cols);
 
 // f32 -> bf16 as the bf16 precision rounds (AVX512-BF16's conversion): to nearest even, a
 // denormal input becomes a zero of its sign, a NaN stays a quiet NaN.

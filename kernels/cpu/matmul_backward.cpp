@@ -153,7 +153,7 @@ void pack_a(const OuterOperand& a, int64_t i0, int64_t rows, int64_t r0, int64_t
 }  // namespace
 
 void outer_product(const OuterOperand& a, const OuterOperand& b, float* c, int64_t rows,
-                   int64_t cols, int64_t R, bool accumulate, bool avx512) {
+                   int64_t cols, int64_t R, bool accumulate, F32Isa isa) {
   if (rows == 0 || cols == 0) return;
   if (R == 0) {  // an empty sum
     if (!accumulate) std::fill(c, c + rows * cols, 0.0f);
@@ -209,8 +209,10 @@ void outer_product(const OuterOperand& a, const OuterOperand& b, float* c, int64
               const int64_t i = i0 + s * kMr, nr = std::min(kMr, rows - i);
               const float* as = ap + s * strip_stride;
               float* cb = out + (i - i0) * ldo + (j0 - j_base);
-              if (!avx512) {
+              if (isa == F32Isa::portable) {
                 tile_portable(as, ars, acs, bpp, kc, cb, ldo, add, nr, nc);
+              } else if (isa == F32Isa::avx2) {
+                outer_tile_avx2(as, ars, acs, bpp, kc, cb, ldo, add, nr, nc);
               } else if (a_in_place) {
                 tile_avx512<false>(as, ars, bpp, kc, cb, ldo, add, nr, nc);
               } else {

@@ -424,9 +424,9 @@ TEST_CASE("attention and its backward are bitwise the same with 1 or 2 threads",
   check_same_bits(f1, g1, f2, g2);
 }
 
-TEST_CASE("the AVX-512 and portable attention paths agree bitwise", "[unit]") {
+TEST_CASE("the SIMD and portable attention paths agree bitwise", "[unit]") {
   if (!ops::cpu::attention_simd_active()) {
-    WARN("this CPU has no AVX-512: only the portable path exists here");
+    WARN("this CPU has neither AVX-512 nor AVX2: only the portable path exists here");
     return;
   }
   for (int64_t D : {int64_t{10}, int64_t{64}, int64_t{128}, int64_t{40}}) {

@@ -16,6 +16,7 @@
 
 using namespace tandem;
 using namespace tandem::test;
+using tandem::ops::cpu::detail::F32Isa;
 
 namespace {
 
@@ -219,22 +220,28 @@ TEST_CASE("matmul backward products are bitwise the same with 1 and 2 threads", 
 // The outer-product kernel of the f32 backward products (the default; not
 // TANDEM_CPU_MATMUL_BACKWARD=transpose): dx = dy · w and dw = dyᵀ · x through
 // ops::cpu::detail::outer_product as matmul.cpp calls it.
-void outer_dx(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate, bool avx512) {
+void outer_dx(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate, F32Isa isa) {
   const int64_t M = dy.size(0), N = dy.size(1), K = w.size(1);
   ops::cpu::detail::outer_product({dy.data(), false, N, 1}, {w.data(), false, K},
-                                  dx.data_as<float>(), M, K, N, accumulate, avx512);
+                                  dx.data_as<float>(), M, K, N, accumulate, isa);
 }
-void outer_dw(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate, bool avx512) {
+void outer_dw(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate, F32Isa isa) {
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
   ops::cpu::detail::outer_product({dy.data(), false, 1, N}, {x.data(), false, K},
-                                  dw.data_as<float>(), N, K, M, accumulate, avx512);
+                                  dw.data_as<float>(), N, K, M, accumulate, isa);
 }
 
 // A data-parallel job sums one rank's gradient with another's zero, or a micro-batch's into the
 // gradient of the ones before it: both must be c + (the product alone), bit for bit, whatever
 // the number of chunks of the sum.
+// The best instruction set of the f32 kernels on this CPU.
+F32Isa best_isa() {
+  if (ops::cpu::matmul_has_avx512()) return F32Isa::avx512;
+  return ops::cpu::matmul_has_avx2() ? F32Isa::avx2 : F32Isa::portable;
+}
+
 TEST_CASE("accumulating outer product backward kernels add the product computed alone", "[unit]") {
-  const bool avx512 = ops::cpu::matmul_has_avx512();
+  const F32Isa avx512 = best_isa();
   for (const Dims& d : {Dims{300, 70, 96}, Dims{33, 129, 50}}) {  // 3 chunks over M; 1 chunk
     INFO("M=" << d.M << " N=" << d.N << " K=" << d.K);
     const Tensor dy = random_tensor({d.M, d.N}, DType::f32, 701, -100.0, 100.0);
@@ -266,15 +273,18 @@ TEST_CASE(
     "both ISA paths",
     "[unit]") {
   const int threads = num_threads();
-  const bool avx512 = ops::cpu::matmul_has_avx512();
-  if (!avx512) WARN("this CPU has no AVX-512: every run below uses the portable tile");
+  const F32Isa best = best_isa();
+  if (best == F32Isa::portable)
+    WARN("this CPU has no AVX2: every run below uses the portable tile");
   for (const Dims& d : {Dims{70, 200, 96}, Dims{600, 300, 100}, Dims{7, 13, 37}}) {
     INFO("M=" << d.M << " N=" << d.N << " K=" << d.K);
     const Tensor dy = random_tensor({d.M, d.N}, DType::f32, 721, -100.0, 100.0);
     const Tensor w = random_tensor({d.N, d.K}, DType::f32, 722, -3.0, 3.0);
     const Tensor x = random_tensor({d.M, d.K}, DType::f32, 723, -3.0, 3.0);
     std::vector<Tensor> dx, dw;
-    for (const auto& [t, isa] : {std::pair{1, avx512}, std::pair{2, avx512}, std::pair{2, false}}) {
+    for (const auto& [t, isa] : {std::pair{1, best}, std::pair{2, best}, std::pair{2, F32Isa::avx2},
+                                 std::pair{2, F32Isa::portable}}) {
+      if (isa == F32Isa::avx2 && !ops::cpu::matmul_has_avx2()) continue;
       set_num_threads(t);
       dx.push_back(Tensor::empty({d.M, d.K}, DType::f32));
       dw.push_back(Tensor::empty({d.N, d.K}, DType::f32));
@@ -289,9 +299,9 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("the AVX-512 and portable backward products agree bit for bit", "[unit]") {
-  if (!ops::cpu::matmul_has_avx512())
-    WARN("this CPU has no AVX-512: both runs below use the portable kernel");
+TEST_CASE("the SIMD and portable backward products agree bit for bit", "[unit]") {
+  if (best_isa() == F32Isa::portable)
+    WARN("this CPU has no AVX2: both runs below use the portable kernel");
   // Rows and columns off the 8 x 48 tile, sums over several chunks of kOuterChunk, bf16 w/x.
   for (const Dims& d : {Dims{7, 13, 37}, Dims{65, 300, 577}, Dims{300, 129, 50}, Dims{9, 1, 96}}) {
     for (DType t : {DType::f32, DType::bf16}) {
@@ -316,9 +326,34 @@ TEST_CASE("the AVX-512 and portable backward products agree bit for bit", "[unit
   }
 }
 
-TEST_CASE("the AVX-512 matmul kernel and the portable kernel agree bit for bit", "[unit]") {
-  if (!ops::cpu::matmul_has_avx512())
-    WARN("this CPU has no AVX-512: both runs below use the portable kernel");
+// On a CPU with AVX-512 the AVX2 tile is never chosen: it is checked here directly, so that
+// both machine kinds test it.
+TEST_CASE("the AVX2 forward tile agrees bit for bit with the portable one", "[unit]") {
+  if (!ops::cpu::matmul_has_avx2()) {
+    WARN("this CPU has no AVX2 and FMA: the AVX2 tile cannot run here");
+    return;
+  }
+  // Rows and columns off the 2 x 3 tile; K with and without a partial last step of 16 lanes.
+  for (const Dims& d : {Dims{1, 1, 1}, Dims{2, 3, 16}, Dims{5, 7, 37}, Dims{4, 6, 768},
+                        Dims{3, 5, 9}, Dims{7, 11, 200}}) {
+    INFO("rows=" << d.M << " cols=" << d.N << " kc=" << d.K);
+    const Tensor x = random_tensor({d.M, d.K}, DType::f32, 631, -100.0, 100.0);
+    const Tensor w = random_tensor({d.N, d.K}, DType::f32, 632, -3.0, 3.0);
+    for (bool add : {false, true}) {
+      Tensor fast = random_tensor({d.M, d.N}, DType::f32, 633);
+      Tensor portable = fast.to(Device::cpu());
+      ops::cpu::detail::chunk_avx2(x.data_as<float>(), d.K, w.data_as<float>(), d.K,
+                                   fast.data_as<float>(), d.N, d.M, d.N, d.K, add);
+      ops::cpu::detail::chunk_portable(x.data_as<float>(), d.K, w.data_as<float>(), d.K,
+                                       portable.data_as<float>(), d.N, d.M, d.N, d.K, add);
+      CHECK(bitwise_equal(fast, portable));
+    }
+  }
+}
+
+TEST_CASE("the SIMD matmul kernel and the portable kernel agree bit for bit", "[unit]") {
+  if (best_isa() == F32Isa::portable)
+    WARN("this CPU has no AVX2: both runs below use the portable kernel");
   struct Case {
     int64_t M, N, K;
     DType xt, wt;
