@@ -210,7 +210,8 @@ int run_score() {
   model::LoadedModel m = model::load_model(score.model, DType::f32);
   std::ifstream in(score.input);
   TANDEM_CHECK(in.good(), "{}: cannot open", score.input);
-  model::Decoder decoder(*m.weights);
+  // score() grows the activation arena to each line's scoring plan (linear in its length).
+  model::Decoder decoder(*m.weights, {.max_tokens = 1});
   const int64_t V = m.config().vocab_size;
   std::string line;
   for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
@@ -246,10 +247,14 @@ int run_score() {
     std::vector<int32_t> seq = prompt;
     seq.insert(seq.end(), completion.begin(), completion.end());
     const std::vector<std::vector<int32_t>> seqs{seq};
-    const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
+    model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
+    // Only the completion's rows go through the head.
+    for (size_t k = 0; k < completion.size(); ++k)
+      batch.head_rows.push_back(
+          static_cast<int32_t>(batch.row_of(0, static_cast<int64_t>(prompt.size() + k))));
     Tensor logprob = Tensor::empty({batch.num_tokens()}, DType::f32);
     Tensor entropy = Tensor::empty({batch.num_tokens()}, DType::f32);
-    decoder.forward(batch, logprob, entropy, score.temperature);
+    decoder.score(batch, logprob, entropy, score.temperature);
     nlohmann::json out;
     out["line"] = lineno;
     if (j.contains("id")) out["id"] = j["id"];

@@ -2,8 +2,12 @@
 // decode) that run the layers of model/decoder_layer.cpp over it.
 #include "model/decoder.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/ops.h"
@@ -32,7 +36,9 @@ class Planner {
   size_t bytes_ = 0;
 };
 
-enum class Mode { training, logits, inference };
+// training: forward for backward; logits: forward_logits; scoring: score (the head in chunks of
+// rows); inference: prefill and decode.
+enum class Mode { training, logits, scoring, inference };
 
 struct Buffers {
   int64_t T = 0;
@@ -49,6 +55,9 @@ struct Buffers {
   // the gradient there; head_rows = R (T when every row goes).
   Tensor head_ids, head_in, dhead_in;
   int64_t head_rows = 0;
+  // Scoring: head_ids (T) i32 as above, xf, rstdf, logits, lse and head_in of one chunk of R
+  // rows, head_out (2 R) the chunk's logprob and entropy before they go to their rows.
+  Tensor head_out;
   LayerGrads grads;  // (training)
   // Tensor parallelism (inference): the tokens whose embedding rows this rank holds (emb_ids:
   // their ids in its vocabulary shard; emb_rows: their rows in T).
@@ -84,9 +93,10 @@ LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
 // B sequences, T tokens (T rows of logits in training; in inference the head reads B rows), into
 // b: every tensor of a previous plan dropped, its vectors' memory kept (a decode step allocates
 // nothing once the batch shape has been seen).
-// tp: the tensor-parallel group's size (c is then a shard's config; inference only).
+// tp: the tensor-parallel group's size (c is then a shard's config; inference only). score_rows:
+// the rows of a chunk of the head (scoring only).
 void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute, int tp,
-          Buffers& b) {
+          Buffers& b, int64_t score_rows = 0) {
   const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
   const int64_t F = c.intermediate_size, V = c.vocab_size, L = c.num_layers;
   std::vector<Tensor> resid = std::move(b.resid);
@@ -99,7 +109,7 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
   b.tokens = p.take({T}, DType::i32);
   b.positions = p.take({T}, DType::i32);
   b.cu_seqlens = p.take({B + 1}, DType::i32);
-  if (mode == Mode::training) b.targets = p.take({T}, DType::i32);
+  if (mode == Mode::training || mode == Mode::scoring) b.targets = p.take({T}, DType::i32);
   if (mode != Mode::inference) b.prefix = p.take({B}, DType::i32);
   if (c.attention_bias) b.ones = p.take({T, 1});
   const bool keep_all = mode == Mode::training;
@@ -107,12 +117,21 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
   for (Tensor& r : b.resid) r = p.take({T, C});
   const int64_t sets = mode == Mode::training && !recompute ? L : 1;
   for (int64_t l = 0; l < sets; ++l) b.acts.push_back(plan_layer(p, c, T));
-  const int64_t R = mode == Mode::inference ? B : T;  // rows of the head
+  const int64_t R = mode == Mode::inference ? B  // rows of the head (at once)
+                    : mode == Mode::scoring ? std::min(T, score_rows)
+                                            : T;
   b.xf = p.take({R, C});
   b.rstdf = p.take({R});
   if (tp > 1) {
     b.emb_ids = p.take({T}, DType::i32);
     b.emb_rows = p.take({T}, DType::i32);
+  }
+  if (mode == Mode::scoring) {
+    b.logits = p.take({R, V});
+    b.lse = p.take({R});
+    b.head_ids = p.take({T}, DType::i32);
+    b.head_in = p.take({R, C});
+    b.head_out = p.take({2 * R});
   }
   if (mode == Mode::training) {
     b.logits = p.take({T, V});
@@ -209,6 +228,35 @@ void check_prefix(const PackedBatch& batch, const char* what) {
   }
 }
 
+// The batch, temperature and outputs of forward and score (`op`): one message naming the field
+// and the first bad entry.
+void check_logprob_call(const PackedBatch& batch, int64_t V, float temperature,
+                        const Tensor& logprob_out, const Tensor& entropy_out, Device device,
+                        const char* op) {
+  const std::string what = fmt::format("decoder {}", op);
+  const int64_t T = batch.num_tokens();
+  check_packed(batch.tokens, batch.positions, batch.cu_seqlens, V, what.c_str());
+  check_prefix(batch, what.c_str());
+  TANDEM_CHECK(static_cast<int64_t>(batch.targets.size()) == T,
+               "{}: targets has {} entries, tokens {}", what, batch.targets.size(), T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = batch.targets[static_cast<size_t>(t)];
+    TANDEM_CHECK(id >= 0 && id < V,
+                 "{}: target {} at position {} is outside the vocabulary [0, {})", what, id, t, V);
+  }
+  for (size_t r = 0; r < batch.head_rows.size(); ++r) {
+    const int32_t row = batch.head_rows[r];
+    TANDEM_CHECK(row >= 0 && row < T && (r == 0 || row > batch.head_rows[r - 1]),
+                 "{}: head_rows[{}] = {} is not in [0, {}) above the row before it "
+                 "(head_rows must increase)",
+                 what, r, row, T);
+  }
+  TANDEM_CHECK(temperature > 0, "{}: temperature must be positive, got {}", what, temperature);
+  check_output(logprob_out, {T}, device, fmt::format("{}'s logprob_out", op).c_str());
+  if (entropy_out.defined())
+    check_output(entropy_out, {T}, device, fmt::format("{}'s entropy_out", op).c_str());
+}
+
 void check_not_tensor_parallel(const Communicator* tp, const char* what) {
   TANDEM_CHECK(tp == nullptr,
                "decoder {}: a tensor-parallel decoder (DecoderOptions::tp_group) serves prefill "
@@ -244,22 +292,44 @@ struct Decoder::Impl {
   Buffers& begin(const ModelConfig& c, Device device, int64_t T, int64_t B, Mode mode) {
     have_forward = false;
     Planner count(nullptr);
-    plan(count, c, T, B, mode, options.recompute, tp_size(), counted);
+    plan(count, c, T, B, mode, options.recompute, tp_size(), counted, options.score_rows);
     if (count.bytes() > arena->capacity()) {
       TANDEM_CHECK(options.grow,
                    "decoder: a call of {} tokens needs {} bytes of activations, the arena planned "
                    "for max_tokens = {} holds {}: raise DecoderOptions::max_tokens",
                    T, count.bytes(), options.max_tokens, arena->capacity());
       arena.reset();  // give the old memory back first
-      arena = std::make_unique<Arena>(ArenaClass::activations, device,
-                                      std::max(count.bytes(), bytes_for(c, T)));
-      options.max_tokens = std::max(options.max_tokens, T);
+      // Scoring grows to its own plan only: a training forward's for T would defeat its point.
+      const bool scoring = mode == Mode::scoring;
+      arena = std::make_unique<Arena>(
+          ArenaClass::activations, device,
+          scoring ? count.bytes() : std::max(count.bytes(), bytes_for(c, T)));
+      if (!scoring) options.max_tokens = std::max(options.max_tokens, T);
     }
     arena->reserve();  // after release_activations()
     arena->reset();
     Planner p(arena.get());
-    plan(p, c, T, B, mode, options.recompute, tp_size(), bufs);
+    plan(p, c, T, B, mode, options.recompute, tp_size(), bufs, options.score_rows);
     return bufs;
+  }
+
+  // Uploads a packed batch's ids (bufs from begin in the logits or scoring mode) and runs the
+  // embedding and the layers through two residual buffers, keeping one layer's activations;
+  // returns the last layer's output (T, C).
+  Tensor run_layers(const Weights& w, const PackedBatch& batch) {
+    Buffers& b = bufs;
+    upload(b.tokens, batch.tokens);
+    upload(b.positions, batch.positions);
+    upload(b.cu_seqlens, batch.cu_seqlens);
+    b.prefix = upload_prefix(b.prefix, batch);
+    if (b.ones.defined()) fill_ones(b.ones, ones_host);
+    const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
+    ops::embedding(b.tokens, w.embed, b.resid[0], net.stream());
+    const int64_t L = w.config().num_layers;
+    for (int64_t l = 0; l < L; ++l)
+      net.layer_forward(l, b.acts[0], b.resid[static_cast<size_t>(l % 2)],
+                        b.resid[static_cast<size_t>((l + 1) % 2)], in);
+    return b.resid[static_cast<size_t>(L % 2)];
   }
 
   int tp_size() const { return options.tp_group ? options.tp_group->size() : 1; }
@@ -367,27 +437,8 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens(), L = c.num_layers;
   check_not_tensor_parallel(impl_->options.tp_group, "forward");
-  check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size, "decoder forward");
-  check_prefix(batch, "decoder forward");
-  TANDEM_CHECK(static_cast<int64_t>(batch.targets.size()) == T,
-               "decoder forward: targets has {} entries, tokens {}", batch.targets.size(), T);
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t id = batch.targets[static_cast<size_t>(t)];
-    TANDEM_CHECK(id >= 0 && id < c.vocab_size,
-                 "decoder forward: target {} at position {} is outside the vocabulary [0, {})", id,
-                 t, c.vocab_size);
-  }
-  for (size_t r = 0; r < batch.head_rows.size(); ++r) {
-    const int32_t row = batch.head_rows[r];
-    TANDEM_CHECK(row >= 0 && row < T && (r == 0 || row > batch.head_rows[r - 1]),
-                 "decoder forward: head_rows[{}] = {} is not in [0, {}) above the row before it "
-                 "(head_rows must increase)",
-                 r, row, T);
-  }
-  TANDEM_CHECK(temperature > 0, "decoder forward: temperature must be positive, got {}",
-               temperature);
-  check_output(logprob_out, {T}, device(), "forward's logprob_out");
-  if (entropy_out.defined()) check_output(entropy_out, {T}, device(), "forward's entropy_out");
+  check_logprob_call(batch, c.vocab_size, temperature, logprob_out, entropy_out, device(),
+                     "forward");
 
   Impl& m = *impl_;
   Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
@@ -448,18 +499,65 @@ void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out)
   check_prefix(batch, "decoder forward_logits");
   check_output(logits_out, {T, c.vocab_size}, device(), "forward_logits' logits_out");
   Impl& m = *impl_;
-  Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
-  upload(b.tokens, batch.tokens);
-  upload(b.positions, batch.positions);
-  upload(b.cu_seqlens, batch.cu_seqlens);
-  b.prefix = upload_prefix(b.prefix, batch);
-  if (b.ones.defined()) fill_ones(b.ones, m.ones_host);
-  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
-  ops::embedding(b.tokens, weights_->embed, b.resid[0], m.net.stream());
-  for (int64_t l = 0; l < c.num_layers; ++l)
-    m.net.layer_forward(l, b.acts[0], b.resid[static_cast<size_t>(l % 2)],
-                        b.resid[static_cast<size_t>((l + 1) % 2)], in);
-  m.net.head(b.resid[static_cast<size_t>(c.num_layers % 2)], b.xf, b.rstdf, logits_out);
+  m.begin(c, device(), T, batch.num_sequences(), Mode::logits);
+  const Tensor h = m.run_layers(*weights_, batch);
+  m.net.head(h, m.bufs.xf, m.bufs.rstdf, logits_out);
+}
+
+void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
+                    float temperature) {
+  const ModelConfig& c = config();
+  const int64_t T = batch.num_tokens();
+  Impl& m = *impl_;
+  check_not_tensor_parallel(m.options.tp_group, "score");
+  check_logprob_call(batch, c.vocab_size, temperature, logprob_out, entropy_out, device(), "score");
+  TANDEM_CHECK(m.options.score_rows > 0,
+               "decoder score: DecoderOptions::score_rows must be positive, got {}",
+               m.options.score_rows);
+  Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::scoring);
+  const bool all = batch.head_rows.empty();
+  const int64_t R = all ? T : static_cast<int64_t>(batch.head_rows.size());
+  if (all) {
+    upload(b.targets, batch.targets);
+  } else {
+    // The selected rows (head_ids) and their targets, compact; the others' outputs are 0, as
+    // forward's.
+    std::vector<int32_t> targets(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r)
+      targets[static_cast<size_t>(r)] =
+          batch.targets[static_cast<size_t>(batch.head_rows[static_cast<size_t>(r)])];
+    upload(b.targets.narrow(0, R), targets);
+    upload(b.head_ids.narrow(0, R), batch.head_rows);
+    Tensor(logprob_out).zero();
+    if (entropy_out.defined()) Tensor(entropy_out).zero();
+  }
+  const Tensor h = m.run_layers(*weights_, batch);
+  const Stream& s = m.net.stream();
+  // The head chunk by chunk: each row's bits are forward's (the ops are row-wise), and a chunk
+  // of selected rows is gathered, scored and added to its rows over zeros as forward scatters.
+  const int64_t rows = b.xf.size(0);
+  for (int64_t r0 = 0; r0 < R; r0 += rows) {
+    const int64_t n = std::min(rows, R - r0);
+    const Tensor xf = b.xf.narrow(0, n), rf = b.rstdf.narrow(0, n);
+    const Tensor logits = b.logits.narrow(0, n), lse = b.lse.narrow(0, n);
+    const Tensor tg = b.targets.narrow(r0, n);
+    if (all) {
+      m.net.head(h.narrow(r0, n), xf, rf, logits);
+      ops::logprob_gather(logits, tg, logprob_out.narrow(r0, n), lse,
+                          entropy_out.defined() ? entropy_out.narrow(r0, n) : Tensor(), temperature,
+                          s);
+      continue;
+    }
+    const Tensor ids = b.head_ids.narrow(r0, n), hs = b.head_in.narrow(0, n);
+    const Tensor lp = b.head_out.narrow(0, n), ent = b.head_out.narrow(rows, n);
+    ops::embedding(ids, h, hs, s);
+    m.net.head(hs, xf, rf, logits);
+    ops::logprob_gather(logits, tg, lp, lse, entropy_out.defined() ? ent : Tensor(), temperature,
+                        s);
+    ops::embedding_backward(ids, lp.view({n, 1}), logprob_out.view({T, 1}), true, s);
+    if (entropy_out.defined())
+      ops::embedding_backward(ids, ent.view({n, 1}), entropy_out.view({T, 1}), true, s);
+  }
 }
 
 void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads) {

@@ -75,6 +75,8 @@ struct DecoderOptions {
   bool recompute = false;
   // A batch larger than max_tokens: re-plan the arena for it (true; addresses change) or throw.
   bool grow = true;
+  // Rows the head runs at once in score(): its logits take score_rows V floats.
+  int64_t score_rows = 256;
   // When matmuls run on AMX (the bf16 CPU precision, ops::matmul_packs_weights()), pack
   // the projection and head weights once here (bf16 tiles, half the f32 weights' bytes) rather
   // than in every matmul: for callers whose weights change only through set_weights (the
@@ -132,6 +134,15 @@ class Decoder {
   // distribution. Keeps what backward needs until the next call of any method.
   void forward(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
                float temperature = 1.0f);
+  // Scoring forward (not under tensor parallelism): forward's logprob_out and entropy_out, the
+  // same bits, keeping nothing for backward. The layers run over the batch with one layer's
+  // activations and the head over chunks of DecoderOptions::score_rows rows, so the arena grows
+  // to about 4 (2 C + one layer's activations) bytes a token plus 4 score_rows (V + 2 C) bytes:
+  // linear in T with a slope L times smaller than forward's, which keeps every layer's
+  // activations and two (T, V) logit buffers for backward. A larger batch grows the arena to
+  // this plan only (max_tokens is left as it is).
+  void score(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
+             float temperature = 1.0f);
   // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward.
   void forward_logits(const PackedBatch& batch, const Tensor& logits_out);
   // After forward: grads += d(sum_t dlogprob_t * logprob_t + dentropy_t * entropy_t)/dtheta.

@@ -175,7 +175,7 @@ std::function<void(const std::string&)> stall_for_tests(int rank, int64_t step) 
 namespace job_detail {
 
 Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks,
-         Communicator* comm)
+         Communicator* comm, model::LoadedModel m)
     : job_(job),
       stop_(stop),
       hooks_(hooks),
@@ -183,7 +183,7 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
       rank_(comm != nullptr ? comm->rank() : 0),
       world_(comm != nullptr ? comm->size() : 1),
       role_(rank_ == 0 ? Role::writer : Role::worker),
-      m_(model::load_model(job.model.path, DType::f32)),
+      m_(std::move(m)),
       policy_(*m_.weights),
       data_(make_data(job)),
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
@@ -550,7 +550,10 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                "generates and trains whole groups, as many as every other; use a multiple of {} "
                "({})",
                job.rollout.prompts_per_step, world, world, job.where("rollout.prompts_per_step"));
-  check_rollout_tp(job, world);
+  // Read once, here: the rollout's tensor-parallel split is checked against it before anything
+  // is written or connected, and the job trains it.
+  model::LoadedModel m = model::load_model(job.model.path, DType::f32);
+  check_rollout_tp(job, world, m.config());
   TANDEM_CHECK(world == 1 || job.placement.mode == "colocated",
                "a disaggregated job trains on one rank for now, and {} were started ({}): start "
                "`tandem train` alone ({})",
@@ -567,7 +570,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   // The writer (rank 0) checks and locks the run and checkpoint directories for the job's life.
   JobStart started;
   if (comm == nullptr || comm->rank() == 0) started = start_job(job);
-  job_detail::Job running(job, stop, hooks, comm.get());
+  job_detail::Job running(job, stop, hooks, comm.get(), std::move(m));
   return running.run();
 }
 

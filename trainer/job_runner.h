@@ -31,9 +31,9 @@ namespace tandem::trainer::job_detail {
 // and the phases of a step.
 class Job {
  public:
-  // comm: the data-parallel ranks (null: this process alone).
+  // comm: the data-parallel ranks (null: this process alone); m: job.model.path, loaded.
   Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks,
-      Communicator* comm);
+      Communicator* comm, model::LoadedModel m);
   JobResult run();
 
  private:

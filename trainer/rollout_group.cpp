@@ -7,33 +7,17 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/half.h"
-#include "model/gguf.h"
-#include "model/hf.h"
 #include "model/tensor_parallel.h"
 #include "trainer/job_config.h"
 #include "weight_sync/layout.h"
 #include "weight_sync/plan.h"
 
 namespace tandem::trainer {
-namespace {
-
-// The config of the model at `path` (a .gguf file, an HF directory or its .safetensors file)
-// without its weights.
-model::ModelConfig config_at(const std::string& path) {
-  namespace fs = std::filesystem;
-  if (fs::is_regular_file(path) && path.ends_with(".gguf"))
-    return model::config_from_gguf(model::GgufFile(path));
-  const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
-  return model::config_from_hf_file((dir / "config.json").string());
-}
-
-}  // namespace
 
 weight_sync::SyncOptions sync_options(const WeightSyncSection& ws) {
   weight_sync::SyncOptions o;
@@ -60,7 +44,7 @@ weight_sync::TpDims tp_dims(const model::ModelConfig& c) {
   return {c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size};
 }
 
-void check_rollout_tp(const JobConfig& job, int64_t world) {
+void check_rollout_tp(const JobConfig& job, int64_t world, const model::ModelConfig& config) {
   const int64_t tp = job.placement.rollout_tp;
   TANDEM_CHECK(world % tp == 0,
                "placement.rollout_tp = {} does not divide the {} ranks: each rollout replica is "
@@ -68,7 +52,6 @@ void check_rollout_tp(const JobConfig& job, int64_t world) {
                "a divisor of {} ({})",
                tp, world, tp, tp, world, job.where("placement.rollout_tp"));
   if (tp == 1) return;
-  const model::ModelConfig config = config_at(job.model.path);
   try {
     model::tp_shard_config(config, static_cast<int>(tp));
   } catch (const Error& e) {

@@ -31,10 +31,9 @@ std::vector<weight_sync::ParamSpec> param_specs(const model::Weights& w);
 std::vector<weight_sync::Param> params_of(const model::Weights& w);
 weight_sync::TpDims tp_dims(const model::ModelConfig& c);
 
-// Checks placement.rollout_tp against the world size and the model (model::tp_shard_config, on
-// the config of job.model.path: only that is read) before any connection; throws tandem::Error
-// naming the key, the sizes and the sizes that fit.
-void check_rollout_tp(const JobConfig& job, int64_t world);
+// Checks placement.rollout_tp against the world size and the loaded model's config
+// (model::tp_shard_config); throws tandem::Error naming the key, the sizes and the sizes that fit.
+void check_rollout_tp(const JobConfig& job, int64_t world, const model::ModelConfig& config);
 
 // What one publish did on this rank, as the job's weight_sync/* metrics report it.
 struct PublishStats {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 #include <numeric>
 #include <string>
@@ -440,6 +441,63 @@ TEST_CASE("decoder rejects head rows out of order or out of range", "[unit]") {
   CHECK_THROWS_WITH(dec.forward(b, lp, Tensor()), Catch::Contains("head_rows[1] = 1"));
   b.head_rows = {0, 3};
   CHECK_THROWS_WITH(dec.forward(b, lp, Tensor()), Catch::Contains("head_rows[1] = 3"));
+}
+
+TEST_CASE("decoder score of a long input gives forward's bits in memory linear in its length",
+          "[unit]") {
+  for (Kind kind : kAllKinds) {
+    INFO(kind_name(kind));
+    ModelConfig c = tiny_config(kind);
+    c.num_layers = 4;    // forward keeps every layer's activations, score one layer's
+    c.vocab_size = 400;  // and (T, V) logits twice, score one chunk of rows
+    Weights w(c, DType::f32);
+    fill_random(w, 1200 + static_cast<uint64_t>(kind));
+    // A long prompt and completion and a short pair packed after them: 13 chunks of 64 rows.
+    const auto seqs = random_sequences({700, 90}, c.vocab_size, 1210);
+    PackedBatch batch = PackedBatch::from_sequences(seqs);
+    const int64_t T = batch.num_tokens();
+    Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
+    Decoder train(w);
+    train.forward(batch, lp, ent);
+
+    const int64_t rows = 64;
+    Decoder dec(w, {.max_tokens = 1, .score_rows = rows});
+    Tensor slp = Tensor::empty({T}, DType::f32), sent = Tensor::empty({T}, DType::f32);
+    dec.score(batch, slp, sent);
+    CHECK(test::bitwise_equal(lp, slp));
+    CHECK(test::bitwise_equal(ent, sent));
+    // Per token: two residual streams and one layer's activations (6 C, q, k, v, attention
+    // output and lse, 3 F of the MLP, norms' rstd, ids); per chunk: its logits and hidden states.
+    const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+    const int64_t per_token =
+        4 * (6 * C + 3 * (H + Hkv) * D + 2 * H + Hkv + 3 * c.intermediate_size + 8);
+    const int64_t per_chunk = 4 * rows * (c.vocab_size + 2 * C + 4);
+    const size_t bound = static_cast<size_t>(T * per_token + per_chunk + (64 << 10));
+    INFO("score's arena " << dec.activation_bytes() << " bytes, bound " << bound << ", forward's "
+                          << Decoder::plan_bytes(c, T, false));
+    CHECK(dec.activation_bytes() <= bound);
+
+    // The completion's rows only (the second sequence's and the end of the first): the same
+    // bits there, zeros elsewhere, the arena as it was.
+    for (int64_t t = 600; t < T; t += t < 699 ? 1 : 3)
+      batch.head_rows.push_back(static_cast<int32_t>(t));
+    const size_t before = dec.activation_bytes();
+    dec.score(batch, slp, Tensor());
+    CHECK(dec.activation_bytes() == before);
+    size_t selected = 0, same = 0, zero = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const bool in = selected < batch.head_rows.size() && batch.head_rows[selected] == t;
+      const float got = slp.data_as<float>()[t];
+      if (in) {
+        ++selected;
+        same += std::memcmp(&got, lp.data_as<float>() + t, sizeof(float)) == 0;
+      } else {
+        zero += got == 0.0f;
+      }
+    }
+    CHECK(same == batch.head_rows.size());
+    CHECK(zero == static_cast<size_t>(T) - batch.head_rows.size());
+  }
 }
 
 TEST_CASE("decoder with shared prompts: completion logprobs bitwise, gradients equal", "[unit]") {
