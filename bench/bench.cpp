@@ -212,7 +212,7 @@ std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt) {
 }
 
 std::string Options::precision_suffix() const {
-  return cpu_matmul == "f32" ? "" : " " + bf16_compute_name();
+  return cpu_matmul == ops::MatmulPrecision::f32 ? "" : " " + bf16_compute_name();
 }
 
 std::string cpu_model() {

@@ -12,6 +12,11 @@
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
+#include "kernels/ops.h"
+
+namespace tandem {
+class Communicator;
+}  // namespace tandem
 
 namespace tandem::bench {
 
@@ -35,10 +40,14 @@ struct Options {
   double min_seconds = 0.3;  // time spent per measurement
   std::string filter;        // only cases whose op or case contains this
   Device device = Device::cpu();
-  // generate, rollout: the CPU matmul precision they run in ("f32" or "bf16"; train and step
-  // measure both themselves, kernels has its own bf16 cases). Named in each case as
-  // " bf16 compute <path>" (bf16_compute_name) when not f32.
-  std::string cpu_matmul = "f32";
+  // generate, rollout: the CPU matmul precision they run in (train and step measure both
+  // themselves, kernels has its own bf16 cases). Named in each case as " bf16 compute <path>"
+  // (bf16_compute_name) when not f32.
+  ops::MatmulPrecision cpu_matmul = ops::MatmulPrecision::f32;
+  // Every bench: the CPU matmuls' inner kernel and f32 backward products (ops::set_matmul_kernel,
+  // ops::set_matmul_backward; a job's placement.cpu_matmul_kernel and _backward in bench step).
+  ops::MatmulKernel cpu_matmul_kernel = ops::MatmulKernel::automatic;
+  ops::MatmulBackward cpu_matmul_backward = ops::MatmulBackward::outer;
   std::string precision_suffix() const;
 };
 

@@ -521,14 +521,14 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   TANDEM_CHECK(fs::exists(job.model.path), "model.path '{}' does not exist ({})", job.model.path,
                job.where("model.path"));
   // Process-wide, so that rollout and training compute alike; restored when the job returns.
-  const ops::ScopedMatmulPrecision precision(
-      job.placement.cpu_matmul == "bf16" ? ops::MatmulPrecision::bf16 : ops::MatmulPrecision::f32);
-  if (job.placement.cpu_matmul == "bf16" &&
+  const ops::ScopedMatmulSettings matmul({job.placement.cpu_matmul, job.placement.cpu_matmul_kernel,
+                                          job.placement.cpu_matmul_backward});
+  if (job.placement.cpu_matmul == ops::MatmulPrecision::bf16 &&
       ops::matmul_bf16_path() == ops::MatmulBf16Path::f32_kernel)
     spdlog::warn(
         "placement.cpu_matmul = \"bf16\" without AMX-BF16 or AVX512-BF16 on this CPU (or with "
-        "TANDEM_CPU_MATMUL_KERNEL=portable): the operands are rounded, then summed by the f32 "
-        "kernel (slower than f32)");
+        "placement.cpu_matmul_kernel = \"portable\"): the operands are rounded, then summed by "
+        "the f32 kernel (slower than f32)");
   // The data-parallel ranks meet before anything is written; a world the batch does not allow is
   // refused first.
   const rendezvous::RankInfo info = rendezvous::detect_rank_info_from_environment();
