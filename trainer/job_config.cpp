@@ -408,7 +408,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("logging.samples_every", TANDEM_MEMBER(logging.samples_every),
               "Steps between logged sample completions; 0: never."))
       .range(0, 1e9);
-  add(bind<J>("logging.level", TANDEM_MEMBER(logging.level), "Log level."))
+  add(bind<J>("logging.level", TANDEM_MEMBER(logging.level),
+              "Log level of the job (TANDEM_LOG_LEVEL, when set, wins: for debugging a run "
+              "without editing its file)."))
       .one_of({"trace", "debug", "info", "warn", "error"});
   add(bind<J>("logging.tensorboard", TANDEM_MEMBER(logging.tensorboard),
               "Write every scalar of metrics.jsonl into a TensorBoard event file in dir "
