@@ -4,7 +4,6 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
-#include <map>
 #include <string>
 
 #include "apps/launch.h"
@@ -25,10 +24,10 @@ namespace {
 template <class E, size_t N>
 CLI::Option* add_choice(CLI::App* app, const std::string& flag, E& value,
                         const tandem::NamedValue<E> (&names)[N], const std::string& help) {
-  std::map<std::string, E> by_name;
-  for (const tandem::NamedValue<E>& v : names) by_name.emplace(std::string(v.name), v.value);
-  return app->add_option(flag, value, help)
-      ->transform(CLI::CheckedTransformer(by_name))
+  return app
+      ->add_option_function<std::string>(
+          flag, [&value, &names](const std::string& name) { value = *value_of(names, name); }, help)
+      ->check(CLI::IsMember(tandem::names_of(names)))
       ->default_str(std::string(tandem::name_of(names, value)));
 }
 
