@@ -30,13 +30,13 @@ namespace fs = std::filesystem;
 
 struct GenerateArgs {
   std::string model, prompt, prompts;
-  int n = 1;
   bool chat = false;
-  int64_t max_tokens = 128;
-  float temperature = 0.0f;
-  int32_t top_k = 0;
-  float top_p = 1.0f;
-  uint64_t seed = 0;
+  // n, max_tokens, temperature (0 here: greedy), top_k, top_p and seed from the flags.
+  rollout::SamplingParams sampling = [] {
+    rollout::SamplingParams sp;
+    sp.temperature = 0.0f;
+    return sp;
+  }();
   std::string dtype = "f32";
 } gen;
 
@@ -79,13 +79,7 @@ nlohmann::json parse_object(const std::string& line, const std::string& where) {
 // The requests of `tandem generate`: --prompt, or one per line of --prompts (JSONL with
 // "prompt" text or "prompt_ids", and an optional "id").
 std::vector<rollout::Request> generate_requests(const model::LoadedModel& m) {
-  rollout::SamplingParams sp;
-  sp.n = gen.n;
-  sp.temperature = gen.temperature;
-  sp.top_k = gen.top_k;
-  sp.top_p = gen.top_p;
-  sp.max_tokens = static_cast<int>(gen.max_tokens);
-  sp.seed = gen.seed;
+  rollout::SamplingParams sp = gen.sampling;
   sp.stop_token_ids = m.stop_ids();
   std::vector<rollout::Request> requests;
   if (gen.prompts.empty()) {
@@ -123,8 +117,10 @@ int run_generate() {
   std::vector<rollout::Request> requests = generate_requests(m);
   int64_t longest = 0, kv_tokens = 0;
   for (const auto& r : requests) {
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt.size()) + gen.max_tokens);
-    kv_tokens += static_cast<int64_t>(r.prompt.size()) + gen.n * (gen.max_tokens + 16);
+    longest =
+        std::max<int64_t>(longest, static_cast<int64_t>(r.prompt.size()) + gen.sampling.max_tokens);
+    kv_tokens += static_cast<int64_t>(r.prompt.size()) +
+                 int64_t{gen.sampling.n} * (gen.sampling.max_tokens + 16);
   }
   rollout::EngineOptions eo;
   eo.max_context =
@@ -139,7 +135,7 @@ int run_generate() {
                     : int64_t{2} << 30;
   const int64_t budget = std::max<int64_t>(budget_bytes, block_bytes * 64) / block_bytes;
   eo.num_blocks = std::clamp<int64_t>(kv_tokens / eo.block_size + 64, 64, budget);
-  eo.max_seqs = std::max<int64_t>(eo.max_seqs, gen.n);
+  eo.max_seqs = std::max<int64_t>(eo.max_seqs, gen.sampling.n);
   rollout::check_engine_memory(
       m.config(), eo, available,
       {"-n or --max-tokens (the KV cache holds every sample at once)",
@@ -187,7 +183,7 @@ int run_generate() {
                "prefix cache, %lld preemptions)\n",
                gen.model.c_str(), model::architecture_name(m.config().arch),
                static_cast<long long>(m.weights->num_parameters()), m.load_seconds, outs.size(),
-               gen.n, static_cast<long long>(tokens), seconds,
+               gen.sampling.n, static_cast<long long>(tokens), seconds,
                static_cast<double>(tokens) / std::max(seconds, 1e-9),
                static_cast<long long>(st.prefill_tokens),
                static_cast<long long>(st.cached_prompt_tokens),
@@ -394,16 +390,17 @@ void add_model_commands(CLI::App& app) {
   gen_cmd->add_option("--prompts", gen.prompts,
                       "JSONL, one request a line: {\"prompt\": text} or {\"prompt_ids\": [...]}, "
                       "optional \"id\"; prints one JSON line per request");
-  gen_cmd->add_option("-n,--n", gen.n, "samples per prompt (a group sharing the prompt's KV)")
+  gen_cmd
+      ->add_option("-n,--n", gen.sampling.n, "samples per prompt (a group sharing the prompt's KV)")
       ->check(CLI::Range(1, 4096));
   gen_cmd->add_flag("--chat", gen.chat, "render the prompt as a user message (chat template)");
-  gen_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate at most")
+  gen_cmd->add_option("--max-tokens", gen.sampling.max_tokens, "tokens to generate at most")
       ->check(CLI::Range(1, 1 << 20));
-  gen_cmd->add_option("--temperature", gen.temperature, "0 = greedy")
+  gen_cmd->add_option("--temperature", gen.sampling.temperature, "0 = greedy")
       ->check(CLI::Range(0.0, 100.0));
-  gen_cmd->add_option("--top-k", gen.top_k, "0 = off")->check(CLI::NonNegativeNumber);
-  gen_cmd->add_option("--top-p", gen.top_p, "1 = off")->check(CLI::Range(0.0, 1.0));
-  gen_cmd->add_option("--seed", gen.seed, "sampling seed");
+  gen_cmd->add_option("--top-k", gen.sampling.top_k, "0 = off")->check(CLI::NonNegativeNumber);
+  gen_cmd->add_option("--top-p", gen.sampling.top_p, "1 = off")->check(CLI::Range(0.0, 1.0));
+  gen_cmd->add_option("--seed", gen.sampling.seed, "sampling seed");
   gen_cmd->add_option("--dtype", gen.dtype, "weights in f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}));
 

@@ -4,12 +4,14 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <string>
 
 #include "apps/launch.h"
 #include "apps/model_commands.h"
 #include "apps/serve_command.h"
 #include "apps/train_command.h"
 #include "bench/bench.h"
+#include "bench/peers.h"
 #include "core/build_info.h"
 #include "core/device.h"
 #include "core/error.h"
@@ -17,6 +19,17 @@
 #include "kernels/ops.h"
 
 namespace {
+
+// An option naming one of an enum's values, by its name table (kernels/ops.h).
+template <class E, size_t N>
+CLI::Option* add_choice(CLI::App* app, const std::string& flag, E& value,
+                        const tandem::NamedValue<E> (&names)[N], const std::string& help) {
+  return app
+      ->add_option_function<std::string>(
+          flag, [&value, &names](const std::string& name) { value = *value_of(names, name); }, help)
+      ->check(CLI::IsMember(tandem::names_of(names)))
+      ->default_str(std::string(tandem::name_of(names, value)));
+}
 
 void print_version() {
   fmt::print("tandem {} (commit {})\n", tandem::version_string(), tandem::git_commit());
@@ -58,11 +71,20 @@ int main(int argc, char** argv) {
   bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
   bench->add_option("--device", bench_device, "cpu or cuda[:N]");
   bench->add_option("--min-seconds", bench_opt.min_seconds, "time spent on each measurement");
-  bench
-      ->add_option("--cpu-matmul", bench_opt.cpu_matmul,
-                   "generate, rollout: CPU matmul precision, f32 or bf16 (train and step measure "
-                   "both)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  std::string bench_peer_python;
+  bench->add_option("--peer-python", bench_peer_python,
+                    "the Python interpreter of the peers (default: .venv-bench/bin/python of the "
+                    "checkout, made by scripts/bench-peers)");
+  add_choice(bench, "--cpu-matmul", bench_opt.cpu_matmul, tandem::ops::kMatmulPrecisionNames,
+             "generate, rollout: CPU matmul precision, f32 or bf16 (train and step measure both)");
+  add_choice(bench, "--cpu-matmul-kernel", bench_opt.cpu_matmul_kernel,
+             tandem::ops::kMatmulKernelNames,
+             "CPU matmul inner kernel: auto, avx512bf16 (bf16 skips AMX) or portable (the job's "
+             "placement.cpu_matmul_kernel)");
+  add_choice(bench, "--cpu-matmul-backward", bench_opt.cpu_matmul_backward,
+             tandem::ops::kMatmulBackwardNames,
+             "f32 CPU backward products: outer or transpose (the job's "
+             "placement.cpu_matmul_backward)");
 
   tandem::apps::add_model_commands(app);
   tandem::apps::add_train_command(app);
@@ -91,10 +113,12 @@ int main(int argc, char** argv) {
       } else {
         TANDEM_CHECK(bench_device == "cpu", "--device '{}': use cpu or cuda[:N]", bench_device);
       }
-      const bool bf16 =
-          bench_opt.cpu_matmul == "bf16" && (bench_what == "generate" || bench_what == "rollout");
-      const tandem::ops::ScopedMatmulPrecision precision(bf16 ? tandem::ops::MatmulPrecision::bf16
-                                                              : tandem::ops::MatmulPrecision::f32);
+      tandem::bench::set_peer_python(bench_peer_python);
+      // The precision applies to generate and rollout only; the kernels to every bench.
+      const bool own_precision = bench_what == "generate" || bench_what == "rollout";
+      const tandem::ops::ScopedMatmulSettings matmul(
+          {own_precision ? bench_opt.cpu_matmul : tandem::ops::MatmulPrecision::f32,
+           bench_opt.cpu_matmul_kernel, bench_opt.cpu_matmul_backward});
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "sync") return tandem::bench::run_sync_bench(bench_opt);
       if (bench_what == "serve") return tandem::bench::run_serve_bench(bench_opt, bench_model);

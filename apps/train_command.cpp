@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 
+#include "core/log.h"
 #include "trainer/job.h"
 #include "trainer/job_config.h"
 
@@ -37,6 +38,7 @@ int run_train_command() {
     std::fputs(trainer::to_toml(job).c_str(), stdout);
     return 0;
   }
+  apply_config_log_level(job.logging.level);
   std::signal(SIGINT, on_interrupt);
   std::signal(SIGTERM, on_interrupt);
   const trainer::JobResult r = trainer::run_job(job, stop_requested);

@@ -15,10 +15,12 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "core/comm.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/tensor.h"
@@ -212,7 +214,7 @@ std::pair<double, std::string> measure_cpu_gemm_ceiling(const Options& opt) {
 }
 
 std::string Options::precision_suffix() const {
-  return cpu_matmul == "f32" ? "" : " " + bf16_compute_name();
+  return cpu_matmul == ops::MatmulPrecision::f32 ? "" : " " + bf16_compute_name();
 }
 
 std::string cpu_model() {
@@ -320,6 +322,41 @@ int free_loopback_port() {
 double median(std::vector<double> v) {
   std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
   return v[v.size() / 2];
+}
+
+void on_rank_threads(int ranks, const std::function<void(int rank)>& fn, const std::string& what) {
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (const Error& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) TANDEM_CHECK(e.empty(), "{}: {}", what, e);
+}
+
+std::vector<std::unique_ptr<Communicator>> loopback_communicators(int ranks, double timeout_s,
+                                                                  const std::string& what) {
+  const int port = free_loopback_port();
+  std::vector<std::unique_ptr<Communicator>> comms(static_cast<size_t>(ranks));
+  on_rank_threads(
+      ranks,
+      [&](int r) {
+        rendezvous::RankInfo info;
+        info.rank = r;
+        info.world_size = ranks;
+        info.master_addr = "127.0.0.1";
+        info.master_port = port;
+        CommOptions o;
+        o.timeout_s = timeout_s;
+        comms[static_cast<size_t>(r)] = Communicator::create(info, o);
+      },
+      what);
+  return comms;
 }
 
 }  // namespace tandem::bench

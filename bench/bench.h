@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -12,6 +13,11 @@
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
+#include "kernels/ops.h"
+
+namespace tandem {
+class Communicator;
+}  // namespace tandem
 
 namespace tandem::bench {
 
@@ -35,10 +41,14 @@ struct Options {
   double min_seconds = 0.3;  // time spent per measurement
   std::string filter;        // only cases whose op or case contains this
   Device device = Device::cpu();
-  // generate, rollout: the CPU matmul precision they run in ("f32" or "bf16"; train and step
-  // measure both themselves, kernels has its own bf16 cases). Named in each case as
-  // " bf16 compute <path>" (bf16_compute_name) when not f32.
-  std::string cpu_matmul = "f32";
+  // generate, rollout: the CPU matmul precision they run in (train and step measure both
+  // themselves, kernels has its own bf16 cases). Named in each case as " bf16 compute <path>"
+  // (bf16_compute_name) when not f32.
+  ops::MatmulPrecision cpu_matmul = ops::MatmulPrecision::f32;
+  // Every bench: the CPU matmuls' inner kernel and f32 backward products (ops::set_matmul_kernel,
+  // ops::set_matmul_backward; a job's placement.cpu_matmul_kernel and _backward in bench step).
+  ops::MatmulKernel cpu_matmul_kernel = ops::MatmulKernel::automatic;
+  ops::MatmulBackward cpu_matmul_backward = ops::MatmulBackward::outer;
   std::string precision_suffix() const;
 };
 
@@ -123,11 +133,19 @@ int run_step_bench(const Options& opt, const std::string& model_path);
 // the exit code.
 int run_serve_bench(const Options& opt, const std::string& model_path);
 
-// `tandem bench comm`: all-reduce and all-gather bandwidth over Gloo on loopback (2 ranks),
-// beside memcpy of the same bytes; returns the exit code.
 // Helpers of the benchmarks that start ranks: a loopback TCP port free now, and the median.
 int free_loopback_port();
 double median(std::vector<double> v);
+// Runs fn(rank) for every rank of `ranks` at once, each on a thread of this process, and waits
+// for them all; a rank's tandem::Error then becomes one error "<what>: <message>".
+void on_rank_threads(int ranks, const std::function<void(int rank)>& fn, const std::string& what);
+// One Communicator per rank of `ranks`, over Gloo on loopback, the ranks threads of this process
+// (errors as on_rank_threads).
+std::vector<std::unique_ptr<Communicator>> loopback_communicators(int ranks, double timeout_s,
+                                                                  const std::string& what);
+
+// `tandem bench comm`: all-reduce and all-gather bandwidth over Gloo on loopback (2 ranks),
+// beside memcpy of the same bytes; returns the exit code.
 
 int run_comm_bench(const Options& opt);
 // `tandem bench sync`: weight publishing, one rank f32 -> bf16 beside memcpy, and ZeRO-4 ->

@@ -11,7 +11,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -79,29 +78,8 @@ int run_comm_bench(const Options& opt) {
   constexpr int kRanks = 2;
   std::vector<size_t> sizes_mib =
       opt.quick ? std::vector<size_t>{1, 4} : std::vector<size_t>{1, 4, 16, 64, 256};
-  const int port = free_loopback_port();
-  std::vector<std::unique_ptr<Communicator>> comms(kRanks);
-  {
-    std::vector<std::thread> starters;
-    std::vector<std::string> errors(kRanks);
-    for (int r = 0; r < kRanks; ++r)
-      starters.emplace_back([&, r] {
-        try {
-          rendezvous::RankInfo info;
-          info.rank = r;
-          info.world_size = kRanks;
-          info.master_addr = "127.0.0.1";
-          info.master_port = port;
-          CommOptions o;
-          o.timeout_s = 120;
-          comms[static_cast<size_t>(r)] = Communicator::create(info, o);
-        } catch (const Error& e) {
-          errors[static_cast<size_t>(r)] = e.what();
-        }
-      });
-    for (auto& t : starters) t.join();
-    for (const auto& e : errors) TANDEM_CHECK(e.empty(), "bench comm: {}", e);
-  }
+  const std::vector<std::unique_ptr<Communicator>> comms =
+      loopback_communicators(kRanks, 120, "bench comm");
 
   int emitted = 0;
   for (const char* op : {"all_reduce", "all_gather"}) {
@@ -111,11 +89,9 @@ int run_comm_bench(const Options& opt) {
       if (!Runner(opt, {}).wants(op, case_name)) continue;
       const int reps = opt.quick ? 3 : std::clamp(static_cast<int>(2048 / mib), 5, 30);
       std::vector<std::vector<double>> seconds(kRanks);
-      std::vector<std::string> errors(kRanks);
-      std::vector<std::thread> threads;
-      for (int r = 0; r < kRanks; ++r)
-        threads.emplace_back([&, r] {
-          try {
+      on_rank_threads(
+          kRanks,
+          [&](int r) {
             Communicator& c = *comms[static_cast<size_t>(r)];
             const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
             Tensor full = Tensor::zeros({n}, DType::f32);
@@ -134,12 +110,8 @@ int run_comm_bench(const Options& opt) {
               seconds[static_cast<size_t>(r)].push_back(
                   std::chrono::duration<double>(Clock::now() - t0).count());
             }
-          } catch (const Error& e) {
-            errors[static_cast<size_t>(r)] = e.what();
-          }
-        });
-      for (auto& t : threads) t.join();
-      for (const auto& e : errors) TANDEM_CHECK(e.empty(), "bench comm: {}", e);
+          },
+          "bench comm");
       // nccl-tests' bus bandwidth: the bytes each rank must move, whatever the algorithm.
       const double bus_factor = std::string_view(op) == "all_reduce"
                                     ? 2.0 * (kRanks - 1) / kRanks

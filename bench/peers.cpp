@@ -19,18 +19,22 @@ fs::path repo_root() {
 
 namespace {
 
+std::string g_peer_python;
+
 std::string peer_python() {
-  const char* env = std::getenv("TANDEM_BENCH_PYTHON");
-  return env ? env : (repo_root() / ".venv-bench" / "bin" / "python").string();
+  return !g_peer_python.empty() ? g_peer_python
+                                : (repo_root() / ".venv-bench" / "bin" / "python").string();
 }
 
 }  // namespace
+
+void set_peer_python(const std::string& path) { g_peer_python = path; }
 
 nlohmann::json run_peer_script(const std::string& script, const std::string& args) {
   const std::string python = peer_python();
   if (!fs::exists(python)) {
     return {{"error", fmt::format("{} not found: run scripts/bench-peers to install "
-                                  "llama-cpp-python (or set TANDEM_BENCH_PYTHON)",
+                                  "llama-cpp-python (or give --peer-python)",
                                   python)}};
   }
   const std::string cmd = fmt::format("'{}' '{}' {} 2>/dev/null", python,

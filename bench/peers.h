@@ -14,8 +14,11 @@ namespace tandem::bench {
 
 // The repository root: the tandem binary lives in <root>/build*/bin/.
 std::filesystem::path repo_root();
-// Runs bench/peers/<script> with args under the bench venv's Python (or $TANDEM_BENCH_PYTHON)
-// and returns the JSON object it prints, or {"error": why}.
+// The Python interpreter of the peers, for the whole run (`tandem bench --peer-python`); empty:
+// the bench venv's, <repo>/.venv-bench/bin/python (made by scripts/bench-peers).
+void set_peer_python(const std::string& path);
+// Runs bench/peers/<script> with args under the peers' Python and returns the JSON object it
+// prints, or {"error": why}.
 nlohmann::json run_peer_script(const std::string& script, const std::string& args);
 // models/peers/<stem>.F32.gguf or .BF16.gguf: the weights of `gguf` at that precision, written
 // once by bench/peers/requant_gguf.py. Empty when it cannot be made.

@@ -120,7 +120,7 @@ int run_rollout_bench(const Options& opt, const std::string& model_path) {
     DType dtype;
     bool bf16_compute;
   };
-  const bool all_bf16 = opt.cpu_matmul == "bf16";
+  const bool all_bf16 = opt.cpu_matmul == ops::MatmulPrecision::bf16;
   std::vector<Series> series = {{DType::f32, all_bf16}, {DType::bf16, all_bf16}};
   if (!all_bf16 && opt.device.is_cpu() &&
       ops::matmul_bf16_path() != ops::MatmulBf16Path::f32_kernel)

@@ -169,6 +169,10 @@ int run_step_bench(const Options& opt, const std::string& model_path) {
     if (!opt.filter.empty() && precision.find(opt.filter) == std::string::npos) continue;
     std::vector<std::string> overrides = base_overrides;
     overrides.push_back(fmt::format("placement.cpu_matmul={}", bf16 ? "bf16" : "f32"));
+    overrides.push_back(fmt::format("placement.cpu_matmul_kernel={}",
+                                    name_of(ops::kMatmulKernelNames, opt.cpu_matmul_kernel)));
+    overrides.push_back(fmt::format("placement.cpu_matmul_backward={}",
+                                    name_of(ops::kMatmulBackwardNames, opt.cpu_matmul_backward)));
     job = trainer::load_job_config(config.string(), overrides);
     std::vector<nlohmann::ordered_json> steps;
     trainer::JobHooks hooks;

@@ -12,7 +12,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "bench/bench.h"
@@ -195,35 +194,15 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
       if (a != b) remote += plan.bytes(a, b);
   const auto mp = trainer::params_of(master);
 
-  const int port = free_loopback_port();
-  std::vector<std::unique_ptr<Communicator>> comms(kRanks);
-  std::vector<std::vector<Tensor>> shards(kRanks);
+  const std::vector<std::unique_ptr<Communicator>> comms =
+      loopback_communicators(kRanks, 300, "bench sync");
   auto on_ranks = [&](const std::function<void(int)>& fn) {
-    std::vector<std::thread> threads;
-    std::vector<std::string> errors(kRanks);
-    for (int r = 0; r < kRanks; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          fn(r);
-        } catch (const Error& e) {
-          errors[static_cast<size_t>(r)] = e.what();
-        }
-      });
-    for (auto& t : threads) t.join();
-    for (const auto& e : errors) TANDEM_CHECK(e.empty(), "bench sync: {}", e);
+    on_rank_threads(kRanks, fn, "bench sync");
   };
-  on_ranks([&](int r) {
-    rendezvous::RankInfo info;
-    info.rank = r;
-    info.world_size = kRanks;
-    info.master_addr = "127.0.0.1";
-    info.master_port = port;
-    CommOptions o;
-    o.timeout_s = 300;
-    comms[static_cast<size_t>(r)] = Communicator::create(info, o);
+  std::vector<std::vector<Tensor>> shards(kRanks);
+  for (int r = 0; r < kRanks; ++r)
     for (size_t p = 0; p < specs.size(); ++p)
       shards[static_cast<size_t>(r)].push_back(Tensor::empty(dst.shard(p, r).shape, DType::bf16));
-  });
   // Per bucket size: a warm-up sync, then `reps` timed ones, each beside a raw all_gather run just
   // before it (the machine's load changes between variants), each moving a gigabyte and more.
   const int reps = 1;

@@ -9,12 +9,19 @@
 
 namespace tandem {
 
+namespace {
+
+// TANDEM_LOG_LEVEL, or "" when unset.
+std::string level_of_environment() {
+  const char* env = std::getenv("TANDEM_LOG_LEVEL");
+  return env != nullptr ? env : "";
+}
+
+}  // namespace
+
 void init_logging(const std::string& level) {
-  std::string name = level;
-  if (name.empty()) {
-    const char* env = std::getenv("TANDEM_LOG_LEVEL");
-    name = env != nullptr ? env : "info";
-  }
+  std::string name = level.empty() ? level_of_environment() : level;
+  if (name.empty()) name = "info";
   const auto lvl = spdlog::level::from_str(name);
   TANDEM_CHECK(lvl != spdlog::level::off || name == "off",
                "unknown log level '{}': use trace, debug, info, warn, error or off", name);
@@ -26,6 +33,10 @@ void init_logging(const std::string& level) {
   (void)once;
   spdlog::set_level(lvl);
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
+}
+
+void apply_config_log_level(const std::string& level) {
+  if (level_of_environment().empty()) init_logging(level);
 }
 
 }  // namespace tandem

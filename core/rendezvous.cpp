@@ -58,6 +58,26 @@ std::string env_str(const GetEnv& getenv, const char* name) {
 
 constexpr int64_t kMaxWorld = 1 << 20;
 
+// A launcher's rank and world size (mpirun, srun), once its rank variable is known to be set:
+// rank, world_size, local_rank (local_var) and the source that names them.
+void read_launcher_rank(const GetEnv& getenv, const char* rank_var, const char* world_var,
+                        const char* local_var, RankInfo& info) {
+  info.rank = *env_int(getenv, rank_var, 0, kMaxWorld);
+  const auto world = env_int(getenv, world_var, 1, kMaxWorld);
+  TANDEM_CHECK(world.has_value(), "{} is set but {} is not", rank_var, world_var);
+  info.world_size = *world;
+  info.local_rank = env_int(getenv, local_var, 0, kMaxWorld).value_or(0);
+  info.source = fmt::format("{}={} {}={}", rank_var, info.rank, world_var, info.world_size);
+}
+
+// The default coordinator port moved by the launcher's job id (when set), so that two jobs on
+// one node meet apart.
+int port_of_job(const GetEnv& getenv, const char* job_var, int port) {
+  if (const char* job = getenv(job_var))
+    port += static_cast<int>(parse_int(job).value_or(0) % 1000);
+  return port;
+}
+
 }  // namespace
 
 std::string RankInfo::master() const { return fmt::format("{}:{}", master_addr, master_port); }
@@ -152,32 +172,20 @@ RankInfo detect_rank_info(const GetEnv& getenv, const std::string& master) {
     info.source = fmt::format("RANK={} WORLD_SIZE={}", info.rank, info.world_size);
   } else if (getenv("OMPI_COMM_WORLD_RANK") != nullptr) {
     info.launcher = "mpirun";
-    info.rank = *env_int(getenv, "OMPI_COMM_WORLD_RANK", 0, kMaxWorld);
-    const auto world = env_int(getenv, "OMPI_COMM_WORLD_SIZE", 1, kMaxWorld);
-    TANDEM_CHECK(world.has_value(), "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not");
-    info.world_size = *world;
-    info.local_rank = env_int(getenv, "OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxWorld).value_or(0);
+    read_launcher_rank(getenv, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK", info);
     const auto local_size = env_int(getenv, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxWorld);
     // Open MPI does not tell rank 0's host; on one node it is this one.
     if (local_size != info.world_size) default_addr.clear();
-    if (const char* job = getenv("OMPI_MCA_ess_base_jobid"))
-      default_port += static_cast<int>(parse_int(job).value_or(0) % 1000);
-    info.source =
-        fmt::format("OMPI_COMM_WORLD_RANK={} OMPI_COMM_WORLD_SIZE={}", info.rank, info.world_size);
+    default_port = port_of_job(getenv, "OMPI_MCA_ess_base_jobid", default_port);
   } else if (getenv("SLURM_PROCID") != nullptr) {
     info.launcher = "srun";
-    info.rank = *env_int(getenv, "SLURM_PROCID", 0, kMaxWorld);
-    const auto world = env_int(getenv, "SLURM_NTASKS", 1, kMaxWorld);
-    TANDEM_CHECK(world.has_value(), "SLURM_PROCID is set but SLURM_NTASKS is not");
-    info.world_size = *world;
-    info.local_rank = env_int(getenv, "SLURM_LOCALID", 0, kMaxWorld).value_or(0);
+    read_launcher_rank(getenv, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", info);
     info.node_rank = env_int(getenv, "SLURM_NODEID", 0, kMaxWorld).value_or(0);
     std::string nodelist = env_str(getenv, "SLURM_STEP_NODELIST");
     if (nodelist.empty()) nodelist = env_str(getenv, "SLURM_JOB_NODELIST");
     default_addr = nodelist.empty() ? "" : expand_slurm_nodelist(nodelist).front();
-    if (const char* job = getenv("SLURM_JOB_ID"))
-      default_port += static_cast<int>(parse_int(job).value_or(0) % 1000);
-    info.source = fmt::format("SLURM_PROCID={} SLURM_NTASKS={}", info.rank, info.world_size);
+    default_port = port_of_job(getenv, "SLURM_JOB_ID", default_port);
   } else {
     info.launcher = "single";
     info.source = "no launcher variables (a single process)";

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "core/names.h"
 #include "core/tensor.h"
 #include "kernels/sample_kind.h"
 
@@ -62,36 +63,77 @@ void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw,
 //   operands. So bits differ between the three, while each is deterministic, batch-invariant
 //   and independent of the thread count.
 enum class MatmulPrecision { f32, bf16 };
+inline constexpr NamedValue<MatmulPrecision> kMatmulPrecisionNames[] = {
+    {MatmulPrecision::f32, "f32"}, {MatmulPrecision::bf16, "bf16"}};
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
-// Sets the precision for a scope and puts the previous one back.
-class ScopedMatmulPrecision {
+// A process-wide setting set for a scope: the previous value is put back at its end.
+template <class T, T (*get)(), void (*set)(T)>
+class ScopedSetting {
  public:
-  explicit ScopedMatmulPrecision(MatmulPrecision p) : before_(matmul_precision()) {
-    set_matmul_precision(p);
-  }
-  ~ScopedMatmulPrecision() { set_matmul_precision(before_); }
-  ScopedMatmulPrecision(const ScopedMatmulPrecision&) = delete;
-  ScopedMatmulPrecision& operator=(const ScopedMatmulPrecision&) = delete;
+  explicit ScopedSetting(T value) : before_(get()) { set(value); }
+  ~ScopedSetting() { set(before_); }
+  ScopedSetting(const ScopedSetting&) = delete;
+  ScopedSetting& operator=(const ScopedSetting&) = delete;
 
  private:
-  MatmulPrecision before_;
+  T before_;
 };
+using ScopedMatmulPrecision =
+    ScopedSetting<MatmulPrecision, matmul_precision, set_matmul_precision>;
+// Which inner kernel the CPU matmuls use, process-wide like the precision (the job's
+// placement.cpu_matmul_kernel, `tandem bench --cpu-matmul-kernel`; set it before any work):
+// - automatic ("auto", the default): the best this CPU has (f32: AVX-512; the bf16 precision:
+//   AMX, else AVX512-BF16).
+// - portable: the portable f32 kernel, bitwise the AVX-512 one (tests prove it); the bf16
+//   precision then runs it on the rounded operands.
+// - avx512_bf16 ("avx512bf16"): as automatic, but the bf16 precision skips AMX: its AVX512-BF16
+//   path where the CPU has AVX512-BF16 (so that a CPU with AMX can run and test the path of one
+//   without).
+enum class MatmulKernel { automatic, portable, avx512_bf16 };
+inline constexpr NamedValue<MatmulKernel> kMatmulKernelNames[] = {
+    {MatmulKernel::automatic, "auto"},
+    {MatmulKernel::avx512_bf16, "avx512bf16"},
+    {MatmulKernel::portable, "portable"}};
+void set_matmul_kernel(MatmulKernel kernel);
+MatmulKernel matmul_kernel();
+// How the f32 CPU backward products (matmul_backward_input, matmul_backward_weight) run,
+// process-wide (placement.cpu_matmul_backward, `tandem bench --cpu-matmul-backward`):
+// - outer (the default): the outer-product kernel on the operands as they are
+//   (kernels/cpu/matmul_backward.cpp).
+// - transpose: the operands transposed, then the forward's dot-product kernel (the earlier path,
+//   docs/kernels-matmul.md); other bits than outer's, the same batch invariance.
+// The bf16 precision's backward products take neither (they are forward products on AMX or
+// AVX512-BF16).
+enum class MatmulBackward { outer, transpose };
+inline constexpr NamedValue<MatmulBackward> kMatmulBackwardNames[] = {
+    {MatmulBackward::outer, "outer"}, {MatmulBackward::transpose, "transpose"}};
+void set_matmul_backward(MatmulBackward backward);
+MatmulBackward matmul_backward();
+// The three settings of the CPU matmuls together, set for a scope (a job, a benchmark) and put
+// back as they were at its end.
+struct MatmulSettings {
+  MatmulPrecision precision = MatmulPrecision::f32;
+  MatmulKernel kernel = MatmulKernel::automatic;
+  MatmulBackward backward = MatmulBackward::outer;
+};
+void set_matmul_settings(MatmulSettings settings);
+MatmulSettings matmul_settings();
+using ScopedMatmulSettings = ScopedSetting<MatmulSettings, matmul_settings, set_matmul_settings>;
 // Whether bf16 products can run on AMX here (the CPU has it and the kernel granted the tile
 // state), and on AVX512-BF16.
 bool matmul_has_amx();
 bool matmul_has_avx512_bf16();
 // The hardware the bf16 precision's CPU products run on now: AMX tiles, AVX512-BF16 dot products
 // (`vdpbf16ps`), or the f32 kernel on the rounded operands (slower than the f32 precision: no
-// bf16 hardware, or the portable kernel forced). The CPU's best, unless the environment variable
-// TANDEM_CPU_MATMUL_KERNEL says "avx512bf16" (skip AMX: its path on a CPU with both) or
-// "portable" (kernels/cpu/matmul.h, MatmulKernel).
+// bf16 hardware, or the portable kernel forced). The CPU's best, unless the kernel is set to
+// avx512_bf16 (skip AMX: its path on a CPU with both) or portable (set_matmul_kernel).
 enum class MatmulBf16Path { amx, avx512_bf16, f32_kernel };
 MatmulBf16Path matmul_bf16_path();
 // "amx", "avx512bf16" or "f32-kernel": the path's name in bench cases and logs.
 const char* matmul_bf16_path_name(MatmulBf16Path path);
-// The f32 CPU kernel the matmuls take now: "avx512", or "portable" (no AVX-512, or forced by
-// TANDEM_CPU_MATMUL_KERNEL=portable).
+// The f32 CPU kernel the matmuls take now: "avx512", or "portable" (no AVX-512, or the
+// portable kernel set).
 const char* matmul_f32_path_name();
 // Whether CPU matmuls use packed weights now (the bf16 precision on AMX or AVX512-BF16): then a
 // weight can be packed once (PackedWeight) instead of on every call.

@@ -448,48 +448,21 @@ double PolicyLossMetrics::token_mult_prob_error() const {
 
 // ---- Names -------------------------------------------------------------------------------------
 
-std::string_view to_string(LossAggregation a) {
-  switch (a) {
-    case LossAggregation::kTokenMean:
-      return "token-mean";
-    case LossAggregation::kSeqMeanTokenMean:
-      return "seq-mean-token-mean";
-    case LossAggregation::kSeqMeanTokenSumNorm:
-      return "seq-mean-token-sum-norm";
-    case LossAggregation::kTokenSum:
-      return "token-sum";
-  }
-  return "?";
-}
+std::string_view to_string(LossAggregation a) { return name_of(kLossAggregationNames, a); }
 
-std::string_view to_string(KlEstimator k) {
-  switch (k) {
-    case KlEstimator::kK1:
-      return "k1";
-    case KlEstimator::kK2:
-      return "k2";
-    case KlEstimator::kK3:
-      return "k3";
-  }
-  return "?";
-}
+std::string_view to_string(KlEstimator k) { return name_of(kKlEstimatorNames, k); }
 
 LossAggregation parse_loss_aggregation(std::string_view s) {
-  for (auto a : {LossAggregation::kTokenMean, LossAggregation::kSeqMeanTokenMean,
-                 LossAggregation::kSeqMeanTokenSumNorm, LossAggregation::kTokenSum}) {
-    if (s == to_string(a)) return a;
-  }
-  TANDEM_FAIL(
-      "loss aggregation '{}': expected token-mean, seq-mean-token-mean, "
-      "seq-mean-token-sum-norm or token-sum",
-      s);
+  const auto a = value_of(kLossAggregationNames, s);
+  TANDEM_CHECK(a.has_value(), "loss aggregation '{}': expected {}", s,
+               names_list(kLossAggregationNames));
+  return *a;
 }
 
 KlEstimator parse_kl_estimator(std::string_view s) {
-  for (auto k : {KlEstimator::kK1, KlEstimator::kK2, KlEstimator::kK3}) {
-    if (s == to_string(k)) return k;
-  }
-  TANDEM_FAIL("KL estimator '{}': expected k1, k2 or k3", s);
+  const auto k = value_of(kKlEstimatorNames, s);
+  TANDEM_CHECK(k.has_value(), "KL estimator '{}': expected {}", s, names_list(kKlEstimatorNames));
+  return *k;
 }
 
 }  // namespace tandem::trainer

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/names.h"
+
 namespace tandem::trainer {
 
 // ---- Advantages ------------------------------------------------------------------------------
@@ -26,6 +28,14 @@ enum class AdvantageScale {
   kBatchStd,  // unbiased std of all rewards of the batch         (TRL scale_rewards="batch")
   kNone,      // no division                                      (Dr. GRPO)
 };
+// Their names in configs and docs.
+inline constexpr NamedValue<AdvantageBaseline> kAdvantageBaselineNames[] = {
+    {AdvantageBaseline::kGroupMean, "group-mean"},
+    {AdvantageBaseline::kLeaveOneOut, "leave-one-out"}};
+inline constexpr NamedValue<AdvantageScale> kAdvantageScaleNames[] = {
+    {AdvantageScale::kGroupStd, "group-std"},
+    {AdvantageScale::kBatchStd, "batch-std"},
+    {AdvantageScale::kNone, "none"}};
 
 struct AdvantageConfig {
   AdvantageBaseline baseline = AdvantageBaseline::kGroupMean;
@@ -83,6 +93,22 @@ enum class ImportanceMode {
   kTruncate,  // w = min(w, cap)                         (TIS; verl, TRL *_truncate)
   kMask,      // w = w if w <= cap else 0 (still counted) (TRL *_mask)
 };
+// Their names in configs and docs.
+inline constexpr NamedValue<LossAggregation> kLossAggregationNames[] = {
+    {LossAggregation::kTokenMean, "token-mean"},
+    {LossAggregation::kSeqMeanTokenMean, "seq-mean-token-mean"},
+    {LossAggregation::kSeqMeanTokenSumNorm, "seq-mean-token-sum-norm"},
+    {LossAggregation::kTokenSum, "token-sum"}};
+inline constexpr NamedValue<KlEstimator> kKlEstimatorNames[] = {
+    {KlEstimator::kK1, "k1"}, {KlEstimator::kK2, "k2"}, {KlEstimator::kK3, "k3"}};
+inline constexpr NamedValue<RatioLevel> kRatioLevelNames[] = {{RatioLevel::kToken, "token"},
+                                                              {RatioLevel::kSequence, "sequence"}};
+inline constexpr NamedValue<ImportanceLevel> kImportanceLevelNames[] = {
+    {ImportanceLevel::kNone, "none"},
+    {ImportanceLevel::kToken, "token"},
+    {ImportanceLevel::kSequence, "sequence"}};
+inline constexpr NamedValue<ImportanceMode> kImportanceModeNames[] = {
+    {ImportanceMode::kTruncate, "truncate"}, {ImportanceMode::kMask, "mask"}};
 
 struct PolicyLossConfig {
   RatioLevel ratio_level = RatioLevel::kToken;
@@ -189,7 +215,7 @@ struct PolicyLoss {
 PolicyLoss compute_policy_loss(const PolicyLossInput& input, const PolicyLossConfig& config,
                                const LossNormalisers& normalisers);
 
-// Names as used in configs and docs ("token-mean", "k3", ...), and back (throws on unknown).
+// Names as used in configs and docs (the tables above), and back (throws on unknown).
 std::string_view to_string(LossAggregation a);
 std::string_view to_string(KlEstimator k);
 LossAggregation parse_loss_aggregation(std::string_view s);

@@ -14,10 +14,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <thread>
 
 #include "core/comm.h"
 #include "core/dtype.h"
@@ -144,30 +142,6 @@ LrScheduleConfig schedule_config(const JobConfig& job) {
   if (sc.total_steps == 0)
     sc.total_steps = job.trainer.steps * job.trainer.step.epochs * job.trainer.step.minibatches;
   return sc;
-}
-
-// TANDEM_TEST_STALL_CHECKPOINT=<rank>:<stage>:<step> stops that rank at that stage of that
-// step's save (CheckpointOptions::on_stage): it says so on stderr and sleeps, for a test to kill
-// it there; not killed within 120 s, it fails.
-std::function<void(const std::string&)> stall_for_tests(int rank, int64_t step) {
-  const char* env = std::getenv("TANDEM_TEST_STALL_CHECKPOINT");
-  if (env == nullptr || *env == '\0') return {};
-  const std::string spec = env;
-  const size_t a = spec.find(':'), b = spec.rfind(':');
-  TANDEM_CHECK(a != std::string::npos && b > a,
-               "TANDEM_TEST_STALL_CHECKPOINT='{}': expected <rank>:<stage>:<step>", spec);
-  if (spec.substr(0, a) != std::to_string(rank) || spec.substr(b + 1) != std::to_string(step))
-    return {};
-  return [stage = spec.substr(a + 1, b - a - 1), rank, step](const std::string& at) {
-    if (at != stage) return;
-    std::fprintf(stderr,
-                 "tandem: rank %d stalls at checkpoint stage %s of step %lld "
-                 "(TANDEM_TEST_STALL_CHECKPOINT)\n",
-                 rank, stage.c_str(), static_cast<long long>(step));
-    std::fflush(stderr);
-    std::this_thread::sleep_for(std::chrono::seconds(120));
-    TANDEM_FAIL("TANDEM_TEST_STALL_CHECKPOINT: rank {} was not killed within 120 s", rank);
-  };
 }
 
 }  // namespace
@@ -388,6 +362,7 @@ Collected Job::collect() {
 PublishStats Job::publish() {
   const auto version = static_cast<uint64_t>(state_.weight_version);
   const PublishStats st = rollout_->publish(version);
+  if (hooks_.after_publish) hooks_.after_publish(rank_, version, rollout_->own_weights());
   engine_->set_weights(rollout_->weights(), version);
   if (remote_) remote_->push(policy_, version);
   return st;
@@ -479,7 +454,10 @@ void Job::checkpoint() {
   CheckpointOptions co;
   co.keep_last = static_cast<int>(job_.checkpoint.keep_last);
   co.extra_files = tokenizer_files_;
-  co.on_stage = stall_for_tests(rank_, state_.step);
+  if (hooks_.on_checkpoint_stage)
+    co.on_stage = [this](const std::string& stage) {
+      hooks_.on_checkpoint_stage(rank_, state_.step, stage);
+    };
   const std::string dir =
       sharded_ ? save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *sharded_, state_, co)
                : save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *adamw_, state_, co);
@@ -528,14 +506,14 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   TANDEM_CHECK(fs::exists(job.model.path), "model.path '{}' does not exist ({})", job.model.path,
                job.where("model.path"));
   // Process-wide, so that rollout and training compute alike; restored when the job returns.
-  const ops::ScopedMatmulPrecision precision(
-      job.placement.cpu_matmul == "bf16" ? ops::MatmulPrecision::bf16 : ops::MatmulPrecision::f32);
-  if (job.placement.cpu_matmul == "bf16" &&
+  const ops::ScopedMatmulSettings matmul({job.placement.cpu_matmul, job.placement.cpu_matmul_kernel,
+                                          job.placement.cpu_matmul_backward});
+  if (job.placement.cpu_matmul == ops::MatmulPrecision::bf16 &&
       ops::matmul_bf16_path() == ops::MatmulBf16Path::f32_kernel)
     spdlog::warn(
         "placement.cpu_matmul = \"bf16\" without AMX-BF16 or AVX512-BF16 on this CPU (or with "
-        "TANDEM_CPU_MATMUL_KERNEL=portable): the operands are rounded, then summed by the f32 "
-        "kernel (slower than f32)");
+        "placement.cpu_matmul_kernel = \"portable\"): the operands are rounded, then summed by "
+        "the f32 kernel (slower than f32)");
   // The data-parallel ranks meet before anything is written; a world the batch does not allow is
   // refused first.
   const rendezvous::RankInfo info = rendezvous::detect_rank_info_from_environment();

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "model/weights.h"
 #include "trainer/data.h"
 #include "trainer/job_config.h"
 #include "trainer/pass_interval.h"
@@ -21,11 +22,22 @@ struct JobResult {
   std::optional<PassInterval> first_eval, last_eval;  // held-out pass@1; none when no eval ran
 };
 
-// What a caller other than `tandem train` (the step benchmark) asks of the job.
+// What a caller other than `tandem train` (the step benchmark, the tests' job worker) asks of the
+// job.
 struct JobHooks {
   // Called after every step with its metrics line, as written to metrics.jsonl.
   std::function<void(const nlohmann::ordered_json& metrics)> on_step;
   bool checkpoints = true;  // false: never write one (not even at the end or on `stop`)
+  // Faults the tests inject (tests/workers/job_worker.cpp):
+  // - on_checkpoint_stage: on every rank, after each part of a checkpoint's save is written
+  //   (CheckpointOptions::on_stage: "policy", "trainer_state", "optimizer", "committed"), with
+  //   the rank and the step; e.g. to stop a rank there and kill it.
+  // - after_publish: on every rank, after each publish of the trainer's weights into its rollout
+  //   engine's and before the engine takes them, with the rank, the weight version and the
+  //   engine's own weights (null when the engine reads the trainer's tensors: rollout.dtype f32
+  //   at rollout_tp 1); e.g. to corrupt them as a bad shard would.
+  std::function<void(int rank, int64_t step, const std::string& stage)> on_checkpoint_stage;
+  std::function<void(int rank, uint64_t version, model::Weights* engine_weights)> after_publish;
 };
 
 // Runs the job to trainer.steps (resuming from checkpoint.resume), writing

@@ -86,27 +86,18 @@ Binding<S> bind(std::string key, Acc acc, std::string doc) {
   return b;
 }
 
-// A key naming one of an enum's values.
-template <class S, class E, class Acc>
-Binding<S> choice(std::string key, Acc acc, std::vector<std::pair<E, std::string>> names,
-                  std::string doc) {
+// A key naming one of an enum's values, by the enum's name table.
+template <class S, class E, size_t N, class Acc>
+Binding<S> choice(std::string key, Acc acc, const NamedValue<E> (&names)[N], std::string doc) {
   static const S defaults{};
-  auto name_of = [names](E e) {
-    for (const auto& [v, n] : names)
-      if (v == e) return n;
-    return std::string("?");
-  };
-  std::vector<std::string> all;
-  for (const auto& [v, n] : names) all.push_back(n);
   Binding<S> b;
-  b.field = config::text(key, name_of(acc(defaults)), std::move(doc));
-  b.field.one_of(all);
-  b.load = [key, acc, names](const Config& c, S& s) {
-    const auto& n = c.get_string(key);
-    for (const auto& [v, name] : names)
-      if (name == n) acc(s) = v;
+  b.field = config::text(key, std::string(name_of(names, acc(defaults))), std::move(doc));
+  b.field.one_of(names_of(names));
+  // The schema admits only the table's names, so the lookup finds one.
+  b.load = [key, acc, &names](const Config& c, S& s) {
+    acc(s) = value_of(names, c.get_string(key)).value();
   };
-  b.save = [acc, name_of](const S& s) { return Value{name_of(acc(s))}; };
+  b.save = [acc, &names](const S& s) { return Value{std::string(name_of(names, acc(s)))}; };
   return b;
 }
 
@@ -272,24 +263,15 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
       .one_of({"f32"});
   // trainer.algorithm
   add(choice<J>("trainer.algorithm.advantage_baseline",
-                TANDEM_MEMBER(trainer.grpo.advantage.baseline),
-                std::vector<std::pair<AdvantageBaseline, std::string>>{
-                    {AdvantageBaseline::kGroupMean, "group-mean"},
-                    {AdvantageBaseline::kLeaveOneOut, "leave-one-out"}},
+                TANDEM_MEMBER(trainer.grpo.advantage.baseline), kAdvantageBaselineNames,
                 "Subtracted from each reward: the group's mean (GRPO) or the others' (RLOO)."));
-  add(choice<J>(
-      "trainer.algorithm.advantage_scale", TANDEM_MEMBER(trainer.grpo.advantage.scale),
-      std::vector<std::pair<AdvantageScale, std::string>>{{AdvantageScale::kGroupStd, "group-std"},
-                                                          {AdvantageScale::kBatchStd, "batch-std"},
-                                                          {AdvantageScale::kNone, "none"}},
-      "What the centred reward is divided by (none: Dr. GRPO)."));
+  add(choice<J>("trainer.algorithm.advantage_scale", TANDEM_MEMBER(trainer.grpo.advantage.scale),
+                kAdvantageScaleNames, "What the centred reward is divided by (none: Dr. GRPO)."));
   add(bind<J>("trainer.algorithm.advantage_eps", TANDEM_MEMBER(trainer.grpo.advantage.eps),
               "Added to the std; > 0 when dividing by a std."))
       .range(0, 1);
   add(choice<J>("trainer.algorithm.ratio_level", TANDEM_MEMBER(trainer.grpo.loss.ratio_level),
-                std::vector<std::pair<RatioLevel, std::string>>{
-                    {RatioLevel::kToken, "token"}, {RatioLevel::kSequence, "sequence"}},
-                "Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."));
+                kRatioLevelNames, "Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."));
   add(bind<J>("trainer.algorithm.clip", TANDEM_MEMBER(trainer.grpo.loss.clip),
               "Clip the ratio (trust region); false: l = -A * ratio."));
   add(bind<J>("trainer.algorithm.eps_low", TANDEM_MEMBER(trainer.grpo.loss.eps_low),
@@ -302,19 +284,13 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "Dual clip: loss <= -A * c for A < 0; 0: off, else > 1."))
       .range(0, 1e6);
   add(choice<J>("trainer.algorithm.loss_aggregation", TANDEM_MEMBER(trainer.grpo.loss.aggregation),
-                std::vector<std::pair<LossAggregation, std::string>>{
-                    {LossAggregation::kTokenMean, "token-mean"},
-                    {LossAggregation::kSeqMeanTokenMean, "seq-mean-token-mean"},
-                    {LossAggregation::kSeqMeanTokenSumNorm, "seq-mean-token-sum-norm"},
-                    {LossAggregation::kTokenSum, "token-sum"}},
+                kLossAggregationNames,
                 "How per-token losses become one number (see docs/grpo.md)."));
   add(bind<J>("trainer.algorithm.seq_sum_norm", TANDEM_MEMBER(trainer.grpo.loss.seq_sum_norm),
               "seq-mean-token-sum-norm's constant; 0: rollout.max_new_tokens."))
       .range(0, 1e9);
   add(choice<J>("trainer.algorithm.kl_estimator", TANDEM_MEMBER(trainer.grpo.loss.kl_estimator),
-                std::vector<std::pair<KlEstimator, std::string>>{
-                    {KlEstimator::kK1, "k1"}, {KlEstimator::kK2, "k2"}, {KlEstimator::kK3, "k3"}},
-                "Estimator of the KL to the reference policy."));
+                kKlEstimatorNames, "Estimator of the KL to the reference policy."));
   add(bind<J>("trainer.algorithm.kl_beta", TANDEM_MEMBER(trainer.grpo.loss.kl_beta),
               "Weight of the KL term; 0: no reference model."))
       .range(0, 1e6);
@@ -322,16 +298,11 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "Entropy bonus weight."))
       .range(0, 1e6);
   add(choice<J>("trainer.algorithm.is_level", TANDEM_MEMBER(trainer.grpo.loss.is_level),
-                std::vector<std::pair<ImportanceLevel, std::string>>{
-                    {ImportanceLevel::kNone, "none"},
-                    {ImportanceLevel::kToken, "token"},
-                    {ImportanceLevel::kSequence, "sequence"}},
+                kImportanceLevelNames,
                 "Rollout/trainer mismatch correction exp(old - rollout): off, per token or per "
                 "sequence."));
   add(choice<J>("trainer.algorithm.is_mode", TANDEM_MEMBER(trainer.grpo.loss.is_mode),
-                std::vector<std::pair<ImportanceMode, std::string>>{
-                    {ImportanceMode::kTruncate, "truncate"}, {ImportanceMode::kMask, "mask"}},
-                "Weights above is_cap: truncated to it (TIS) or set to 0."));
+                kImportanceModeNames, "Weights above is_cap: truncated to it (TIS) or set to 0."));
   add(bind<J>("trainer.algorithm.is_cap", TANDEM_MEMBER(trainer.grpo.loss.is_cap),
               "Cap of the importance weight."))
       .above(0);
@@ -380,12 +351,7 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "Keep the AdamW moments in host memory while the rollout runs (CUDA placement). "
               "On cpu nothing to do: they are in host memory already."));
   // trainer.schedule
-  add(choice<J>("trainer.schedule.kind", TANDEM_MEMBER(trainer.schedule.kind),
-                std::vector<std::pair<LrScheduleKind, std::string>>{
-                    {LrScheduleKind::constant, "constant"},
-                    {LrScheduleKind::warmup_constant, "warmup_constant"},
-                    {LrScheduleKind::cosine, "cosine"},
-                    {LrScheduleKind::linear, "linear"}},
+  add(choice<J>("trainer.schedule.kind", TANDEM_MEMBER(trainer.schedule.kind), kLrScheduleKindNames,
                 "Learning-rate schedule (warmup is linear)."));
   add(bind<J>("trainer.schedule.warmup_steps", TANDEM_MEMBER(trainer.schedule.warmup_steps),
               "Warmup optimizer steps (or warmup_ratio, not both)."))
@@ -442,7 +408,9 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("logging.samples_every", TANDEM_MEMBER(logging.samples_every),
               "Steps between logged sample completions; 0: never."))
       .range(0, 1e9);
-  add(bind<J>("logging.level", TANDEM_MEMBER(logging.level), "Log level."))
+  add(bind<J>("logging.level", TANDEM_MEMBER(logging.level),
+              "Log level of the job (TANDEM_LOG_LEVEL, when set, wins: for debugging a run "
+              "without editing its file)."))
       .one_of({"trace", "debug", "info", "warn", "error"});
   add(bind<J>("logging.tensorboard", TANDEM_MEMBER(logging.tensorboard),
               "Write every scalar of metrics.jsonl into a TensorBoard event file in dir "
@@ -477,13 +445,25 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("placement.release_memory", TANDEM_MEMBER(placement.release_memory),
               "Colocated: free the rollout engine's KV cache and activations during the update, "
               "and the trainer's activations during rollout; each phase takes its memory again."));
-  add(bind<J>("placement.cpu_matmul", TANDEM_MEMBER(placement.cpu_matmul),
-              "Arithmetic of every CPU matmul (rollout and training): \"f32\", or \"bf16\": "
-              "operands rounded to bf16 and summed in f32, the mixed precision of the CUDA "
-              "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there), "
-              "else on AVX512-BF16 (vdpbf16ps, AMD Zen 4); without either slower than f32. "
-              "Weights, optimizer and all other ops stay f32."))
-      .one_of({"f32", "bf16"});
+  add(choice<J>("placement.cpu_matmul", TANDEM_MEMBER(placement.cpu_matmul),
+                ops::kMatmulPrecisionNames,
+                "Arithmetic of every CPU matmul (rollout and training): \"f32\", or \"bf16\": "
+                "operands rounded to bf16 and summed in f32, the mixed precision of the CUDA "
+                "matmuls, on AMX tiles where the CPU has them (about 3x the f32 rate there), "
+                "else on AVX512-BF16 (vdpbf16ps, AMD Zen 4); without either slower than f32. "
+                "Weights, optimizer and all other ops stay f32."));
+  add(choice<J>("placement.cpu_matmul_kernel", TANDEM_MEMBER(placement.cpu_matmul_kernel),
+                ops::kMatmulKernelNames,
+                "Inner kernel of the CPU matmuls: \"auto\" (the best this CPU has), "
+                "\"avx512bf16\" (the bf16 precision skips AMX and takes AVX512-BF16: the path "
+                "of a CPU without AMX) or \"portable\" (the plain f32 kernel, bitwise the "
+                "AVX-512 one; with bf16 it runs on the rounded operands). For measurements and "
+                "tests of one path (docs/kernels-matmul.md)."));
+  add(choice<J>("placement.cpu_matmul_backward", TANDEM_MEMBER(placement.cpu_matmul_backward),
+                ops::kMatmulBackwardNames,
+                "The f32 CPU backward products: \"outer\" (the outer-product kernel) or "
+                "\"transpose\" (the operands transposed, then the forward's kernel: the earlier "
+                "path, other bits; docs/kernels-matmul.md). bf16 takes neither."));
   add(bind<J>("placement.ranks", TANDEM_MEMBER(placement.ranks),
               "Data-parallel ranks (colocated: each trains and runs a rollout engine), started by "
               "`tandem launch --nproc N` (or mpirun, srun, torchrun); 0: as many as the launcher "

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "kernels/ops.h"
 #include "trainer/grpo.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/optimizer.h"
@@ -133,9 +134,11 @@ struct PlacementSection {
   // Each phase frees the other's memory: the engine's KV cache and activations during the
   // update, the trainer's activations during rollout and eval.
   bool release_memory = true;
-  // The arithmetic of every CPU matmul, rollout and training alike: "f32", or "bf16" (operands
-  // rounded to bf16, sums in f32; AMX tiles where the CPU has them).
-  std::string cpu_matmul = "f32";
+  // The CPU matmuls, rollout and training alike (kernels/ops.h): their arithmetic (f32, or bf16
+  // operands with f32 sums), inner kernel and f32 backward products.
+  ops::MatmulPrecision cpu_matmul = ops::MatmulPrecision::f32;
+  ops::MatmulKernel cpu_matmul_kernel = ops::MatmulKernel::automatic;
+  ops::MatmulBackward cpu_matmul_backward = ops::MatmulBackward::outer;
   // Data-parallel ranks, each a trainer with its own rollout engine (colocated); 0: as many as
   // the launcher started (tandem launch --nproc, mpirun, srun, torchrun; 1 without one).
   int64_t ranks = 0;

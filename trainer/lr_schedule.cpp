@@ -9,29 +9,13 @@
 
 namespace tandem::trainer {
 
-const char* lr_schedule_name(LrScheduleKind k) {
-  switch (k) {
-    case LrScheduleKind::constant:
-      return "constant";
-    case LrScheduleKind::warmup_constant:
-      return "warmup_constant";
-    case LrScheduleKind::cosine:
-      return "cosine";
-    case LrScheduleKind::linear:
-      return "linear";
-  }
-  return "?";
-}
+const char* lr_schedule_name(LrScheduleKind k) { return name_of(kLrScheduleKindNames, k).data(); }
 
 LrScheduleKind lr_schedule_from_name(std::string_view name, const std::string& where) {
-  for (LrScheduleKind k : {LrScheduleKind::constant, LrScheduleKind::warmup_constant,
-                           LrScheduleKind::cosine, LrScheduleKind::linear}) {
-    if (name == lr_schedule_name(k)) return k;
-  }
-  TANDEM_FAIL(
-      "{}: unknown learning-rate schedule '{}': expected constant, warmup_constant, cosine "
-      "or linear",
-      where, name);
+  const auto k = value_of(kLrScheduleKindNames, name);
+  TANDEM_CHECK(k.has_value(), "{}: unknown learning-rate schedule '{}': expected {}", where, name,
+               names_list(kLrScheduleKindNames));
+  return *k;
 }
 
 void LrScheduleConfig::validate() const {

@@ -6,10 +6,17 @@
 #include <string>
 #include <string_view>
 
+#include "core/names.h"
+
 namespace tandem::trainer {
 
 enum class LrScheduleKind : uint8_t { constant, warmup_constant, cosine, linear };
-const char* lr_schedule_name(LrScheduleKind k);  // "constant", "warmup_constant", "cosine", ...
+inline constexpr NamedValue<LrScheduleKind> kLrScheduleKindNames[] = {
+    {LrScheduleKind::constant, "constant"},
+    {LrScheduleKind::warmup_constant, "warmup_constant"},
+    {LrScheduleKind::cosine, "cosine"},
+    {LrScheduleKind::linear, "linear"}};
+const char* lr_schedule_name(LrScheduleKind k);  // its name in kLrScheduleKindNames
 // Parses those names; throws tandem::Error naming `where` and the accepted names.
 LrScheduleKind lr_schedule_from_name(std::string_view name, const std::string& where);
 

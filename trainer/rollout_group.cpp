@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 #include "core/dtype.h"
@@ -100,48 +101,7 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights& policy, C
   publisher_ = std::make_unique<weight_sync::Publisher>(weight_sync::ReshardPlan::make(src, dst),
                                                         world, std::move(from), std::move(to),
                                                         sync_options(job.weight_sync));
-  corrupt_ = corrupt_for_tests(rank_);
   publisher_->publish(0);
-}
-
-// TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS=<rank>:<version>:<parameter> (tests only): after that
-// version's publish, that rank adds 100 to element 0 of its engine's copy of that storage tensor
-// (e.g. model.norm.weight; its shard at rollout_tp > 1), as a corrupted shard would, and says so
-// on stderr. The engine must have weights of its own (rollout.dtype = bf16 or rollout_tp > 1):
-// otherwise it reads the trainer's tensors, and changing them is no corruption of a publish.
-std::function<void(uint64_t)> RolloutGroup::corrupt_for_tests(int rank) {
-  const char* env = std::getenv("TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS");
-  if (env == nullptr || *env == '\0') return {};
-  const std::string spec = env;
-  const size_t a = spec.find(':'), b = spec.find(':', a == std::string::npos ? a : a + 1);
-  TANDEM_CHECK(a != std::string::npos && b != std::string::npos,
-               "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS='{}': expected <rank>:<version>:<parameter>",
-               spec);
-  if (spec.substr(0, a) != std::to_string(rank)) return {};
-  TANDEM_CHECK(engine_weights_ != nullptr,
-               "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS: the engine reads the trainer's own weights "
-               "(rollout.dtype = f32, rollout_tp = 1): there is no engine copy to corrupt");
-  const uint64_t version = std::stoull(spec.substr(a + 1, b - a - 1));
-  const std::string name = spec.substr(b + 1);
-  Tensor target;
-  for (const model::NamedTensor& t : engine_weights_->storage())
-    if (t.name == name) target = t.tensor;
-  TANDEM_CHECK(target.defined(),
-               "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS: no storage tensor '{}' in the engine weights",
-               name);
-  return [target, version, name, rank](uint64_t published) mutable {
-    if (published != version) return;
-    if (target.dtype() == DType::bf16) {
-      auto* x = target.data_as<bf16>();
-      x[0] = bf16(static_cast<float>(x[0]) + 100.0f);
-    } else {
-      target.data_as<float>()[0] += 100.0f;
-    }
-    std::fprintf(stderr,
-                 "tandem: rank %d corrupts element 0 of its engine's %s after publishing version "
-                 "%llu (TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS)\n",
-                 rank, name.c_str(), static_cast<unsigned long long>(published));
-  };
 }
 
 std::pair<size_t, size_t> RolloutGroup::replica_prompts(size_t count) const {
@@ -152,7 +112,6 @@ std::pair<size_t, size_t> RolloutGroup::replica_prompts(size_t count) const {
 
 PublishStats RolloutGroup::publish(uint64_t version) {
   const weight_sync::SyncStats s = publisher_->publish(version);
-  if (corrupt_) corrupt_(version);
   PublishStats st;
   st.version = version;
   for (const Kind k : kinds_) {

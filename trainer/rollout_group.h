@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -53,6 +52,9 @@ class RolloutGroup {
 
   // What the engine is built on: its weights and its tensor-parallel group (null at tp = 1).
   const model::Weights& weights() const { return engine_weights_ ? *engine_weights_ : policy_; }
+  // The engine's own weights (a copy in rollout.dtype or a tensor-parallel shard); null when it
+  // reads the trainer's tensors.
+  model::Weights* own_weights() const { return engine_weights_.get(); }
   Communicator* tp_group() const { return group_.get(); }
   int tp() const { return tp_; }
   int replica() const { return replica_; }
@@ -67,16 +69,12 @@ class RolloutGroup {
 
  private:
   enum class Kind { shared, copied, cast };
-  // The corruption TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS asks of this rank (empty: none).
-  std::function<void(uint64_t version)> corrupt_for_tests(int rank);
-
   const model::Weights& policy_;
   const int rank_, world_, tp_, replica_;
   std::unique_ptr<Communicator> group_;
   std::unique_ptr<model::Weights> engine_weights_;  // null: the engine reads policy_ itself
   std::unique_ptr<weight_sync::Publisher> publisher_;
   std::vector<Kind> kinds_;  // [parameter this rank holds]
-  std::function<void(uint64_t version)> corrupt_;
 };
 
 }  // namespace tandem::trainer

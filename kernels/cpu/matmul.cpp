@@ -5,9 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -55,6 +53,7 @@ using detail::kTileCols;
 using detail::kTileRows;
 
 MatmulKernel g_kernel = MatmulKernel::automatic;
+MatmulBackward g_backward = MatmulBackward::outer;
 MatmulPrecision g_precision = MatmulPrecision::f32;
 
 bool cpu_has_avx512() {
@@ -64,25 +63,8 @@ bool cpu_has_avx512() {
   return has;
 }
 
-// What `automatic` means: TANDEM_CPU_MATMUL_KERNEL, or the CPU's best.
-MatmulKernel kernel_of_environment() {
-  static const MatmulKernel kernel = [] {
-    const char* v = std::getenv("TANDEM_CPU_MATMUL_KERNEL");
-    const std::string_view name = v != nullptr ? v : "";
-    if (name.empty() || name == "auto") return MatmulKernel::automatic;
-    if (name == "avx512bf16") return MatmulKernel::avx512_bf16;
-    if (name == "portable") return MatmulKernel::portable;
-    TANDEM_FAIL(
-        "TANDEM_CPU_MATMUL_KERNEL='{}' names no CPU matmul kernel: set it to auto, avx512bf16 "
-        "(the bf16 precision skips AMX) or portable, or unset it",
-        name);
-  }();
-  return kernel;
-}
-
-MatmulKernel kernel() {
-  return g_kernel == MatmulKernel::automatic ? kernel_of_environment() : g_kernel;
-}
+// The f32 backward products by the forward's kernel on transposed operands (MatmulBackward).
+bool backward_by_transposes() { return g_backward == MatmulBackward::transpose; }
 
 bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -91,31 +73,14 @@ bool cpu_has_avx2() {
 
 // The f32 kernels' instruction set now: the best the CPU has, unless the portable one is forced.
 detail::F32Isa f32_isa() {
-  if (kernel() == MatmulKernel::portable) return detail::F32Isa::portable;
+  if (g_kernel == MatmulKernel::portable) return detail::F32Isa::portable;
   if (cpu_has_avx512()) return detail::F32Isa::avx512;
   return cpu_has_avx2() ? detail::F32Isa::avx2 : detail::F32Isa::portable;
 }
 
-// The f32 backward products: unset or TANDEM_CPU_MATMUL_BACKWARD=outer, the outer-product
-// kernel (matmul_backward.cpp); "transpose", the forward's dot-product kernel on transposed
-// operands (the earlier path, docs/kernels-matmul.md).
-bool backward_by_transposes() {
-  static const bool transposes = [] {
-    const char* v = std::getenv("TANDEM_CPU_MATMUL_BACKWARD");
-    const std::string_view name = v != nullptr ? v : "";
-    if (name.empty() || name == "outer") return false;
-    if (name == "transpose") return true;
-    TANDEM_FAIL(
-        "TANDEM_CPU_MATMUL_BACKWARD='{}' names no backward matmul: set it to outer (the default) "
-        "or transpose, or unset it",
-        name);
-  }();
-  return transposes;
-}
-
 // The hardware the bf16 precision's products run on now.
 MatmulBf16Path bf16_path() {
-  switch (kernel()) {
+  switch (g_kernel) {
     case MatmulKernel::portable:
       return MatmulBf16Path::f32_kernel;
     case MatmulKernel::automatic:
@@ -460,7 +425,6 @@ void forward_bf16(Rows a, Second b, float* y, int64_t M, int64_t N, int64_t R, b
 
 }  // namespace
 
-void set_matmul_kernel(MatmulKernel kernel) { g_kernel = kernel; }
 bool matmul_has_avx512() { return cpu_has_avx512(); }
 bool matmul_has_avx2() { return cpu_has_avx2(); }
 
@@ -540,6 +504,18 @@ namespace tandem::ops {
 
 void set_matmul_precision(MatmulPrecision precision) { cpu::g_precision = precision; }
 MatmulPrecision matmul_precision() { return cpu::g_precision; }
+void set_matmul_kernel(MatmulKernel kernel) { cpu::g_kernel = kernel; }
+MatmulKernel matmul_kernel() { return cpu::g_kernel; }
+void set_matmul_backward(MatmulBackward backward) { cpu::g_backward = backward; }
+MatmulBackward matmul_backward() { return cpu::g_backward; }
+void set_matmul_settings(MatmulSettings settings) {
+  set_matmul_precision(settings.precision);
+  set_matmul_kernel(settings.kernel);
+  set_matmul_backward(settings.backward);
+}
+MatmulSettings matmul_settings() {
+  return {matmul_precision(), matmul_kernel(), matmul_backward()};
+}
 bool matmul_has_amx() { return cpu::detail::amx_usable(); }
 bool matmul_has_avx512_bf16() { return cpu::detail::avx512_bf16_usable(); }
 MatmulBf16Path matmul_bf16_path() { return cpu::bf16_path(); }

@@ -17,22 +17,12 @@ void matmul(const Tensor& x, const Tensor& w, const Tensor& y, bool accumulate);
 void matmul_backward_input(const Tensor& dy, const Tensor& w, const Tensor& dx, bool accumulate);
 void matmul_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& dw, bool accumulate);
 
-// Which inner kernel the CPU matmuls use.
-// - automatic: the best this CPU has (f32: AVX-512; the bf16 precision: AMX, else AVX512-BF16).
-// - portable: the portable f32 kernel, bitwise the AVX-512 one (tests prove it); the bf16
-//   precision then runs it on the rounded operands.
-// - avx512_bf16: as automatic, but the bf16 precision skips AMX: its AVX512-BF16 path where the
-//   CPU has AVX512-BF16 (so that a CPU with AMX can run and test the path of one without).
-// `automatic` follows the environment variable TANDEM_CPU_MATMUL_KERNEL when set: "auto",
-// "avx512bf16" or "portable" (read once; anything else throws at the first matmul).
-enum class MatmulKernel { automatic, portable, avx512_bf16 };
-void set_matmul_kernel(MatmulKernel kernel);
-// Whether this CPU runs the AVX-512 kernel when the choice is `automatic` (else the AVX2 one
-// where it has AVX2 and FMA, else the portable one: the same bits).
+// Whether this CPU runs the AVX-512 kernel when the kernel is `automatic` (ops::MatmulKernel).
 bool matmul_has_avx512();
+// Whether it has AVX2 and FMA: without AVX-512 it then runs the AVX2 kernel (the same bits).
 bool matmul_has_avx2();
-// The process-wide precision (set_matmul_precision) and PackedWeight are declared in
-// kernels/ops.h and implemented in matmul.cpp.
+// The process-wide settings (set_matmul_precision, set_matmul_kernel, set_matmul_backward) and
+// PackedWeight are declared in kernels/ops.h and implemented in matmul.cpp.
 
 namespace detail {
 

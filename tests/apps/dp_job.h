@@ -15,6 +15,8 @@
 namespace tandem::test::dp_job {
 
 inline std::string tandem_bin() { return std::string(TANDEM_BIN_DIR) + "/tandem"; }
+// `tandem train` with the job's test hooks set from its flags (tests/workers/job_worker.cpp).
+inline std::string job_worker_bin() { return std::string(TANDEM_BIN_DIR) + "/tandem_job_worker"; }
 
 // The lines of a metrics.jsonl that record a training step (eval lines left out).
 inline std::vector<nlohmann::json> step_lines(const std::filesystem::path& metrics) {

@@ -24,9 +24,7 @@ Run run(const std::string& args, bool merge_stderr = true) {
 // `tandem bench <args>` with its Python peer left out (minutes of work: the run reports it
 // missing and fails): checks that, and returns the output's JSON rows.
 std::vector<nlohmann::json> bench_rows_without_peer(const std::string& args) {
-  ::setenv("TANDEM_BENCH_PYTHON", "/nonexistent/python", 1);
-  const Run r = run(args, /*merge_stderr=*/false);
-  ::unsetenv("TANDEM_BENCH_PYTHON");
+  const Run r = run(args + " --peer-python /nonexistent/python", /*merge_stderr=*/false);
   INFO(r.out);
   CHECK(r.status == 1);  // a missing peer fails the run
   std::vector<nlohmann::json> rows;

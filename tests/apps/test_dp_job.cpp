@@ -225,19 +225,18 @@ TEST_CASE(
   for (const auto& [victim, stage] : {std::pair{1, "optimizer"}, std::pair{0, "committed"}}) {
     const std::string name = fmt::format("kill{}", victim);
     INFO("rank " << victim << " killed after " << stage);
-    const std::string command =
-        fmt::format("{} train {} {} checkpoint.every=1 logging.dir={} checkpoint.dir={}",
-                    tandem_bin(), job, det, tmp.file(name), tmp.file(name + "/ckpt"));
+    // The job worker: `tandem train` that stops the victim there (--stall-checkpoint).
+    const std::string command = fmt::format(
+        "{} {} {} checkpoint.every=1 logging.dir={} checkpoint.dir={} --stall-checkpoint {}:{}:2",
+        job_worker_bin(), job, det, tmp.file(name), tmp.file(name + "/ckpt"), victim, stage);
     const std::string log0 = tmp.file(name + "-rank0.log"), log1 = tmp.file(name + "-rank1.log");
     const std::string script = fmt::format(
-        "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={} "
-        "TANDEM_TEST_STALL_CHECKPOINT={}:{}:2; "
+        "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={}; "
         "RANK=1 LOCAL_RANK=1 {} >{} 2>&1 & p1=$!; "
         "RANK=0 LOCAL_RANK=0 {} >{} 2>&1 & p0=$!; "
         "for i in $(seq 600); do grep -q \"stalls at checkpoint\" {} && break; sleep 0.1; done; "
         "kill -9 $p{}; wait $p0; s0=$?; wait $p1; echo status $s0 $?",
-        tandem::test::free_port(), victim, stage, command, log1, command, log0,
-        victim == 0 ? log0 : log1, victim);
+        tandem::test::free_port(), command, log1, command, log0, victim == 0 ? log0 : log1, victim);
     const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
     const std::string out0 = read_bytes(log0), out1 = read_bytes(log1);
     INFO(r.out << "\nrank 0:\n" << out0 << "\nrank 1:\n" << out1);

@@ -1,9 +1,9 @@
 // The logprob canary of `tandem train` (weight_sync.canary): after every publish it logs how far
 // the rollout engines' logprobs of a fixed probe are from the trainer's (0 at one f32 rank), and an
-// engine shard corrupted after a publish with checksums off (TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS)
-// stops the job, naming the step, the version, the replica and the difference, before any step
-// trains on that engine's samples; at one rank, on one of two data-parallel replicas, and in a
-// tensor-parallel replica of 2 ranks.
+// engine shard corrupted after a publish with checksums off (the job worker's
+// --corrupt-engine-weights) stops the job, naming the step, the version, the replica and the
+// difference, before any step trains on that engine's samples; at one rank, on one of two
+// data-parallel replicas, and in a tensor-parallel replica of 2 ranks.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -18,23 +18,26 @@
 
 namespace {
 
+using tandem::test::dp_job::job_worker_bin;
 using tandem::test::dp_job::step_lines;
 using tandem::test::dp_job::tandem_bin;
 
 // dp_job's tiny job (4 prompts x 4 samples of 8 tokens a step) for two steps, with the canary on
-// and a probe of 8 tokens, on `ranks` processes into tmp/<name>; env: shell assignments.
+// and a probe of 8 tokens, on `ranks` processes into tmp/<name>: `tandem train`, or with a
+// `corrupt` spec the job worker that corrupts an engine's weights (RANK:VERSION:PARAMETER).
 tandem::test::CommandResult train(const tandem::test::TempDir& tmp, int ranks,
                                   const std::string& name, const std::string& overrides,
-                                  const std::string& env = "") {
+                                  const std::string& corrupt = "") {
   const std::string job = tandem::test::dp_job::write_job(tmp, tmp.file("model"));
-  const std::string args = fmt::format(
-      "train {} logging.dir={} checkpoint.dir={} trainer.steps=2 weight_sync.canary=true "
-      "weight_sync.canary_tokens=8 weight_sync.checksums=false {}",
-      job, tmp.file(name), tmp.file(name + "/ckpt"), overrides);
-  if (ranks == 1) return tandem::test::run_tandem(args, true, 120, env);
+  const std::string command = fmt::format(
+      "{} {} logging.dir={} checkpoint.dir={} trainer.steps=2 weight_sync.canary=true "
+      "weight_sync.canary_tokens=8 weight_sync.checksums=false {}{}",
+      corrupt.empty() ? tandem_bin() + " train" : job_worker_bin(), job, tmp.file(name),
+      tmp.file(name + "/ckpt"), overrides,
+      corrupt.empty() ? "" : " --corrupt-engine-weights " + corrupt);
+  if (ranks == 1) return tandem::test::run_shell("timeout -k 5 120 " + command + " 2>&1");
   return tandem::test::run_tandem(
-      fmt::format("launch --nproc {} --grace-s 2 -- {} {}", ranks, tandem_bin(), args), true, 120,
-      env);
+      fmt::format("launch --nproc {} --grace-s 2 -- {}", ranks, command), true, 120);
 }
 
 }  // namespace
@@ -82,8 +85,7 @@ TEST_CASE("the weight_sync canary stops a job whose engine weights were corrupte
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // The engine's own (bf16) copy, corrupted after the publish of step 2: step 1 is recorded, and
   // the job stops before step 3 generates from those weights.
-  const auto r = train(tmp, 1, "run", "rollout.dtype=bf16",
-                       "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS=0:2:model.norm.weight");
+  const auto r = train(tmp, 1, "run", "rollout.dtype=bf16", "0:2:model.norm.weight");
   INFO(r.out);
   CHECK(r.status != 0);
   CHECK_THAT(r.out, Catch::Contains("rank 0 corrupts element 0 of its engine's model.norm.weight "
@@ -101,8 +103,7 @@ TEST_CASE("the weight_sync canary names the one replica of 2 data-parallel ranks
   const tandem::test::TempDir tmp("canary-dp");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // Two replicas of one rank, bf16 engines; rank 1's copy corrupted after the first publish.
-  const auto r = train(tmp, 2, "run", "rollout.dtype=bf16",
-                       "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS=1:1:model.norm.weight");
+  const auto r = train(tmp, 2, "run", "rollout.dtype=bf16", "1:1:model.norm.weight");
   INFO(r.out);
   CHECK(r.status != 0);
   CHECK_THAT(r.out, Catch::Contains("after the publish of step 1 (weight version 1)"));
@@ -128,9 +129,8 @@ TEST_CASE("the weight_sync canary catches a corrupted shard of a tensor-parallel
 
   // Rank 1's shard of layer 0's MLP down projection (row-parallel), corrupted after the first
   // step's publish: both ranks of the replica stop, before step 2 trains on its samples.
-  const auto bad =
-      train(tmp, 2, "bad", "placement.rollout_tp=2 rollout.seed=5",
-            "TANDEM_TEST_CORRUPT_ENGINE_WEIGHTS=1:1:model.layers.0.mlp.down_proj.weight");
+  const auto bad = train(tmp, 2, "bad", "placement.rollout_tp=2 rollout.seed=5",
+                         "1:1:model.layers.0.mlp.down_proj.weight");
   INFO(bad.out);
   CHECK(bad.status != 0);
   CHECK_THAT(bad.out, Catch::Contains("weight_sync canary: after the publish of step 1 (weight "

@@ -27,11 +27,11 @@ namespace {
 
 // The bf16 precision with a kernel choice for one scope.
 struct Bf16Scope {
-  explicit Bf16Scope(cpu::MatmulKernel kernel = cpu::MatmulKernel::automatic)
+  explicit Bf16Scope(ops::MatmulKernel kernel = ops::MatmulKernel::automatic)
       : precision(ops::MatmulPrecision::bf16) {
-    cpu::set_matmul_kernel(kernel);
+    ops::set_matmul_kernel(kernel);
   }
-  ~Bf16Scope() { cpu::set_matmul_kernel(cpu::MatmulKernel::automatic); }
+  ~Bf16Scope() { ops::set_matmul_kernel(ops::MatmulKernel::automatic); }
   Bf16Scope(const Bf16Scope&) = delete;
   Bf16Scope& operator=(const Bf16Scope&) = delete;
   ops::ScopedMatmulPrecision precision;
@@ -39,11 +39,11 @@ struct Bf16Scope {
 
 // The kernel choices that reach each bf16 path this CPU has: automatic (AMX, else
 // AVX512-BF16), avx512_bf16 where AMX would be taken otherwise, and the portable reference.
-std::vector<cpu::MatmulKernel> bf16_kernels() {
-  std::vector<cpu::MatmulKernel> k = {cpu::MatmulKernel::automatic};
+std::vector<ops::MatmulKernel> bf16_kernels() {
+  std::vector<ops::MatmulKernel> k = {ops::MatmulKernel::automatic};
   if (cpu::detail::amx_usable() && cpu::detail::avx512_bf16_usable())
-    k.push_back(cpu::MatmulKernel::avx512_bf16);
-  k.push_back(cpu::MatmulKernel::portable);
+    k.push_back(ops::MatmulKernel::avx512_bf16);
+  k.push_back(ops::MatmulKernel::portable);
   if (!cpu::detail::avx512_bf16_usable())
     WARN("no AVX512-BF16 here: only the portable bf16 path is exercised");
   else if (!cpu::detail::amx_usable())
@@ -149,7 +149,7 @@ constexpr Dims kShapes[] = {{7, 13, 37},  {65, 33, 577}, {1, 5, 16},   {3, 7, 1}
 }  // namespace
 
 TEST_CASE("bf16 matmuls match f64 products of the rounded operands on every path", "[unit]") {
-  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+  for (const ops::MatmulKernel kernel : bf16_kernels()) {
     Bf16Scope scope(kernel);
     for (const Dims& d : kShapes)
       for (const Op op : {Op::forward, Op::backward_input, Op::backward_weight})
@@ -164,7 +164,7 @@ TEST_CASE("bf16 matmuls match f64 products of the rounded operands on every path
 }
 
 TEST_CASE("bf16 matmul rows are bitwise the same alone and inside batches of any size", "[unit]") {
-  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+  for (const ops::MatmulKernel kernel : bf16_kernels()) {
     Bf16Scope scope(kernel);
     INFO("path=" << path_now());
     const int64_t N = 70, K = 200;
@@ -184,7 +184,7 @@ TEST_CASE("bf16 matmul rows are bitwise the same alone and inside batches of any
 }
 
 TEST_CASE("bf16 matmul products are bitwise the same with 1 and 2 threads", "[unit]") {
-  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
+  for (const ops::MatmulKernel kernel : bf16_kernels()) {
     Bf16Scope scope(kernel);
     INFO("path=" << path_now());
     const int threads = num_threads();
@@ -273,7 +273,7 @@ TEST_CASE("bf16 packing rounds as the scalar bf16 rounding and lays out pairs", 
 
 TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[unit]") {
   {
-    Bf16Scope portable(cpu::MatmulKernel::portable);
+    Bf16Scope portable(ops::MatmulKernel::portable);
     CHECK_THROWS_WITH(ops::PackedWeight(random_tensor({4, 4}, DType::f32, 1)),
                       Catch::Contains("AVX512-BF16"));
   }
@@ -282,9 +282,9 @@ TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[
     WARN("no AMX-BF16 or AVX512-BF16 here: weights are not packed");
     return;
   }
-  for (const cpu::MatmulKernel kernel : bf16_kernels()) {
-    if (kernel == cpu::MatmulKernel::portable) continue;
-    cpu::set_matmul_kernel(kernel);
+  for (const ops::MatmulKernel kernel : bf16_kernels()) {
+    if (kernel == ops::MatmulKernel::portable) continue;
+    ops::set_matmul_kernel(kernel);
     for (const DType wt : {DType::f32, DType::bf16}) {
       for (const Dims& d : kShapes) {
         INFO("path=" << path_now() << " M=" << d.M << " N=" << d.N << " K=" << d.K << " "
@@ -304,18 +304,18 @@ TEST_CASE("a packed weight gives bitwise the bf16 matmul against the weight", "[
       }
     }
   }
-  cpu::set_matmul_kernel(cpu::MatmulKernel::automatic);
+  ops::set_matmul_kernel(ops::MatmulKernel::automatic);
   if (cpu::detail::amx_usable() && cpu::detail::avx512_bf16_usable()) {
     // One layout for both paths: packed while AMX runs, used on AVX512-BF16.
     const Tensor x = random_tensor({9, 70}, DType::f32, 54);
     const Tensor w = random_tensor({33, 70}, DType::f32, 55);
     const ops::PackedWeight packed(w);
-    cpu::set_matmul_kernel(cpu::MatmulKernel::avx512_bf16);
+    ops::set_matmul_kernel(ops::MatmulKernel::avx512_bf16);
     Tensor want = Tensor::empty({9, 33}, DType::f32), got = Tensor::empty({9, 33}, DType::f32);
     ops::matmul(x, w, want);
     ops::matmul(x, packed, got);
     CHECK(bitwise_equal(want, got));
-    cpu::set_matmul_kernel(cpu::MatmulKernel::automatic);
+    ops::set_matmul_kernel(ops::MatmulKernel::automatic);
   }
   // Moved, the packed copy stays valid; with the f32 precision it is refused.
   const Tensor x = random_tensor({3, 40}, DType::f32, 61);

@@ -158,14 +158,21 @@ ForwardComparison compare_with_forward(const model::Weights& w, const std::vecto
 
 TEST_CASE("engine logprobs equal the training forward's logprobs bitwise for a ragged batch",
           "[unit]") {
-  // Also with the bf16 matmul precision (AMX where the CPU has it): decode's few rows and the
-  // packed forward's many still get the same bits.
-  for (const auto precision : {ops::MatmulPrecision::f32, ops::MatmulPrecision::bf16})
+  // Also with the bf16 matmul precision (AMX where the CPU has it, and its AVX512-BF16 path
+  // where it has that too): decode's few rows and the packed forward's many get the same bits.
+  const auto automatic = ops::MatmulKernel::automatic;
+  const auto outer = ops::MatmulBackward::outer;
+  std::vector<ops::MatmulSettings> settings = {{ops::MatmulPrecision::f32, automatic, outer},
+                                               {ops::MatmulPrecision::bf16, automatic, outer}};
+  if (ops::matmul_has_amx() && ops::matmul_has_avx512_bf16())
+    settings.push_back({ops::MatmulPrecision::bf16, ops::MatmulKernel::avx512_bf16, outer});
+  for (const ops::MatmulSettings& setting : settings)
     for (bool qwen3 : {false, true}) {
-      const ops::ScopedMatmulPrecision scope(precision);
+      const ops::ScopedMatmulSettings scope(setting);
       const DType dtype = qwen3 ? DType::bf16 : DType::f32;
       INFO((qwen3 ? "qwen3 bf16" : "llama f32")
-           << " bf16 matmuls: " << (precision == ops::MatmulPrecision::bf16));
+           << " matmuls: " << name_of(ops::kMatmulPrecisionNames, setting.precision) << " "
+           << ops::matmul_bf16_path_name(ops::matmul_bf16_path()));
       const model::ModelConfig c = tiny_config(qwen3);
       model::Weights w(c, dtype);
       fill_random(w, qwen3 ? 900 : 800);

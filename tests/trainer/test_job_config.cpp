@@ -118,6 +118,37 @@ TEST_CASE("job config takes rollout dtype f32 or bf16 and names the line of anot
              Catch::Contains("override 'rollout.dtype=\"f16\"': rollout.dtype: expected one of"));
 }
 
+TEST_CASE("job config chooses the CPU matmul kernels by key and names the line of a bad one",
+          "[unit]") {
+  const JobConfig d = parse_job_config(kMinimal, "job.toml");
+  CHECK(d.placement.cpu_matmul == tandem::ops::MatmulPrecision::f32);
+  CHECK(d.placement.cpu_matmul_kernel == tandem::ops::MatmulKernel::automatic);
+  CHECK(d.placement.cpu_matmul_backward == tandem::ops::MatmulBackward::outer);
+  const JobConfig j = parse_job_config(kMinimal +
+                                           "[placement]\ncpu_matmul = \"bf16\"\n"
+                                           "cpu_matmul_kernel = \"avx512bf16\"\n"
+                                           "cpu_matmul_backward = \"transpose\"\n",
+                                       "job.toml");
+  CHECK(j.placement.cpu_matmul == tandem::ops::MatmulPrecision::bf16);
+  CHECK(j.placement.cpu_matmul_kernel == tandem::ops::MatmulKernel::avx512_bf16);
+  CHECK(j.placement.cpu_matmul_backward == tandem::ops::MatmulBackward::transpose);
+  const std::vector<std::string> portable = {"placement.cpu_matmul_kernel=portable"};
+  CHECK(parse_job_config(kMinimal, "job.toml", portable).placement.cpu_matmul_kernel ==
+        tandem::ops::MatmulKernel::portable);
+  // Printed back under the same names.
+  const std::string printed = to_toml(j);
+  CHECK_THAT(printed, Catch::Contains("cpu_matmul_kernel = \"avx512bf16\""));
+  CHECK_THAT(printed, Catch::Contains("cpu_matmul_backward = \"transpose\""));
+  CHECK_THAT(
+      error_of(kMinimal + "[placement]\ncpu_matmul_kernel = \"amx\"\n"),
+      Catch::Contains("job.toml:7:21: placement.cpu_matmul_kernel: expected one of \"auto\", "
+                      "\"avx512bf16\", \"portable\""));
+  CHECK_THAT(error_of(kMinimal, {"placement.cpu_matmul_backward=inner"}),
+             Catch::Contains("override 'placement.cpu_matmul_backward=inner': "
+                             "placement.cpu_matmul_backward: expected one of \"outer\", "
+                             "\"transpose\""));
+}
+
 TEST_CASE("job config overrides win over the file", "[unit]") {
   const std::string text = kMinimal + "[trainer]\nlr = 3e-6\n[rollout]\nn = 4\n";
   JobConfig j = parse_job_config(
