@@ -528,6 +528,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                "generates and trains whole groups, as many as every other; use a multiple of {} "
                "({})",
                job.rollout.prompts_per_step, world, world, job.where("rollout.prompts_per_step"));
+  check_job_dirs(job);  // before the model's load, which takes a while
   // Read once, here: the rollout's tensor-parallel split is checked against it before anything
   // is written or connected, and the job trains it.
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);

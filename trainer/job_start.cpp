@@ -228,6 +228,22 @@ DirLock::~DirLock() {
 
 DirLock::DirLock(DirLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
 
+void check_job_dirs(const JobConfig& job) {
+  for (const auto& [dir, key] : {std::pair{job.logging.dir, "logging.dir"},
+                                 std::pair{job.checkpoint.dir, "checkpoint.dir"}}) {
+    std::error_code ec;
+    TANDEM_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec),
+                 "{} '{}' is not a directory: set {} to a directory ({})", key, dir, key,
+                 job.where(key));
+    fs::path up = fs::absolute(dir, ec).parent_path();
+    while (!up.empty() && !fs::exists(up, ec) && up != up.parent_path()) up = up.parent_path();
+    TANDEM_CHECK(up.empty() || fs::is_directory(up, ec),
+                 "{} '{}' cannot be created: '{}' is not a directory: set {} to a directory you "
+                 "can write ({})",
+                 key, dir, up.string(), key, job.where(key));
+  }
+}
+
 JobStart start_job(const JobConfig& job) {
   JobStart s;
   const fs::path run = make_dir(job.logging.dir, "logging.dir", job);

@@ -41,6 +41,11 @@ struct JobStart {
 // larger than the memory available.
 JobStart start_job(const JobConfig& job);
 
+// The directory checks of start_job that write nothing, so that a job refuses an unusable
+// logging.dir or checkpoint.dir before it loads the model: a path that is not a directory, or
+// whose nearest existing ancestor is not one, throws naming the key and its origin.
+void check_job_dirs(const JobConfig& job);
+
 // The keys whose values differ between two job configs given as TOML (to_toml's), as lines
 // "key: before -> after" in key order; keys absent on one side show as "(unset)". Keys that may
 // change on resume without changing what is trained do not count: checkpoint.*, logging.*,
