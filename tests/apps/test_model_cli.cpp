@@ -1,15 +1,21 @@
 // tandem generate, score and convert as a user runs them, on the bundled SmolLM2-135M-Instruct
 // and the tiny golden models: their outputs, and their refusals (convert's --out that it did not
-// write, score's lines past the model's context).
+// write, score's lines past the model's context) and score's memory on a long input.
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "tests/testutil.h"
 
@@ -26,6 +32,25 @@ const std::string kSmol = (kRepo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 using Run = tandem::test::CommandResult;
 Run run(const std::string& args, bool merge_stderr = true) {
   return tandem::test::run_tandem(args, merge_stderr);
+}
+
+// A shell command line exec'd in a child (so that the peak resident memory wait4 reports is the
+// command's own, with its children's): its exit status and peak in MiB.
+struct Measured {
+  int status = -1;
+  double peak_mib = 0;
+};
+Measured run_measured(const std::string& cmd) {
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int status = 0;
+  rusage u{};
+  REQUIRE(wait4(pid, &status, 0, &u) == pid);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, static_cast<double>(u.ru_maxrss) / 1024.0};
 }
 
 }  // namespace
@@ -281,4 +306,33 @@ TEST_CASE("tandem score refuses a line longer than the model's context naming fi
   CHECK(r.out.find(in + ":2: 513 tokens") != std::string::npos);
   CHECK(r.out.find("max_position_embeddings") != std::string::npos);
   CHECK(r.out.find("\"line\":1") != std::string::npos);  // the line that fits was scored
+}
+
+// About 20 s on 2 cores (AVX2 or AVX-512); the training forward's plan would ask for 3 GB.
+TEST_CASE("tandem score of a 2000-token input with SmolLM2 runs in memory linear in its length",
+          "[slow]") {
+  REQUIRE(fs::exists(kSmol));
+  const tandem::test::TempDir tmp("cli-score-long");
+  // 1500 prompt and 500 completion tokens: the training forward would keep 1.5 MB of
+  // activations a token (3 GB); score's plan is about 40 KB a token and one chunk of logits.
+  std::vector<int> prompt, completion;
+  for (int i = 0; i < 1500; ++i) prompt.push_back(1000 + (i * 7919) % 40000);
+  for (int i = 0; i < 500; ++i) completion.push_back(1000 + (i * 104729) % 40000);
+  const nlohmann::json line = {{"prompt_ids", prompt}, {"completion_ids", completion}};
+  const std::string in = tmp.write("long.jsonl", line.dump() + "\n");
+  const std::string out = tmp.file("out.jsonl");
+  const Measured m =
+      run_measured("timeout -k 5 1200 " + std::string(TANDEM_BIN_DIR) + "/tandem score --model " +
+                   kSmol + " --input " + in + " > " + out + " 2> " + tmp.file("err.txt"));
+  std::ifstream f(out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  INFO(ss.str().substr(0, 2000));
+  INFO("peak resident memory " << m.peak_mib << " MiB");
+  REQUIRE(m.status == 0);
+  const auto j = nlohmann::json::parse(ss.str());
+  REQUIRE(j["logprobs"].size() == completion.size());
+  for (const auto& v : j["logprobs"]) CHECK(std::isfinite(v.get<double>()));
+  // The f32 weights (540 MB) and tokenizer, 77 MB of activations, 51 MB of a chunk's logits.
+  CHECK(m.peak_mib < 1536);
 }
