@@ -257,6 +257,15 @@ void check_logprob_call(const PackedBatch& batch, int64_t V, float temperature,
     check_output(entropy_out, {T}, device, fmt::format("{}'s entropy_out", op).c_str());
 }
 
+// The targets of the rows that go through the head (PackedBatch::head_rows), in their order.
+std::vector<int32_t> head_targets(const PackedBatch& batch) {
+  std::vector<int32_t> targets;
+  targets.reserve(batch.head_rows.size());
+  for (const int32_t row : batch.head_rows)
+    targets.push_back(batch.targets[static_cast<size_t>(row)]);
+  return targets;
+}
+
 void check_not_tensor_parallel(const Communicator* tp, const char* what) {
   TANDEM_CHECK(tp == nullptr,
                "decoder {}: a tensor-parallel decoder (DecoderOptions::tp_group) serves prefill "
@@ -313,17 +322,24 @@ struct Decoder::Impl {
     return bufs;
   }
 
-  // Uploads a packed batch's ids (bufs from begin in the logits or scoring mode) and runs the
-  // embedding and the layers through two residual buffers, keeping one layer's activations;
-  // returns the last layer's output (T, C).
-  Tensor run_layers(const Weights& w, const PackedBatch& batch) {
+  // Uploads a packed batch's ids, positions, sequences and prefix into bufs (after begin); the
+  // layers' attention inputs over them.
+  AttentionInputs upload_batch(const PackedBatch& batch) {
     Buffers& b = bufs;
     upload(b.tokens, batch.tokens);
     upload(b.positions, batch.positions);
     upload(b.cu_seqlens, batch.cu_seqlens);
     b.prefix = upload_prefix(b.prefix, batch);
     if (b.ones.defined()) fill_ones(b.ones, ones_host);
-    const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
+    return {b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
+  }
+
+  // Uploads the batch (bufs from begin in the logits or scoring mode) and runs the embedding and
+  // the layers through two residual buffers, keeping one layer's activations; returns the last
+  // layer's output (T, C).
+  Tensor run_layers(const Weights& w, const PackedBatch& batch) {
+    Buffers& b = bufs;
+    const AttentionInputs in = upload_batch(batch);
     ops::embedding(b.tokens, w.embed, b.resid[0], net.stream());
     const int64_t L = w.config().num_layers;
     for (int64_t l = 0; l < L; ++l)
@@ -442,13 +458,8 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
 
   Impl& m = *impl_;
   Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
-  upload(b.tokens, batch.tokens);
-  upload(b.positions, batch.positions);
-  upload(b.cu_seqlens, batch.cu_seqlens);
+  const AttentionInputs in = m.upload_batch(batch);
   upload(b.targets, batch.targets);
-  b.prefix = upload_prefix(b.prefix, batch);
-  if (b.ones.defined()) fill_ones(b.ones, m.ones_host);
-  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   const Stream& s = m.net.stream();
   ops::embedding(b.tokens, weights_->embed, b.resid[0], s);
   for (int64_t l = 0; l < L; ++l) {
@@ -465,13 +476,9 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
     // Only the selected rows: gathered (the embedding op is a row gather on any device), through
     // the head, and their logprob and entropy scattered back over zeros.
     const int64_t R = b.head_rows = static_cast<int64_t>(batch.head_rows.size());
-    std::vector<int32_t> targets(static_cast<size_t>(R));
-    for (int64_t r = 0; r < R; ++r)
-      targets[static_cast<size_t>(r)] =
-          batch.targets[static_cast<size_t>(batch.head_rows[static_cast<size_t>(r)])];
     const Tensor ids = b.head_ids.narrow(0, R), tg = b.targets.narrow(0, R);
     upload(ids, batch.head_rows);
-    upload(tg, targets);
+    upload(tg, head_targets(batch));
     const Tensor hs = b.head_in.narrow(0, R), xf = b.xf.narrow(0, R), rf = b.rstdf.narrow(0, R);
     const Tensor logits = b.logits.narrow(0, R), lse = b.lse.narrow(0, R);
     ops::embedding(ids, h, hs, s);
@@ -522,11 +529,7 @@ void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const T
   } else {
     // The selected rows (head_ids) and their targets, compact; the others' outputs are 0, as
     // forward's.
-    std::vector<int32_t> targets(static_cast<size_t>(R));
-    for (int64_t r = 0; r < R; ++r)
-      targets[static_cast<size_t>(r)] =
-          batch.targets[static_cast<size_t>(batch.head_rows[static_cast<size_t>(r)])];
-    upload(b.targets.narrow(0, R), targets);
+    upload(b.targets.narrow(0, R), head_targets(batch));
     upload(b.head_ids.narrow(0, R), batch.head_rows);
     Tensor(logprob_out).zero();
     if (entropy_out.defined()) Tensor(entropy_out).zero();

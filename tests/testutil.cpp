@@ -292,12 +292,15 @@ std::vector<RankResult> run_ranks(int n, const std::function<std::string(int)>& 
   for (int r = 0; r < n; ++r) {
     RankResult& rr = results[static_cast<size_t>(r)];
     statuses >> rr.status;
-    std::ifstream f(dir.file(std::to_string(r)));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    rr.out = ss.str();
+    rr.out = read_text(dir.file(std::to_string(r)));
   }
   return results;
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::stringstream ss;
+  ss << std::ifstream(path).rdbuf();
+  return ss.str();
 }
 
 std::string torchrun_env(int r, int n, int port) {

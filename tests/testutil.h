@@ -59,6 +59,9 @@ void skip_without_gpu();
 // (independent of the tokenizer's own table): the UTF-8 text of byte b's character.
 std::string gpt2_byte_char(int b);
 
+// The whole file at `path` as bytes ("" when it cannot be read).
+std::string read_text(const std::filesystem::path& path);
+
 // A fresh directory under the system temp dir (named after the test and the process), removed
 // with everything in it when the object goes.
 struct TempDir {

@@ -77,7 +77,7 @@ void gather_block_portable(const T* const* krows, int64_t kstride, const T* cons
 // the portable gather.
 void gather_block(const float* const* krows, const float* const* vrows, int n, int64_t D, float* kt,
                   float* vb, const float** vr) {
-  if (D % kBlk != 0 || !g_simd_enabled || !cpu_has_avx512())
+  if (D % kBlk != 0 || attention_isa() != AttentionIsa::avx512)
     return gather_block_portable(krows, 1, vrows, n, D, kt, vb, vr);
   transpose_rows_avx512(krows, n, D, kt);
   for (int j = 0; j < n; ++j) vr[j] = vrows[j];

@@ -45,12 +45,6 @@ const std::regex kFinalLine(
     R"(held-out pass@1 [0-9.]+ \[[0-9.]+, [0-9.]+\] -> [0-9.]+ \[[0-9.]+, [0-9.]+\] )"
     R"(\(95% intervals, [0-9]+ prompts\))");
 
-std::string read_file(const fs::path& path) {
-  std::stringstream text;
-  text << std::ifstream(path).rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 TEST_CASE("the demo claim parser reads the per-family rows of the demo block only", "[unit]") {
@@ -73,7 +67,7 @@ TEST_CASE("the demo with seed 1 ends with the held-out pass at 1 the README clai
           "[slow]") {
   const fs::path repo = TANDEM_SOURCE_DIR;
   REQUIRE(fs::exists(repo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"));
-  const std::string readme = read_file(repo / "README.md");
+  const std::string readme = tandem::test::read_text(repo / "README.md");
   REQUIRE(readme.find("<!-- demo-table:begin -->") != std::string::npos);
   const std::string block = demo_block(readme);
   INFO("README.md's demo block (scripts/demo-table --update-readme writes it):\n" << block);

@@ -6,8 +6,9 @@
 #include <fstream>
 #include <map>
 #include <regex>
-#include <sstream>
 #include <string>
+
+#include "tests/testutil.h"
 
 namespace fs = std::filesystem;
 
@@ -15,16 +16,9 @@ namespace {
 
 const fs::path kRepo = TANDEM_SOURCE_DIR;
 
-std::string read(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // The section "## Environment variables" of docs/config.md, up to the next section.
 std::string environment_section() {
-  const std::string doc = read(kRepo / "docs/config.md");
+  const std::string doc = tandem::test::read_text(kRepo / "docs/config.md");
   const size_t begin = doc.find("## Environment variables\n");
   REQUIRE(begin != std::string::npos);
   const size_t end = doc.find("\n## ", begin + 1);

@@ -324,13 +324,11 @@ TEST_CASE("tandem score of a 2000-token input with SmolLM2 runs in memory linear
   const Measured m =
       run_measured("timeout -k 5 1200 " + std::string(TANDEM_BIN_DIR) + "/tandem score --model " +
                    kSmol + " --input " + in + " > " + out + " 2> " + tmp.file("err.txt"));
-  std::ifstream f(out);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  INFO(ss.str().substr(0, 2000));
+  const std::string text = tandem::test::read_text(out);
+  INFO(text.substr(0, 2000));
   INFO("peak resident memory " << m.peak_mib << " MiB");
   REQUIRE(m.status == 0);
-  const auto j = nlohmann::json::parse(ss.str());
+  const auto j = nlohmann::json::parse(text);
   REQUIRE(j["logprobs"].size() == completion.size());
   for (const auto& v : j["logprobs"]) CHECK(std::isfinite(v.get<double>()));
   // The f32 weights (540 MB) and tokenizer, 77 MB of activations, 51 MB of a chunk's logits.

@@ -11,24 +11,16 @@
 
 namespace fs = std::filesystem;
 
-namespace {
-
-std::string read(const std::string& path) {
-  std::stringstream ss;
-  ss << std::ifstream(path).rdbuf();
-  return ss.str();
-}
-
-}  // namespace
+namespace {}  // namespace
 
 TEST_CASE("write_file_atomically replaces a file whole and removes its temporary on failure",
           "[unit]") {
   const tandem::test::TempDir tmp("atomic-file");
   const std::string path = tmp.file("a.txt");
   tandem::write_file_atomically(path, "first", "do something");
-  CHECK(read(path) == "first");
+  CHECK(tandem::test::read_text(path) == "first");
   tandem::write_file_atomically(path, "second, longer", "do something");
-  CHECK(read(path) == "second, longer");
+  CHECK(tandem::test::read_text(path) == "second, longer");
   CHECK(!fs::exists(path + ".tmp"));
 
   // The rename fails: the target is a directory that holds a file.
@@ -38,7 +30,7 @@ TEST_CASE("write_file_atomically replaces a file whole and removes its temporary
   CHECK_THROWS_WITH(tandem::write_file_atomically(dir, "text", "free space"),
                     Catch::Contains(dir + ": write failed") && Catch::Contains("free space"));
   CHECK(!fs::exists(dir + ".tmp"));
-  CHECK(read(tmp.file("d/x")) == "x");
+  CHECK(tandem::test::read_text(tmp.file("d/x")) == "x");
 
   // The write fails: the temporary file is a link to /dev/full (no space left on device).
   if (fs::exists("/dev/full")) {
@@ -46,6 +38,6 @@ TEST_CASE("write_file_atomically replaces a file whole and removes its temporary
     CHECK_THROWS_WITH(tandem::write_file_atomically(path, "third", "free space"),
                       Catch::Contains("No space left on device"));
     CHECK(!fs::exists(fs::symlink_status(path + ".tmp")));
-    CHECK(read(path) == "second, longer");
+    CHECK(tandem::test::read_text(path) == "second, longer");
   }
 }

@@ -9,15 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "tests/testutil.h"
+
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string read_file(const fs::path& path) {
-  std::stringstream text;
-  text << std::ifstream(path).rdbuf();
-  return text.str();
-}
 
 // The markdown heading lines of `text` (outside ``` fences).
 std::vector<std::string> headings(const std::string& text) {
@@ -59,7 +55,7 @@ std::string anchor_of(const std::string& heading) {
 // The relative links of a markdown file that do not resolve: "target (why)".
 std::vector<std::string> broken_links(const fs::path& file) {
   static const std::regex link(R"(\]\(([^)\s]+)\))");
-  const std::string text = read_file(file);
+  const std::string text = tandem::test::read_text(file);
   std::vector<std::string> broken;
   for (auto it = std::sregex_iterator(text.begin(), text.end(), link); it != std::sregex_iterator();
        ++it) {
@@ -75,7 +71,8 @@ std::vector<std::string> broken_links(const fs::path& file) {
     if (hash == std::string::npos) continue;
     const std::string anchor = target.substr(hash + 1);
     bool found = false;
-    for (const std::string& h : headings(read_file(resolved))) found |= anchor_of(h) == anchor;
+    for (const std::string& h : headings(tandem::test::read_text(resolved)))
+      found |= anchor_of(h) == anchor;
     if (!found) broken.push_back(target + " (no such heading)");
   }
   return broken;
@@ -100,7 +97,7 @@ TEST_CASE("no page of docs outside docs/bench has dated lab diary headings", "[u
     if (entry.path().extension() != ".md") continue;
     ++pages;
     INFO(entry.path().string() << ": move dated sections to docs/bench/log.md");
-    CHECK(dated_headings(read_file(entry.path())) == std::vector<std::string>{});
+    CHECK(dated_headings(tandem::test::read_text(entry.path())) == std::vector<std::string>{});
   }
   CHECK(pages > 10);
 }
