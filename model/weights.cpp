@@ -36,17 +36,74 @@ Weights::Weights(const ModelConfig& config, DType dtype, Device device, ArenaCla
   size_t bytes = 0;
   for (const Shape& s : plan) bytes += padded_bytes(s, dtype);
   arena_ = std::make_unique<Arena>(cls, device, bytes);
+  build([&](const Shape& shape) { return arena_->alloc(shape, dtype); });
+}
 
+Weights::Weights(const ModelConfig& config, DType dtype, Device device, Unbound)
+    : config_(config), dtype_(dtype), device_(device) {
+  config_.validate();
+  build([](const Shape&) { return Tensor(); });
+}
+
+std::unique_ptr<Weights> Weights::unbound(const ModelConfig& config, DType dtype, Device device) {
+  return std::unique_ptr<Weights>(new Weights(config, dtype, device, Unbound{}));
+}
+
+void Weights::bind(size_t first, size_t end, const Tensor& flat) {
+  TANDEM_CHECK(!arena_ && first <= end && end <= storage_.size(),
+               "weights: bind() of storage tensors [{}, {}) needs an unbound table of {} tensors",
+               first, end, storage_.size());
+  int64_t need = 0;
+  for (size_t i = first; i < end; ++i) need += shapes_[i].numel();
+  TANDEM_CHECK(
+      flat.defined() && flat.dtype() == dtype_ && flat.device() == device_ && flat.numel() >= need,
+      "weights: bind() needs {} contiguous {} elements on {}, got {}", need, dtype_, device_.str(),
+      flat.defined() ? flat.str() : std::string("an undefined tensor"));
+  const Tensor whole = flat.view({flat.numel()});
+  int64_t at = 0;
+  for (size_t i = first; i < end; ++i) {
+    storage_[i].tensor = whole.narrow(at, shapes_[i].numel()).view(shapes_[i]);
+    at += shapes_[i].numel();
+  }
+  rebuild_views();
+}
+
+void Weights::unbind(size_t first, size_t end) {
+  TANDEM_CHECK(!arena_ && first <= end && end <= storage_.size(),
+               "weights: unbind() of storage tensors [{}, {}) needs an unbound table", first, end);
+  for (size_t i = first; i < end; ++i) storage_[i].tensor = Tensor();
+  rebuild_views();
+}
+
+void Weights::rebuild_views() {
+  size_t next = 0;
+  build([&](const Shape&) { return storage_[next++].tensor; });
+}
+
+template <class Alloc>
+void Weights::build(Alloc&& alloc) {
+  const ModelConfig& config = config_;
+  const int64_t V = config.vocab_size, C = config.hidden_size, F = config.intermediate_size;
+  const int64_t D = config.head_dim, H = config.num_heads, Hkv = config.num_kv_heads;
+  const int64_t QKV = (H + 2 * Hkv) * D;
+  std::vector<NamedTensor> storage;
+  named_.clear();
+  index_.clear();
+  shapes_.clear();
   auto add_storage = [&](std::string name, const Shape& shape) {
-    Tensor t = arena_->alloc(shape, dtype);
-    storage_.push_back({std::move(name), t});
+    Tensor t = alloc(shape);
+    storage.push_back({std::move(name), t});
+    shapes_.push_back(shape);
     return t;
   };
   auto add_named = [&](std::string name, const Tensor& t) {
     index_.emplace(name, named_.size());
     named_.push_back({std::move(name), t});
   };
-
+  // A view of a bound tensor (unbound: undefined).
+  auto narrow = [](const Tensor& t, int64_t start, int64_t len) {
+    return t.defined() ? t.narrow(start, len) : Tensor();
+  };
   embed = add_storage("model.embed_tokens.weight", {V, C});
   add_named("model.embed_tokens.weight", embed);
   layers.resize(static_cast<size_t>(config.num_layers));
@@ -55,14 +112,14 @@ Weights::Weights(const ModelConfig& config, DType dtype, Device device, ArenaCla
     const std::string p = hf_layer_prefix(l);
     w.input_norm = add_storage(p + "input_layernorm.weight", {C});
     w.qkv = add_storage(p + "self_attn.qkv_proj.weight", {QKV, C});
-    w.q = w.qkv.narrow(0, H * D);
-    w.k = w.qkv.narrow(H * D, Hkv * D);
-    w.v = w.qkv.narrow((H + Hkv) * D, Hkv * D);
+    w.q = narrow(w.qkv, 0, H * D);
+    w.k = narrow(w.qkv, H * D, Hkv * D);
+    w.v = narrow(w.qkv, (H + Hkv) * D, Hkv * D);
     if (config.attention_bias) {
       w.qkv_bias = add_storage(p + "self_attn.qkv_proj.bias", {QKV});
-      w.q_bias = w.qkv_bias.narrow(0, H * D);
-      w.k_bias = w.qkv_bias.narrow(H * D, Hkv * D);
-      w.v_bias = w.qkv_bias.narrow((H + Hkv) * D, Hkv * D);
+      w.q_bias = narrow(w.qkv_bias, 0, H * D);
+      w.k_bias = narrow(w.qkv_bias, H * D, Hkv * D);
+      w.v_bias = narrow(w.qkv_bias, (H + Hkv) * D, Hkv * D);
     }
     if (config.qk_norm) {
       w.q_norm = add_storage(p + "self_attn.q_norm.weight", {D});
@@ -71,8 +128,8 @@ Weights::Weights(const ModelConfig& config, DType dtype, Device device, ArenaCla
     w.o = add_storage(p + "self_attn.o_proj.weight", {C, H * D});
     w.post_norm = add_storage(p + "post_attention_layernorm.weight", {C});
     w.gate_up = add_storage(p + "mlp.gate_up_proj.weight", {2 * F, C});
-    w.gate = w.gate_up.narrow(0, F);
-    w.up = w.gate_up.narrow(F, F);
+    w.gate = narrow(w.gate_up, 0, F);
+    w.up = narrow(w.gate_up, F, F);
     w.down = add_storage(p + "mlp.down_proj.weight", {C, F});
 
     // HF state-dict order within a layer.
@@ -101,6 +158,7 @@ Weights::Weights(const ModelConfig& config, DType dtype, Device device, ArenaCla
     lm_head = add_storage("lm_head.weight", {V, C});
     add_named("lm_head.weight", lm_head);
   }
+  storage_ = std::move(storage);
 }
 
 const Tensor* Weights::find(std::string_view name) const {

@@ -45,6 +45,10 @@ class Weights {
   // Allocates (uninitialised) every parameter the config describes, in dtype f32/bf16/f16.
   Weights(const ModelConfig& config, DType dtype, Device device = Device::cpu(),
           ArenaClass cls = ArenaClass::parameters);
+  // A table without memory: every tensor undefined until bind() points a range of storage tensors
+  // at memory the caller holds (a sharded trainer's gathered unit or gradient bucket).
+  static std::unique_ptr<Weights> unbound(const ModelConfig& config, DType dtype,
+                                          Device device = Device::cpu());
   Weights(const Weights&) = delete;
   Weights& operator=(const Weights&) = delete;
 
@@ -68,6 +72,14 @@ class Weights {
   // what an optimizer or a copy walks.
   std::span<const NamedTensor> storage() const { return storage_; }
 
+  // The shape of storage tensor i, bound or not.
+  const Shape& storage_shape(size_t i) const { return shapes_[i]; }
+  // Points storage tensors [first, end) at `flat` (contiguous, this dtype and device, at least
+  // their elements one after the other), and every view of them; unbind() leaves them undefined.
+  // An unbound table only.
+  void bind(size_t first, size_t end, const Tensor& flat);
+  void unbind(size_t first, size_t end);
+
   void zero();
   // Copies every tensor from other (same config; dtypes may differ: cast).
   void copy_from(const Weights& other);
@@ -75,6 +87,13 @@ class Weights {
   int64_t num_parameters() const;
 
  private:
+  struct Unbound {};
+  Weights(const ModelConfig& config, DType dtype, Device device, Unbound);
+  // Builds the storage tensors (alloc(shape) for each, in storage order) and every view.
+  template <class Alloc>
+  void build(Alloc&& alloc);
+  void rebuild_views();
+
   ModelConfig config_;
   DType dtype_;
   Device device_;
@@ -82,6 +101,7 @@ class Weights {
   std::vector<NamedTensor> named_;
   std::vector<NamedTensor> storage_;
   std::unordered_map<std::string, size_t> index_;
+  std::vector<Shape> shapes_;  // of storage_
 };
 
 }  // namespace tandem::model
