@@ -68,6 +68,23 @@ struct PackedBatch {
                             bool share_prompts);
 };
 
+// A trainer whose weights or gradients are sharded over ranks (trainer::ShardedAdamW) makes them
+// whole one unit at a time (model::ShardLayout's units: the embedding 0, layer l at 1 + l, the
+// head last). A decoder given hooks (training forward and backward only) calls acquire(u) before
+// it reads unit u's weights and release(u) when done with them (the head: acquire(head), then the
+// embedding's when tied, released in the reverse order), and in backward begin_gradients(u)
+// before it adds to unit u's gradients and end_gradients(u) once it has added all of them (the
+// tied embedding's span the whole backward). Forward: E, layers 0..L-1, head; backward: head,
+// layers L-1..0, E (gradients only).
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void acquire(size_t unit) = 0;
+  virtual void release(size_t unit) = 0;
+  virtual void begin_gradients(size_t unit) = 0;
+  virtual void end_gradients(size_t unit) = 0;
+};
+
 struct DecoderOptions {
   int64_t max_tokens = 4096;  // T the activation arena is planned for up front
   // Keep only each layer's input for backward and recompute the layer's internals there
@@ -89,6 +106,8 @@ struct DecoderOptions {
   // Each rank returns the logits of its vocabulary rows, (B, V/tp): the sampler works on the
   // shards (model/tp_sample.h). Null: the whole model on one rank, no collective.
   Communicator* tp_group = nullptr;
+  // Sharded training (forward and backward only): see UnitHooks. Null: whole weights.
+  UnitHooks* unit_hooks = nullptr;
 };
 
 // The paged KV cache of one step, in kernels/ops.h's conventions (FlashInfer's CSR layout).

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "model/decoder.h"
+#include "model/shard_layout.h"
 #include "model/weights.h"
 
 namespace tandem::trainer {
@@ -45,7 +47,64 @@ struct AdamWCounters {
   int64_t consecutive_skips = 0;  // non-finite steps skipped since the last update
 };
 
-class AdamW {
+// How much of the training state ShardedAdamW splits over the ranks (trainer.shard):
+//   optimizer: the AdamW moments (ZeRO-1); every rank keeps whole f32 weights and gradients, the
+//     gradients are reduce-scattered after the backward pass, the updated ranges all-gathered;
+//   gradients: and the gradients (ZeRO-2): each unit's gradients are reduce-scattered as the
+//     backward pass finishes it, so a rank holds its range plus the units in flight;
+//   parameters: and the f32 master weights (ZeRO-3, FSDP): a unit's weights are all-gathered
+//     before the decoder uses it (the next unit's gather prefetched) and freed after.
+enum class ShardLevel { optimizer, gradients, parameters };
+const char* shard_level_name(ShardLevel level);
+
+struct ShardOptions {
+  ShardLevel level = ShardLevel::optimizer;
+  // Collectives on a communication thread of their own, running while the decoder computes;
+  // false: each one waited for as it is issued (every second of it exposed).
+  bool overlap = true;
+  // A collective carries at most this many bytes of f32 (a unit's larger ones go in pieces).
+  int64_t bucket_bytes = int64_t{32} << 20;
+  // The gradients summed in 2^-kFixedBits fixed point (TrainStepConfig::deterministic).
+  bool deterministic = false;
+};
+
+// Communication of a ShardedAdamW since the last take_comm_stats(): time its collectives ran
+// (comm_s) and the part the training thread waited for them (exposed_s).
+struct CommStats {
+  double comm_s = 0, exposed_s = 0;
+  int64_t collectives = 0;
+};
+
+// The optimizer a PolicyTrainer drives, chosen once at start: AdamW (one rank, the whole state,
+// any device) or ShardedAdamW (any number of ranks, a ShardLevel, the CPU). One optimizer step's
+// gradients flow through it: begin_step() zeroes them; each micro-batch's backward accumulates
+// into gradients() (the decoder calling unit_hooks() as it goes) and end_micro_batch() follows;
+// step() applies the update. The decoders compute with compute_weights() and unit_hooks().
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual const model::Weights& compute_weights() = 0;
+  // Null when the decoder needs none (the weights and gradients are whole).
+  virtual model::UnitHooks* unit_hooks() = 0;
+  // Before a decoder pass (a forward, and a backward when `backward`) on compute_weights().
+  virtual void begin_pass(bool backward) = 0;
+  // A pass this rank has no micro-batch for while others do: its part of their collectives.
+  virtual void idle_pass(bool backward) = 0;
+  // Whether ranks must run the same number of passes (idle_pass for the ones they lack).
+  virtual bool lockstep(bool backward) const = 0;
+  virtual void begin_step() = 0;
+  virtual model::Weights& gradients() = 0;
+  virtual void end_micro_batch() = 0;
+  virtual StepResult step(float lr) = 0;
+  virtual Communicator* comm() = 0;  // null: one rank
+  virtual const AdamWCounters& counters() const = 0;
+  virtual void set_counters(const AdamWCounters& c) = 0;
+  // Bytes of this rank's optimizer state (moments, and gradient ranges for sharded ones).
+  virtual int64_t state_bytes() const = 0;
+  virtual CommStats take_comm_stats() { return {}; }
+};
+
+class AdamW final : public Optimizer {
  public:
   // params: the f32 master weights (the trainer's Weights, ArenaClass::parameters), updated in
   // place by step(); it must outlive the optimizer. m and v are allocated zeroed, same layout,
@@ -60,6 +119,19 @@ class AdamW {
   // parameters in the same pass. A NaN/Inf norm skips the step and counts it; the
   // max_consecutive_skips-th skip in a row throws tandem::Error.
   StepResult step(const model::Weights& grads, float lr, model::Weights* param_copy = nullptr);
+
+  // Optimizer: whole weights and gradients (the gradients allocated by the first begin_step()).
+  const model::Weights& compute_weights() override { return params_; }
+  model::UnitHooks* unit_hooks() override { return nullptr; }
+  void begin_pass(bool) override {}
+  void idle_pass(bool) override {}
+  bool lockstep(bool) const override { return false; }
+  void begin_step() override;
+  model::Weights& gradients() override;
+  void end_micro_batch() override {}
+  StepResult step(float lr) override { return step(gradients(), lr); }
+  Communicator* comm() override { return nullptr; }
+  int64_t state_bytes() const override;
 
   // sqrt of the sum of squares over every storage tensor of grads. On the CPU in blocks of
   // ShardedAdamW::kNormBlock of the flattened gradients, as ShardedAdamW sums it, so that the
@@ -77,8 +149,8 @@ class AdamW {
   const model::Weights& m() const { return *m_; }
   model::Weights& v() { return *v_; }  // second moments
   const model::Weights& v() const { return *v_; }
-  const AdamWCounters& counters() const { return counters_; }
-  void set_counters(const AdamWCounters& c) { counters_ = c; }
+  const AdamWCounters& counters() const override { return counters_; }
+  void set_counters(const AdamWCounters& c) override { counters_ = c; }
   int64_t step_count() const { return counters_.step; }
 
  private:
@@ -86,7 +158,7 @@ class AdamW {
 
   model::Weights& params_;
   AdamWConfig config_;
-  std::unique_ptr<model::Weights> m_, v_;
+  std::unique_ptr<model::Weights> m_, v_, grads_;
   std::vector<bool> decay_;  // per storage tensor
   AdamWCounters counters_;
 };
@@ -97,73 +169,70 @@ std::vector<double> gather_doubles(Communicator& comm, std::span<const double> m
 
 inline constexpr int64_t kFixedInvalid = INT64_MIN;
 
-// AdamW sharded over the ranks of `comm` (ZeRO-1/2). The parameters' elements in storage order
-// (each storage tensor flattened, one after the other: P in all) are split into even ranges,
-// rank r owning [r S, min((r + 1) S, P)) with S = ceil(P / (N B)) B, B = kNormBlock: the f32
-// moments of that range only, and the gradients summed over the ranks into it (reduce-scatter). The
-// update of the range follows (weight decay decided per storage tensor, a range may cross tensors),
-// then every rank's range is all-gathered into every rank's full parameters. Clipping and the
-// non-finite skip use the global norm, the same on every rank (and AdamW's on the same gradients,
-// bitwise: it is summed in blocks of B). Collectives go through a staging buffer of N *
-// kStageElements floats.
-class ShardedAdamW {
+// ShardedAdamW: AdamW sharded over the ranks of `comm` at a ShardLevel, over model::ShardLayout's
+// units (every rank owns whole norm blocks of every unit). Clipping and the non-finite skip use
+// the global norm, the same bits on every rank, at every level and on any number of ranks (and
+// AdamW's on the same gradients: it sums the same blocks). With ShardOptions::deterministic the
+// gradients are summed in fixed point, so the update has the same bits on any number of ranks.
+class ShardedAdamW final : public Optimizer {
  public:
-  static constexpr int64_t kStageElements = int64_t{1} << 20;
-  static constexpr int kFixedBits = 40;        // step_fixed: gradients in units of 2^-40
-  static constexpr int64_t kNormBlock = 4096;  // elements per partial sum of the global norm
-  // comm: null for one rank (the deterministic update's optimizer on one rank).
-  ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config = {});
+  static constexpr int kFixedBits = 40;  // gradients in units of 2^-40
+  static constexpr int64_t kNormBlock = model::ShardLayout::kBlock;
+  // params: the whole f32 master weights on the CPU, as loaded. At ShardLevel::parameters the
+  // optimizer copies this rank's pieces out of them at construction; the caller may then free
+  // them (params() is not valid any more). comm: null for one rank.
+  ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config = {},
+               const ShardOptions& options = {});
+  ~ShardedAdamW() override;
   ShardedAdamW(const ShardedAdamW&) = delete;
   ShardedAdamW& operator=(const ShardedAdamW&) = delete;
 
-  // One update with this rank's gradients (f32, same model, read only; summed over the ranks
-  // here). Collective: every rank calls it with its gradients.
+  // Optimizer.
+  const model::Weights& compute_weights() override;
+  model::UnitHooks* unit_hooks() override;
+  void begin_pass(bool backward) override;
+  void idle_pass(bool backward) override;
+  bool lockstep(bool backward) const override;
+  void begin_step() override;
+  model::Weights& gradients() override;
+  void end_micro_batch() override;
+  StepResult step(float lr) override;
+  Communicator* comm() override { return comm_; }
+  const AdamWCounters& counters() const override { return counters_; }
+  void set_counters(const AdamWCounters& c) override { counters_ = c; }
+  int64_t state_bytes() const override;
+  CommStats take_comm_stats() override;
+
+  // Level optimizer, for tests: one update with this rank's whole gradients (f32), or with them
+  // in fixed point (P values in storage order, units of 2^-kFixedBits; kFixedInvalid where not
+  // finite). Collective.
   StepResult step(const model::Weights& grads, float lr);
-  // The same with this rank's gradients in fixed point (P values, storage order, units of
-  // 2^-kFixedBits; kFixedInvalid where not finite): summed exactly over the ranks, the norm summed
-  // in blocks of kNormBlock elements in block order (ranges are whole blocks), so that the update
-  // is the same bitwise whatever the number of ranks.
   StepResult step_fixed(std::span<const int64_t> fixed, float lr);
 
-  int64_t begin() const { return begin_; }  // this rank's range of the flat parameters
-  int64_t end() const { return end_; }
-  int64_t total() const { return total_; }  // P
-  // Bytes of this rank's optimizer state: moments and the gradient range (f32).
-  int64_t state_bytes() const { return 3 * 4 * (end_ - begin_); }
-  const Tensor& m() const { return m_; }  // (end - begin) first moments of the range
-  const Tensor& v() const { return v_; }
-  Tensor& m() { return m_; }
-  Tensor& v() { return v_; }
-  const AdamWConfig& config() const { return config_; }
-  model::Weights& params() { return params_; }
-  const AdamWCounters& counters() const { return counters_; }
-  void set_counters(const AdamWCounters& c) { counters_ = c; }
+  const model::ShardLayout& layout() const;
+  const ShardOptions& options() const;
+  const AdamWConfig& config() const;
+  int64_t total() const;  // P
+  // This rank's pieces (model::ShardLayout's local buffer: local_size() f32, unit u's piece at
+  // units()[u].local, past its real elements zeros): the moments, and at ShardLevel::parameters
+  // the f32 master weights.
+  const Tensor& m() const;
+  const Tensor& v() const;
+  Tensor& m();
+  Tensor& v();
+  Tensor& local_params();  // undefined below ShardLevel::parameters
+  // The whole f32 master weights below ShardLevel::parameters (every rank's, the same after each
+  // step); throws at ShardLevel::parameters.
+  model::Weights& params();
+  // ShardLevel::parameters: unit u's f32 master weights (its flat elements) into out on every
+  // rank. Collective.
+  void gather_unit(size_t unit, const Tensor& out);
   int64_t step_count() const { return counters_.step; }
-  Communicator* comm() { return comm_; }
 
  private:
-  // Calls fn(tensor index, offset in the tensor, offset in [lo, hi), length) for each piece of
-  // the flat range [lo, hi) that lies in one storage tensor.
-  template <class Fn>
-  void for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const;
-
-  // The global norm of the summed gradients (this rank's range in grad_): the f64 sums of squares
-  // of every rank's blocks of kNormBlock, gathered and added in block order (NaN when this rank
-  // saw a non-finite value: not `finite`), the same bits as AdamW::grad_norm of those gradients.
-  // Collective.
-  float global_norm(bool finite) const;
-  // The update of the range from grad_ under the global norm, then the ranges all-gathered.
-  StepResult update(float norm, float lr);
-
-  model::Weights& params_;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
   Communicator* comm_;
-  AdamWConfig config_;
-  int rank_ = 0, world_ = 1;
-  int64_t total_ = 0, shard_ = 0, begin_ = 0, end_ = 0;
-  std::vector<int64_t> starts_;  // flat offset of each storage tensor, then total_
-  std::vector<bool> decay_;      // per storage tensor
-  Tensor m_, v_, grad_;          // (shard_) each; the tail past end_ stays zero
-  Tensor stage_;                 // (N * kStageElements)
   AdamWCounters counters_;
 };
 
