@@ -280,6 +280,48 @@ Tensor upload_prefix(Tensor buf, const PackedBatch& batch) {
   return buf;
 }
 
+// The calls of DecoderOptions::unit_hooks (none without hooks), in UnitHooks' order.
+class UnitCalls {
+ public:
+  UnitCalls(UnitHooks* hooks, int64_t layers, bool tied)
+      : hooks_(hooks), layers_(layers), tied_(tied) {}
+  size_t layer(int64_t l) const { return static_cast<size_t>(l) + 1; }
+  size_t head() const { return static_cast<size_t>(layers_) + 1; }
+  void acquire(size_t u) const {
+    if (hooks_) hooks_->acquire(u);
+  }
+  void release(size_t u) const {
+    if (hooks_) hooks_->release(u);
+  }
+  // The head reads the final norm and lm_head: the embedding's weights when tied.
+  void acquire_head() const {
+    acquire(head());
+    if (tied_) acquire(0);
+  }
+  void release_head() const {
+    if (tied_) release(0);
+    release(head());
+  }
+  void begin_gradients(size_t u) const {
+    if (hooks_) hooks_->begin_gradients(u);
+  }
+  void end_gradients(size_t u) const {
+    if (hooks_) hooks_->end_gradients(u);
+  }
+
+ private:
+  UnitHooks* hooks_;
+  int64_t layers_;
+  bool tied_;
+};
+
+void check_no_unit_hooks(const UnitHooks* hooks, const char* what) {
+  TANDEM_CHECK(hooks == nullptr,
+               "decoder {}: a decoder over sharded weights (DecoderOptions::unit_hooks) runs the "
+               "training forward and backward only",
+               what);
+}
+
 }  // namespace
 
 struct Decoder::Impl {
@@ -461,13 +503,19 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   const AttentionInputs in = m.upload_batch(batch);
   upload(b.targets, batch.targets);
   const Stream& s = m.net.stream();
+  const UnitCalls units(m.options.unit_hooks, L, c.tie_word_embeddings);
+  units.acquire(0);
   ops::embedding(b.tokens, weights_->embed, b.resid[0], s);
+  units.release(0);
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
+    units.acquire(units.layer(l));
     m.net.layer_forward(l, a, b.resid[static_cast<size_t>(l)], b.resid[static_cast<size_t>(l + 1)],
                         in);
+    units.release(units.layer(l));
   }
   const Tensor& h = b.resid[static_cast<size_t>(L)];
+  units.acquire_head();
   if (batch.head_rows.empty()) {
     b.head_rows = T;
     m.net.head(h, b.xf, b.rstdf, b.logits);
@@ -493,6 +541,7 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
     if (entropy_out.defined())
       ops::embedding_backward(ids, ent.view({R, 1}), entropy_out.view({T, 1}), false, s);
   }
+  units.release_head();
   m.temperature = temperature;
   m.have_forward = true;
 }
@@ -501,6 +550,7 @@ void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out)
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens();
   check_not_tensor_parallel(impl_->options.tp_group, "forward_logits");
+  check_no_unit_hooks(impl_->options.unit_hooks, "forward_logits");
   check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size,
                "decoder forward_logits");
   check_prefix(batch, "decoder forward_logits");
@@ -517,6 +567,7 @@ void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const T
   const int64_t T = batch.num_tokens();
   Impl& m = *impl_;
   check_not_tensor_parallel(m.options.tp_group, "score");
+  check_no_unit_hooks(m.options.unit_hooks, "score");
   check_logprob_call(batch, c.vocab_size, temperature, logprob_out, entropy_out, device(), "score");
   TANDEM_CHECK(m.options.score_rows > 0,
                "decoder score: DecoderOptions::score_rows must be positive, got {}",
@@ -574,14 +625,14 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
   const int64_t T = b.T, L = c.num_layers;
   check_output(dlogprob, {T}, device(), "backward's dlogprob");
   if (dentropy.defined()) check_output(dentropy, {T}, device(), "backward's dentropy");
+  const ModelConfig& gc = grads.config();
   TANDEM_CHECK(grads.dtype() == DType::f32 && grads.device() == device() &&
                    grads.layers.size() == weights_->layers.size() &&
-                   grads.embed.shape() == weights_->embed.shape() &&
-                   grads.config().tie_word_embeddings == c.tie_word_embeddings &&
-                   grads.config().attention_bias == c.attention_bias &&
-                   grads.config().qk_norm == c.qk_norm &&
-                   grads.layers[0].qkv.shape() == weights_->layers[0].qkv.shape() &&
-                   grads.layers[0].gate_up.shape() == weights_->layers[0].gate_up.shape(),
+                   gc.vocab_size == c.vocab_size && gc.hidden_size == c.hidden_size &&
+                   gc.tie_word_embeddings == c.tie_word_embeddings &&
+                   gc.attention_bias == c.attention_bias && gc.qk_norm == c.qk_norm &&
+                   gc.num_heads == c.num_heads && gc.num_kv_heads == c.num_kv_heads &&
+                   gc.head_dim == c.head_dim && gc.intermediate_size == c.intermediate_size,
                "decoder backward: grads must be f32 Weights on {} of the same model; got {} "
                "weights on {} ({} layers)",
                device().str(), grads.dtype(), grads.device().str(), grads.layers.size());
@@ -589,6 +640,10 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
   const Stream& s = m.net.stream();
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
   LayerGrads& g = b.grads;
+  const UnitCalls units(m.options.unit_hooks, L, c.tie_word_embeddings);
+  units.begin_gradients(units.head());
+  if (c.tie_word_embeddings) units.begin_gradients(0);  // lm_head's are the embedding's
+  units.acquire_head();
 
   const Tensor& h = b.resid[static_cast<size_t>(L)];
   if (b.head_rows == T) {
@@ -619,20 +674,29 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
                           dhs, grads.final_norm, false, true, s);
     ops::embedding_backward(ids, dhs, g.dh, false, s);
   }
+  units.release_head();
+  units.end_gradients(units.head());
   for (int64_t l = L - 1; l >= 0; --l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
     const Tensor& h_in = b.resid[static_cast<size_t>(l)];
+    units.acquire(units.layer(l));
     // Recompute writes layer l's output again, the same bits; nothing reads it any more.
     if (m.options.recompute)
       m.net.layer_forward(l, a, h_in, b.resid[static_cast<size_t>(l + 1)], in);
+    units.begin_gradients(units.layer(l));
     m.net.layer_backward(l, a, h_in, in, g, grads.layers[static_cast<size_t>(l)]);
+    units.end_gradients(units.layer(l));
+    units.release(units.layer(l));
   }
+  if (!c.tie_word_embeddings) units.begin_gradients(0);
   ops::embedding_backward(b.tokens, g.dh, grads.embed, true, s);
+  units.end_gradients(0);
 }
 
 void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> positions,
                       std::span<const int32_t> cu_seqlens, const KvCacheView& kv,
                       const Tensor& logits_out) {
+  check_no_unit_hooks(impl_->options.unit_hooks, "prefill");
   const ModelConfig& c = config();
   const int64_t V = vocab_size();
   check_packed(tokens, positions, cu_seqlens, V, "decoder prefill");
@@ -723,6 +787,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
 
 void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> positions,
                      const KvCacheView& kv, const Tensor& logits_out) {
+  check_no_unit_hooks(impl_->options.unit_hooks, "decode");
   const ModelConfig& c = config();
   const int64_t B = static_cast<int64_t>(tokens.size());
   Impl& m = *impl_;

@@ -148,6 +148,22 @@ LrScheduleConfig schedule_config(const JobConfig& job) {
 
 namespace job_detail {
 
+namespace {
+
+// The optimizer, chosen once: AdamW for one rank's non-deterministic job (whole state; any
+// device), else ShardedAdamW at trainer.shard's level (on one rank too when deterministic).
+std::unique_ptr<Optimizer> make_optimizer(const JobConfig& job, model::Weights& policy,
+                                          Communicator* comm) {
+  if (comm == nullptr && !job.trainer.step.deterministic)
+    return std::make_unique<AdamW>(policy, job.trainer.optimizer);
+  ShardOptions o = job.trainer.shard;
+  o.deterministic = job.trainer.step.deterministic;
+  o.bucket_bytes = job.trainer.comm_bucket_mb << 20;
+  return std::make_unique<ShardedAdamW>(policy, comm, job.trainer.optimizer, o);
+}
+
+}  // namespace
+
 Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks,
          Communicator* comm, model::LoadedModel m)
     : job_(job),
@@ -163,12 +179,8 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
       stream_(data_.train, static_cast<uint64_t>(job.data.seed), job.data.shuffle),
       rewards_(make_rewards(job)),
-      adamw_(comm == nullptr && !job.trainer.step.deterministic
-                 ? std::make_unique<AdamW>(policy_, job.trainer.optimizer)
-                 : nullptr),
-      sharded_(comm != nullptr || job.trainer.step.deterministic
-                   ? std::make_unique<ShardedAdamW>(policy_, comm, job.trainer.optimizer)
-                   : nullptr),
+      optimizer_(make_optimizer(job, policy_, comm)),
+      sharded_(dynamic_cast<ShardedAdamW*>(optimizer_.get())),
       schedule_(schedule_config(job)),
       step_config_(train_step_config(job)) {
   TANDEM_CHECK(!data_.train.empty(), "the training split is empty ({})", job.where("data.source"));
@@ -191,10 +203,8 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
   // far the workers' logprobs are from it (rollout_trainer_logp/*).
   if (job.placement.mode == "disaggregated") step_config_.always_recompute_old = true;
-  trainer_ = sharded_ ? std::make_unique<PolicyTrainer>(policy_, reference_.get(), *sharded_,
-                                                        schedule_, step_config_)
-                      : std::make_unique<PolicyTrainer>(policy_, reference_.get(), *adamw_,
-                                                        schedule_, step_config_);
+  trainer_ =
+      std::make_unique<PolicyTrainer>(*optimizer_, reference_.get(), schedule_, step_config_);
   if (job.trainer.optimizer_offload)
     std::fprintf(stderr,
                  "tandem: trainer.optimizer.offload: on cpu the optimizer state is in host memory "
@@ -247,7 +257,7 @@ void Job::resume() {
   if (sharded_)
     load_checkpoint(from, policy_, *sharded_, state_);
   else
-    load_checkpoint(from, policy_, *adamw_, state_);
+    load_checkpoint(from, policy_, static_cast<AdamW&>(*optimizer_), state_);
   state_.config = to_toml(job_);  // the config this run trains with, not the checkpoint's
   if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
   trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
@@ -370,7 +380,7 @@ PublishStats Job::publish() {
 
 std::optional<CanaryResult> Job::check_canary(int64_t step) {
   if (!canary_) return std::nullopt;
-  return canary_->check(*engine_, *trainer_, policy_, step,
+  return canary_->check(*engine_, *trainer_, trainer_->policy(), step,
                         static_cast<uint64_t>(state_.weight_version), remote_.get());
 }
 
@@ -460,7 +470,8 @@ void Job::checkpoint() {
     };
   const std::string dir =
       sharded_ ? save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *sharded_, state_, co)
-               : save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *adamw_, state_, co);
+               : save_checkpoint(job_.checkpoint.dir, state_.step, policy_,
+                                 static_cast<AdamW&>(*optimizer_), state_, co);
   if (role_ == Role::writer) std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
 }
 

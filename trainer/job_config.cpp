@@ -253,6 +253,19 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "span two groups, gradients summed in fixed point, the sharded optimizer on one rank "
               "too (docs/distributed.md). Costs 8 bytes a parameter and a pass over the gradients "
               "per micro-batch."));
+  add(choice<J>("trainer.shard", TANDEM_MEMBER(trainer.shard.level), kShardLevelNames,
+                "What the data-parallel ranks split (ZeRO): \"optimizer\" the AdamW moments "
+                "(ZeRO-1), \"gradients\" and the gradients, reduce-scattered as backward "
+                "finishes each layer (ZeRO-2), \"parameters\" and the f32 weights, each layer's "
+                "gathered before use (ZeRO-3, FSDP). One non-deterministic rank: whole AdamW "
+                "(docs/distributed.md)."));
+  add(bind<J>("trainer.overlap_comm", TANDEM_MEMBER(trainer.shard.overlap),
+              "Run the sharded optimizer's collectives on a thread of their own while the "
+              "decoder computes; false: each one waited for as it is issued."));
+  add(bind<J>("trainer.comm_bucket_mb", TANDEM_MEMBER(trainer.comm_bucket_mb),
+              "MiB of f32 one collective of the sharded optimizer carries at most (a layer's "
+              "larger ones go in pieces)."))
+      .range(1, 4096);
   add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
               "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch); "
               "on whenever rollout.dtype differs from trainer.dtype."));

@@ -77,6 +77,8 @@ struct TrainerSection {
   TrainStepConfig step;  // its .loss is grpo.loss; temperature comes from the rollout
   ShapingSection shaping;
   AdamWConfig optimizer;
+  ShardOptions shard;  // .deterministic is step.deterministic, .bucket_bytes comm_bucket_mb's
+  int64_t comm_bucket_mb = 32;
   bool optimizer_offload = false;  // moments to host during rollout (CUDA); cpu: already there
   LrScheduleConfig schedule;       // total_steps = steps * epochs * minibatches when 0
   std::string dtype = "f32";       // master weights

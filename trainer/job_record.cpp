@@ -100,10 +100,7 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   j["dynamic_sampling/refill_rounds"] = c.refill_rounds;
   j["memory/peak_rss_mib"] = peak_rss_mib();  // rank 0's
   j["memory/optimizer_state_mib"] =
-      static_cast<double>(sharded_
-                              ? sharded_->state_bytes()
-                              : static_cast<int64_t>(adamw_->m().nbytes() + adamw_->v().nbytes())) /
-      (1024.0 * 1024.0);
+      static_cast<double>(optimizer_->state_bytes()) / (1024.0 * 1024.0);
   j["distributed/ranks"] = world_;
   j["distributed/rollout_tp"] = rollout_->tp();
   j["tokens_per_s"] = static_cast<double>(tokens) / std::max(step_s, 1e-9);
@@ -113,6 +110,11 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   j["time/old_logp_s"] = tm.seconds_old;
   j["time/ref_logp_s"] = tm.seconds_ref;
   j["time/update_s"] = tm.seconds_update;
+  // The sharded optimizer's collectives: all of their time, and the part the update waited for.
+  j["time/comm_s"] = tm.comm_s;
+  j["time/comm_exposed_s"] = tm.comm_exposed_s;
+  j["distributed/shard"] =
+      sharded_ != nullptr ? shard_level_name(sharded_->options().level) : "none";
   j["weight_sync/bytes"] = u.published.bytes_written;
   j["weight_sync/cast_tensors"] = u.published.cast;
   j["weight_sync/copied_tensors"] = u.published.copied;

@@ -85,9 +85,9 @@ class Job {
   // then serves eval only.
   std::unique_ptr<RemoteRollout> remote_;
   std::unique_ptr<Canary> canary_;  // weight_sync.canary: probes the engine after each publish
-  // One rank: AdamW. Several: each rank's range of the optimizer state (ZeRO).
-  std::unique_ptr<AdamW> adamw_;
-  std::unique_ptr<ShardedAdamW> sharded_;
+  // Chosen once (make_optimizer): AdamW on one rank, else ShardedAdamW at trainer.shard's level.
+  std::unique_ptr<Optimizer> optimizer_;
+  ShardedAdamW* sharded_ = nullptr;  // optimizer_ when it is the sharded one
   const LrSchedule schedule_;
   TrainStepConfig step_config_;
   std::unique_ptr<PolicyTrainer> trainer_;

@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <limits>
 #include <string>
 
+#include "core/comm_thread.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/op_timing.h"
@@ -86,29 +89,6 @@ float norm_of_sums(std::span<const double> sums) {
   return static_cast<float>(std::sqrt(total));
 }
 
-// The flat offsets of the storage tensors, one more than there are tensors: tensor t holds the
-// elements [starts[t], starts[t + 1]) of the parameters flattened in storage order, and the last
-// offset is their total.
-std::vector<int64_t> flat_starts(std::span<const model::NamedTensor> storage) {
-  std::vector<int64_t> starts = {0};
-  for (const model::NamedTensor& s : storage) starts.push_back(starts.back() + s.tensor.numel());
-  return starts;
-}
-
-// Calls fn(tensor index, offset in the tensor, offset in [lo, hi), length) for each piece of
-// the flat range [lo, hi) (within [0, starts.back())) that lies in one storage tensor.
-template <class Fn>
-void for_each_piece(std::span<const int64_t> starts, int64_t lo, int64_t hi, Fn&& fn) {
-  if (lo >= hi) return;
-  auto t =
-      static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1);
-  for (int64_t at = lo; at < hi; ++t) {
-    const int64_t len = std::min(hi, starts[t + 1]) - at;
-    fn(t, at - starts[t], at - lo, len);
-    at += len;
-  }
-}
-
 // ops::adamw works on flat (N) tensors.
 Tensor flat(const Tensor& t) { return t.view({t.numel()}); }
 
@@ -170,29 +150,32 @@ float AdamW::grad_norm(const model::Weights& grads) {
   for (const model::NamedTensor& s : grads.storage()) tensors.push_back(s.tensor);
   if (!grads.device().is_cpu()) return ops::global_norm(tensors);
   const ops::detail::OpTimer timer("global_norm");  // bench train's "gradient norm" phase
-  const std::vector<int64_t> starts = flat_starts(grads.storage());
-  const int64_t total = starts.back();
-  const int64_t blocks = (total + kNormBlock - 1) / kNormBlock;
-  std::vector<double> sums(static_cast<size_t>(blocks));
-  parallel_for(blocks, [&](int64_t b0, int64_t b1) {
-    std::vector<float> joined;  // a block that crosses tensors, copied whole
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t lo = b * kNormBlock, hi = std::min(total, lo + kNormBlock);
-      const float* x = nullptr;
-      for_each_piece(starts, lo, hi, [&](size_t t, int64_t off, int64_t at, int64_t count) {
-        const float* piece = tensors[t].data_as<float>() + off;
-        if (count == hi - lo) {
-          x = piece;
-          return;
-        }
-        joined.resize(static_cast<size_t>(kNormBlock));
-        std::copy(piece, piece + count, joined.data() + at);
-        x = joined.data();
-      });
-      sums[static_cast<size_t>(b)] =
-          ops::sum_squares_f64(Tensor::wrap(const_cast<float*>(x), {hi - lo}, DType::f32));
-    }
-  });
+  // ShardedAdamW's blocks: each unit's from its start, in unit then block order.
+  const model::ShardLayout layout(grads, 1);
+  std::vector<double> sums(static_cast<size_t>(layout.total_blocks()));
+  for (size_t u = 0; u < layout.units().size(); ++u) {
+    const model::FlatRange unit = layout.units()[u].flat;
+    const int64_t first = layout.first_block(u);
+    parallel_for(layout.blocks(u), [&](int64_t b0, int64_t b1) {
+      std::vector<float> joined;  // a block that crosses tensors, copied whole
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t lo = unit.begin + b * kNormBlock, hi = std::min(unit.end, lo + kNormBlock);
+        const float* x = nullptr;
+        layout.for_each_piece(lo, hi, [&](size_t t, int64_t off, int64_t at, int64_t count) {
+          const float* piece = tensors[t].data_as<float>() + off;
+          if (count == hi - lo) {
+            x = piece;
+            return;
+          }
+          joined.resize(static_cast<size_t>(kNormBlock));
+          std::copy(piece, piece + count, joined.data() + at);
+          x = joined.data();
+        });
+        sums[static_cast<size_t>(first + b)] =
+            ops::sum_squares_f64(Tensor::wrap(const_cast<float*>(x), {hi - lo}, DType::f32));
+      }
+    });
+  }
   return norm_of_sums(sums);
 }
 
@@ -232,144 +215,626 @@ std::vector<double> gather_doubles(Communicator& comm, std::span<const double> m
   return out;
 }
 
-ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config)
-    : params_(params),
-      comm_(comm),
-      config_(config),
-      rank_(comm != nullptr ? comm->rank() : 0),
-      world_(comm != nullptr ? comm->size() : 1) {
-  config_.validate();
-  TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
-               "optimizer: sharded AdamW needs f32 master weights on the CPU, got {}",
-               params.dtype());
-  starts_ = flat_starts(params.storage());
-  total_ = starts_.back();
-  for (const model::NamedTensor& s : params.storage())
-    decay_.push_back(AdamW::decays(config_, s.name));
-  // Even ranges of whole norm blocks.
-  const int64_t blocks = (total_ + kNormBlock - 1) / kNormBlock;
-  shard_ = (blocks + world_ - 1) / world_ * kNormBlock;
-  begin_ = std::min(total_, rank_ * shard_);
-  end_ = std::min(total_, begin_ + shard_);
-  m_ = Tensor::zeros({shard_}, DType::f32);
-  v_ = Tensor::zeros({shard_}, DType::f32);
-  grad_ = Tensor::zeros({shard_}, DType::f32);
-  // 8 bytes an element: step_fixed stages int64.
-  stage_ = Tensor::zeros({2 * world_ * std::min(shard_, kStageElements)}, DType::f32);
+const char* shard_level_name(ShardLevel level) {
+  switch (level) {
+    case ShardLevel::optimizer:
+      return "optimizer";
+    case ShardLevel::gradients:
+      return "gradients";
+    case ShardLevel::parameters:
+      return "parameters";
+  }
+  return "?";
 }
 
-template <class Fn>
-void ShardedAdamW::for_each_piece(int64_t lo, int64_t hi, Fn&& fn) const {
-  trainer::for_each_piece(starts_, lo, std::min(hi, total_), std::forward<Fn>(fn));
+namespace {
+
+// A tensor in an arena of its own, so that the memory ledger counts it under its class.
+struct Buffer {
+  std::unique_ptr<Arena> arena;
+  Tensor t;
+  Buffer() = default;
+  Buffer(ArenaClass cls, int64_t n, DType dtype = DType::f32)
+      : arena(std::make_unique<Arena>(
+            cls, Device::cpu(), static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_size(dtype))) {
+    t = arena->alloc({std::max<int64_t>(n, 1)}, dtype).narrow(0, n);
+    t.zero();
+  }
+  float* f32() const { return t.data_as<float>(); }
+  int64_t* i64() const { return t.data_as<int64_t>(); }
+};
+
+// Gradient x in fixed point, or false when it is not finite or too large for the sum.
+bool to_fixed(float x, int64_t& out) {
+  const double d = std::ldexp(static_cast<double>(x), ShardedAdamW::kFixedBits);
+  if (!(std::abs(d) < 0x1p61)) return false;
+  out = std::llrint(d);
+  return true;
+}
+
+}  // namespace
+
+// The state of a ShardedAdamW: this rank's pieces (model::ShardLayout's local buffers), the
+// communication thread, and at the gradients and parameters levels the unit hooks the decoder
+// calls: units of weights gathered ahead (parameters) and units of gradients reduce-scattered as
+// backward finishes them.
+struct ShardedAdamW::Impl final : model::UnitHooks {
+  Impl(model::Weights& params, Communicator* comm, const AdamWConfig& config,
+       const ShardOptions& options)
+      : full(&params),
+        comm(comm),
+        rank(comm != nullptr ? comm->rank() : 0),
+        world(comm != nullptr ? comm->size() : 1),
+        config(config),
+        options(options),
+        layout(params, world),
+        model_config(params.config()) {}
+
+  model::Weights* full;  // whole f32 master weights (null at ShardLevel::parameters)
+  Communicator* comm;
+  int rank, world;
+  AdamWConfig config;
+  ShardOptions options;
+  model::ShardLayout layout;
+  model::ModelConfig model_config;
+  std::vector<bool> decay;  // per storage tensor
+  Buffer m, v, grad;        // local buffers: moments, the summed gradients of the pieces
+  Buffer fixed_sum;         // deterministic, gradients/parameters: the pieces' sums in fixed point
+  Buffer params_local;      // parameters: the f32 master pieces
+  bool finite = true;       // this rank saw no non-finite gradient since begin_step
+  // Level optimizer: whole gradients; deterministic, their running sum in fixed point (P).
+  std::unique_ptr<model::Weights> whole_grads;
+  std::vector<int64_t> whole_fixed;
+  // Levels gradients and parameters: tables bound unit by unit.
+  std::unique_ptr<model::Weights> grads_table, compute_table;
+  // Collectives run on `thread` over `thread_comm` (a split of comm), in submission order, the
+  // same on every rank. stage: that thread's staging buffer.
+  std::unique_ptr<Communicator> thread_comm;
+  std::unique_ptr<CommThread> thread;
+  Buffer stage, stage_out;
+  int64_t chunk = 0;  // elements of a rank's part of one collective
+  // Parameters: each unit's gathered weights (N S elements, the unit's flat elements first)
+  // while resident, and the ticket of the gather that fills it.
+  struct Resident {
+    std::shared_ptr<Buffer> buf;
+    CommThread::Ticket ticket = 0;
+  };
+  std::vector<Resident> resident;
+  std::vector<size_t> schedule;  // the units the current pass acquires, in order
+  size_t next = 0;               // schedule position of the next acquire
+  // Gradient buckets in flight (their reduce-scatters' tickets), oldest first.
+  std::deque<CommThread::Ticket> in_flight;
+  std::vector<std::shared_ptr<Buffer>> open;  // per unit: the bucket backward adds to
+
+  size_t units() const { return layout.units().size(); }
+  bool sharded_params() const { return options.level == ShardLevel::parameters; }
+  bool sharded_grads() const { return options.level != ShardLevel::optimizer; }
+
+  void init() {
+    for (const model::NamedTensor& s : full->storage())
+      decay.push_back(AdamW::decays(config, s.name));
+    const int64_t n = layout.local_size();
+    m = Buffer(ArenaClass::optimizer_states, n);
+    v = Buffer(ArenaClass::optimizer_states, n);
+    grad = Buffer(ArenaClass::gradients, n);
+    if (options.deterministic && sharded_grads())
+      fixed_sum = Buffer(ArenaClass::gradients, n, DType::i64);
+    chunk = std::max<int64_t>(1024, options.bucket_bytes / 8 / world);  // i64 staging: 8 bytes
+    stage = Buffer(ArenaClass::gradients, world * chunk, DType::i64);
+    stage_out = Buffer(ArenaClass::gradients, chunk, DType::i64);
+    if (comm != nullptr) {
+      std::vector<int> all(static_cast<size_t>(world));
+      for (int r = 0; r < world; ++r) all[static_cast<size_t>(r)] = r;
+      thread_comm = comm->split(comm->name() + "/shard", all);
+    }
+    thread = std::make_unique<CommThread>("shard");
+    resident.resize(units());
+    open.resize(units());
+    if (sharded_grads()) grads_table = model::Weights::unbound(model_config, DType::f32);
+    if (sharded_params()) {
+      params_local = Buffer(ArenaClass::parameters, n);
+      for (size_t u = 0; u < units(); ++u) {
+        const model::FlatRange r = layout.range(u, rank);
+        float* dst = params_local.f32() + layout.units()[u].local;
+        layout.for_each_piece(r.begin, r.end, [&](size_t t, int64_t off, int64_t at, int64_t k) {
+          std::memcpy(dst + at, full->storage()[t].tensor.data_as<float>() + off,
+                      static_cast<size_t>(k) * sizeof(float));
+        });
+      }
+      full = nullptr;
+      compute_table = model::Weights::unbound(model_config, DType::f32);
+    }
+  }
+
+  // Runs fn on the communication thread; waits for it unless overlapping.
+  CommThread::Ticket submit(std::function<void()> fn) {
+    const CommThread::Ticket t = thread->submit(std::move(fn));
+    if (!options.overlap) thread->wait(t);
+    return t;
+  }
+
+  // --- Collectives of one unit (on the communication thread) ---
+
+  // out (N S) = every rank's piece of unit u (src: this rank's S elements), in rank order.
+  void gather_pieces(size_t u, const float* src, float* out) {
+    const int64_t S = layout.units()[u].shard;
+    float* st = stage.f32();
+    for (int64_t k = 0; k < S; k += chunk) {
+      const int64_t len = std::min(chunk, S - k);
+      if (thread_comm)
+        thread_comm->all_gather(Tensor::wrap(const_cast<float*>(src) + k, {len}, DType::f32),
+                                Tensor::wrap(st, {world * len}, DType::f32));
+      else
+        std::memcpy(st, src + k, static_cast<size_t>(len) * sizeof(float));
+      for (int r = 0; r < world; ++r)
+        std::memcpy(out + r * S + k, st + r * len, static_cast<size_t>(len) * sizeof(float));
+    }
+  }
+
+  // This rank's piece of the sum over ranks of unit u's gradients (in: N S, the unit's flat
+  // elements then zeros), added to grad (or fixed_sum when deterministic).
+  void reduce_piece(size_t u, const float* in) {
+    const int64_t S = layout.units()[u].shard, local = layout.units()[u].local;
+    for (int64_t k = 0; k < S; k += chunk) {
+      const int64_t len = std::min(chunk, S - k);
+      if (options.deterministic) {
+        int64_t* st = stage.i64();
+        for (int r = 0; r < world; ++r)
+          for (int64_t i = 0; i < len; ++i) {
+            int64_t q = 0;
+            if (!to_fixed(in[r * S + k + i], q)) finite = false;
+            st[r * len + i] = q;
+          }
+        int64_t* sum = stage_out.i64();
+        if (thread_comm)
+          thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::i64),
+                                      Tensor::wrap(sum, {len}, DType::i64));
+        int64_t* acc = fixed_sum.i64() + local + k;
+        for (int64_t i = 0; i < len; ++i) acc[i] += sum[i];
+      } else {
+        float* st = stage.f32();
+        for (int r = 0; r < world; ++r) {
+          std::memcpy(st + r * len, in + r * S + k, static_cast<size_t>(len) * sizeof(float));
+          for (int64_t i = 0; i < len; ++i)
+            if (!std::isfinite(st[r * len + i])) finite = false;
+        }
+        float* sum = stage_out.f32();
+        if (thread_comm)
+          thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::f32),
+                                      Tensor::wrap(sum, {len}, DType::f32));
+        else
+          std::memcpy(sum, st, static_cast<size_t>(len) * sizeof(float));
+        float* acc = grad.f32() + local + k;
+        for (int64_t i = 0; i < len; ++i) acc[i] += sum[i];
+      }
+    }
+  }
+
+  // --- UnitHooks ---
+
+  void begin_pass(bool backward) {
+    schedule.clear();
+    next = 0;
+    if (!sharded_params()) return;
+    const size_t L = units() - 2, head = units() - 1;
+    const bool tied = model_config.tie_word_embeddings;
+    schedule.push_back(0);
+    for (size_t l = 1; l <= L; ++l) schedule.push_back(l);
+    schedule.push_back(head);
+    if (tied) schedule.push_back(0);
+    if (!backward) return;
+    schedule.push_back(head);
+    if (tied) schedule.push_back(0);
+    for (size_t l = L; l >= 1; --l) schedule.push_back(l);
+  }
+
+  // Starts the gather of unit u unless it is resident or on its way.
+  void fetch(size_t u) {
+    Resident& r = resident[u];
+    if (r.buf) return;
+    const int64_t S = layout.units()[u].shard;
+    r.buf = std::make_shared<Buffer>(ArenaClass::parameters, world * S);
+    const float* src = params_local.f32() + layout.units()[u].local;
+    float* out = r.buf->f32();
+    r.ticket = submit([this, u, src, out] { gather_pieces(u, src, out); });
+  }
+
+  void acquire(size_t u) override {
+    if (!sharded_params()) return;
+    TANDEM_CHECK(next < schedule.size() && schedule[next] == u,
+                 "sharded optimizer: the decoder asked for unit {} ({}), the pass expected {}", u,
+                 layout.units()[u].name,
+                 next < schedule.size() ? layout.units()[schedule[next]].name : "none");
+    fetch(u);
+    thread->wait(resident[u].ticket);
+    const model::ShardUnit& unit = layout.units()[u];
+    compute_table->bind(unit.first_tensor, unit.end_tensor, resident[u].buf->t);
+    ++next;
+    if (next < schedule.size()) fetch(schedule[next]);  // prefetch while u computes
+  }
+
+  void release(size_t u) override {
+    if (!sharded_params()) return;
+    // Kept when the pass acquires it again right away (the head between forward and backward).
+    for (size_t i = next; i < std::min(schedule.size(), next + 2); ++i)
+      if (schedule[i] == u) return;
+    const model::ShardUnit& unit = layout.units()[u];
+    compute_table->unbind(unit.first_tensor, unit.end_tensor);
+    thread->wait(resident[u].ticket);
+    resident[u] = {};
+  }
+
+  void begin_gradients(size_t u) override {
+    if (!sharded_grads()) return;
+    // At most two buckets in flight: the gradients held stay bounded when communication lags.
+    while (in_flight.size() >= 2) {
+      thread->wait(in_flight.front());
+      in_flight.pop_front();
+    }
+    const model::ShardUnit& unit = layout.units()[u];
+    open[u] = std::make_shared<Buffer>(ArenaClass::gradients, world * unit.shard);
+    grads_table->bind(unit.first_tensor, unit.end_tensor, open[u]->t);
+  }
+
+  void end_gradients(size_t u) override {
+    if (!sharded_grads()) return;
+    const model::ShardUnit& unit = layout.units()[u];
+    grads_table->unbind(unit.first_tensor, unit.end_tensor);
+    std::shared_ptr<Buffer> bucket = std::move(open[u]);
+    in_flight.push_back(submit([this, u, bucket] { reduce_piece(u, bucket->f32()); }));
+  }
+
+  // The unit calls of one pass without a micro-batch (the decoder's order, model/decoder.h).
+  void idle_pass(bool backward) {
+    begin_pass(backward);
+    const size_t L = units() - 2, head = units() - 1;
+    const bool tied = model_config.tie_word_embeddings;
+    acquire(0);
+    release(0);
+    for (size_t l = 1; l <= L; ++l) {
+      acquire(l);
+      release(l);
+    }
+    const auto head_in = [&] {
+      acquire(head);
+      if (tied) acquire(0);
+    };
+    const auto head_out = [&] {
+      if (tied) release(0);
+      release(head);
+    };
+    head_in();
+    head_out();
+    if (!backward) return;
+    begin_gradients(head);
+    if (tied) begin_gradients(0);
+    head_in();
+    head_out();
+    end_gradients(head);
+    for (size_t l = L; l >= 1; --l) {
+      acquire(l);
+      begin_gradients(l);
+      end_gradients(l);
+      release(l);
+    }
+    if (!tied) begin_gradients(0);
+    end_gradients(0);
+  }
+
+  // --- The step ---
+
+  // The global norm from this rank's pieces of the summed gradients (grad), the same bits on
+  // every rank: every block's f64 sum of squares, gathered, added in unit then block order.
+  float global_norm() {
+    const int64_t local_blocks = layout.local_size() / kNormBlock;
+    std::vector<double> sums(static_cast<size_t>(local_blocks), 0.0);
+    for (size_t u = 0; u < units(); ++u) {
+      const model::ShardUnit& unit = layout.units()[u];
+      const int64_t n = layout.range(u, rank).size();
+      const int64_t b0 = unit.local / kNormBlock;
+      const std::vector<double> part =
+          block_sums(grad.f32() + unit.local, n, unit.shard / kNormBlock);
+      std::copy(part.begin(), part.end(), sums.begin() + b0);
+    }
+    if (!finite) std::fill(sums.begin(), sums.end(), std::numeric_limits<double>::quiet_NaN());
+    const std::vector<double> all = comm != nullptr ? gather_doubles(*comm, sums) : sums;
+    std::vector<double> ordered(static_cast<size_t>(layout.total_blocks()), 0.0);
+    for (int r = 0; r < world; ++r)
+      for (size_t u = 0; u < units(); ++u) {
+        const model::ShardUnit& unit = layout.units()[u];
+        const int64_t per = unit.shard / kNormBlock;
+        for (int64_t j = 0; j < per; ++j) {
+          const int64_t b = r * per + j;  // the block's index in the unit
+          if (b >= layout.blocks(u)) break;
+          ordered[static_cast<size_t>(layout.first_block(u) + b)] =
+              all[static_cast<size_t>(r * local_blocks + unit.local / kNormBlock + j)];
+        }
+      }
+    return norm_of_sums(ordered);
+  }
+
+  // Level optimizer: this rank's pieces of the sum over ranks of the whole gradients (f32 or, when
+  // fixed is not empty, fixed point) into grad. On the communication thread, waited for.
+  void reduce_whole(const model::Weights* g, std::span<const int64_t> fixed) {
+    thread->wait(thread->submit([&] {
+      for (size_t u = 0; u < units(); ++u) {
+        const model::ShardUnit& unit = layout.units()[u];
+        const int64_t S = unit.shard;
+        for (int64_t k = 0; k < S; k += chunk) {
+          const int64_t len = std::min(chunk, S - k);
+          float* out = grad.f32() + unit.local + k;
+          if (!fixed.empty()) {
+            int64_t* st = stage.i64();
+            std::fill(st, st + world * len, int64_t{0});
+            for (int r = 0; r < world; ++r) {
+              const int64_t lo = std::min(unit.flat.end, unit.flat.begin + r * S + k);
+              const int64_t hi = std::min(unit.flat.end, lo + len);
+              for (int64_t i = lo; i < hi; ++i) {
+                if (fixed[static_cast<size_t>(i)] == kFixedInvalid) finite = false;
+                st[r * len + i - lo] = fixed[static_cast<size_t>(i)] == kFixedInvalid
+                                           ? 0
+                                           : fixed[static_cast<size_t>(i)];
+              }
+            }
+            int64_t* sum = stage_out.i64();
+            if (thread_comm)
+              thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::i64),
+                                          Tensor::wrap(sum, {len}, DType::i64));
+            for (int64_t i = 0; i < len; ++i)
+              out[i] = static_cast<float>(std::ldexp(static_cast<double>(sum[i]), -kFixedBits));
+          } else {
+            float* st = stage.f32();
+            std::fill(st, st + world * len, 0.0f);
+            for (int r = 0; r < world; ++r) {
+              const int64_t lo = unit.flat.begin + r * S + k;
+              layout.for_each_piece(std::min(lo, unit.flat.end), std::min(lo + len, unit.flat.end),
+                                    [&](size_t t, int64_t off, int64_t at, int64_t count) {
+                                      std::memcpy(st + r * len + at,
+                                                  g->storage()[t].tensor.data_as<float>() + off,
+                                                  static_cast<size_t>(count) * sizeof(float));
+                                    });
+            }
+            float* sum = stage_out.f32();
+            if (thread_comm)
+              thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::f32),
+                                          Tensor::wrap(sum, {len}, DType::f32));
+            else
+              std::memcpy(sum, st, static_cast<size_t>(len) * sizeof(float));
+            std::memcpy(out, sum, static_cast<size_t>(len) * sizeof(float));
+            for (int64_t i = 0; i < len; ++i)
+              if (!std::isfinite(out[i])) finite = false;
+          }
+        }
+      }
+    }));
+  }
+
+  // The update of this rank's pieces under the global norm; below ShardLevel::parameters every
+  // rank's updated pieces are then all-gathered into every rank's whole weights.
+  StepResult update(float norm, float lr, AdamWCounters& counters) {
+    StepResult r = decide_step(norm, lr, config, counters);
+    if (r.skipped) return r;
+    ops::AdamWParams p = update_params(config, counters, r);
+    for (size_t u = 0; u < units(); ++u) {
+      const model::ShardUnit& unit = layout.units()[u];
+      const model::FlatRange mine = layout.range(u, rank);
+      layout.for_each_piece(
+          mine.begin, mine.end, [&](size_t t, int64_t off, int64_t at, int64_t k) {
+            p.weight_decay = decay[t] ? config.weight_decay : 0.0f;
+            const int64_t l = unit.local + at;
+            const Tensor param = full != nullptr ? flat(full->storage()[t].tensor).narrow(off, k)
+                                                 : params_local.t.narrow(l, k);
+            ops::adamw(param, grad.t.narrow(l, k), m.t.narrow(l, k), v.t.narrow(l, k), p);
+          });
+    }
+    if (full != nullptr && comm != nullptr) {
+      thread->wait(thread->submit([&] {
+        for (size_t u = 0; u < units(); ++u) {
+          const model::ShardUnit& unit = layout.units()[u];
+          // This rank's updated piece (into grad, spent), then every rank's.
+          float* mine = grad.f32() + unit.local;
+          std::fill(mine, mine + unit.shard, 0.0f);
+          const model::FlatRange own = layout.range(u, rank);
+          layout.for_each_piece(
+              own.begin, own.end, [&](size_t t, int64_t off, int64_t at, int64_t k) {
+                std::memcpy(mine + at, full->storage()[t].tensor.data_as<float>() + off,
+                            static_cast<size_t>(k) * sizeof(float));
+              });
+          const int64_t S = unit.shard;
+          float* st = stage.f32();
+          for (int64_t k = 0; k < S; k += chunk) {
+            const int64_t len = std::min(chunk, S - k);
+            thread_comm->all_gather(Tensor::wrap(mine + k, {len}, DType::f32),
+                                    Tensor::wrap(st, {world * len}, DType::f32));
+            for (int q = 0; q < world; ++q) {
+              if (q == rank) continue;
+              const int64_t lo = std::min(unit.flat.end, unit.flat.begin + q * S + k);
+              layout.for_each_piece(lo, std::min(unit.flat.end, lo + len),
+                                    [&](size_t t, int64_t off, int64_t at, int64_t count) {
+                                      std::memcpy(full->storage()[t].tensor.data_as<float>() + off,
+                                                  st + q * len + at,
+                                                  static_cast<size_t>(count) * sizeof(float));
+                                    });
+            }
+          }
+        }
+      }));
+    }
+    ++counters.step;
+    counters.consecutive_skips = 0;
+    r.step = counters.step;
+    return r;
+  }
+
+  void begin_step() {
+    thread->wait_all();
+    in_flight.clear();
+    finite = true;
+    grad.t.zero();
+    if (fixed_sum.arena) fixed_sum.t.zero();
+    if (!sharded_grads()) {
+      if (!whole_grads)
+        whole_grads = std::make_unique<model::Weights>(model_config, DType::f32, Device::cpu(),
+                                                       ArenaClass::gradients);
+      whole_grads->zero();
+      if (options.deterministic) whole_fixed.assign(static_cast<size_t>(layout.total()), 0);
+    }
+  }
+
+  void end_micro_batch() {
+    if (sharded_grads() || !options.deterministic) return;
+    // Level optimizer, deterministic: this micro-batch's gradients added in fixed point.
+    size_t k = 0;
+    for (const model::NamedTensor& s : whole_grads->storage()) {
+      const float* g = s.tensor.data_as<float>();
+      for (int64_t i = 0; i < s.tensor.numel(); ++i, ++k) {
+        int64_t q = 0;
+        if (whole_fixed[k] == kFixedInvalid || !to_fixed(g[i], q)) {
+          whole_fixed[k] = kFixedInvalid;
+          continue;
+        }
+        whole_fixed[k] += q;
+      }
+    }
+    whole_grads->zero();
+  }
+
+  StepResult step(float lr, AdamWCounters& counters) {
+    if (!sharded_grads()) {
+      if (options.deterministic)
+        reduce_whole(nullptr, whole_fixed);
+      else
+        reduce_whole(whole_grads.get(), {});
+    } else {
+      thread->wait_all();
+      in_flight.clear();
+      if (options.deterministic) {
+        const int64_t* q = fixed_sum.i64();
+        float* g = grad.f32();
+        for (int64_t i = 0; i < layout.local_size(); ++i)
+          g[i] = static_cast<float>(std::ldexp(static_cast<double>(q[i]), -kFixedBits));
+      }
+    }
+    return update(global_norm(), lr, counters);
+  }
+};
+
+ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config,
+                           const ShardOptions& options)
+    : comm_(comm) {
+  config.validate();
+  TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
+               "optimizer: sharded AdamW needs f32 master weights on the CPU, got {} on {}",
+               params.dtype(), params.device().str());
+  TANDEM_CHECK(options.bucket_bytes > 0, "optimizer: bucket of {} bytes", options.bucket_bytes);
+  impl_ = std::make_unique<Impl>(params, comm, config, options);
+  impl_->init();
+}
+
+ShardedAdamW::~ShardedAdamW() {
+  if (impl_ && impl_->thread) {
+    try {
+      impl_->thread->wait_all();
+    } catch (...) {  // already reported by the call that failed
+    }
+  }
+}
+
+const model::Weights& ShardedAdamW::compute_weights() {
+  return impl_->sharded_params() ? *impl_->compute_table : *impl_->full;
+}
+model::UnitHooks* ShardedAdamW::unit_hooks() {
+  return impl_->sharded_grads() ? impl_.get() : nullptr;
+}
+void ShardedAdamW::begin_pass(bool backward) { impl_->begin_pass(backward); }
+void ShardedAdamW::idle_pass(bool backward) {
+  if (lockstep(backward)) impl_->idle_pass(backward);
+}
+bool ShardedAdamW::lockstep(bool backward) const {
+  return comm_ != nullptr && (impl_->sharded_params() || (impl_->sharded_grads() && backward));
+}
+void ShardedAdamW::begin_step() { impl_->begin_step(); }
+model::Weights& ShardedAdamW::gradients() {
+  return impl_->sharded_grads() ? *impl_->grads_table : *impl_->whole_grads;
+}
+void ShardedAdamW::end_micro_batch() { impl_->end_micro_batch(); }
+StepResult ShardedAdamW::step(float lr) { return impl_->step(lr, counters_); }
+
+int64_t ShardedAdamW::state_bytes() const {
+  const int64_t n = impl_->layout.local_size();
+  return 3 * 4 * n + (impl_->fixed_sum.arena ? 8 * n : 0);
+}
+
+CommStats ShardedAdamW::take_comm_stats() {
+  const CommThread::Stats s = impl_->thread->take_stats();
+  return {s.busy_s, s.waited_s, s.closures};
 }
 
 StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
-  TANDEM_CHECK(grads.dtype() == DType::f32 && grads.storage().size() + 1 == starts_.size(),
+  TANDEM_CHECK(impl_->options.level == ShardLevel::optimizer,
+               "optimizer: step(gradients) is the optimizer level's");
+  TANDEM_CHECK(grads.dtype() == DType::f32 &&
+                   grads.storage().size() + 1 == impl_->layout.tensor_starts().size(),
                "optimizer: the gradients belong to another model");
-  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
-  float* stage = stage_.data_as<float>();
-  float* grad = grad_.data_as<float>();
-
-  // Gradients: chunk k of every rank's range staged side by side, summed into this rank's.
-  for (int64_t k = 0; k < shard_; k += chunk) {
-    const int64_t len = std::min(chunk, shard_ - k);
-    std::fill(stage, stage + n * len, 0.0f);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t lo = r * shard_ + k;
-      for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
-        std::memcpy(stage + r * len + at, grads.storage()[t].tensor.data_as<float>() + off,
-                    static_cast<size_t>(count) * sizeof(float));
-      });
-    }
-    if (comm_ != nullptr)
-      comm_->reduce_scatter(Tensor::wrap(stage, {n * len}, DType::f32),
-                            Tensor::wrap(grad + k, {len}, DType::f32));
-    else
-      std::copy(stage, stage + len, grad + k);
-  }
-
-  return update(global_norm(true), lr);
-}
-
-float ShardedAdamW::global_norm(bool finite) const {
-  std::vector<double> sums = block_sums(grad_.data_as<float>(), end_ - begin_, shard_ / kNormBlock);
-  if (!finite) std::fill(sums.begin(), sums.end(), std::numeric_limits<double>::quiet_NaN());
-  std::vector<double> all = comm_ != nullptr ? gather_doubles(*comm_, sums) : sums;
-  all.resize(static_cast<size_t>((total_ + kNormBlock - 1) / kNormBlock));  // the blocks of P
-  return norm_of_sums(all);
+  impl_->thread->wait_all();
+  impl_->finite = true;
+  impl_->reduce_whole(&grads, {});
+  return impl_->update(impl_->global_norm(), lr, counters_);
 }
 
 StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
-  TANDEM_CHECK(static_cast<int64_t>(fixed.size()) == total_,
-               "optimizer: {} fixed-point gradients for {} parameters", fixed.size(), total_);
-  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
-  auto* stage = static_cast<int64_t*>(stage_.data());
-  Tensor sum = Tensor::empty({std::min(chunk, shard_)}, DType::i64);
-  auto* summed = sum.data_as<int64_t>();
-  float* grad = grad_.data_as<float>();
-  bool finite = true;
-  for (int64_t k = 0; k < shard_; k += chunk) {
-    const int64_t len = std::min(chunk, shard_ - k);
-    std::fill(stage, stage + n * len, int64_t{0});
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t lo = std::min(total_, r * shard_ + k);
-      const int64_t hi = std::min(total_, lo + len);
-      std::copy(fixed.begin() + lo, fixed.begin() + hi, stage + r * len);
-    }
-    if (comm_ != nullptr)
-      comm_->reduce_scatter(Tensor::wrap(stage, {n * len}, DType::i64),
-                            Tensor::wrap(summed, {len}, DType::i64));
-    else
-      std::copy(stage, stage + len, summed);
-    // A rank's kFixedInvalid poisons the sum: any sum this far from the others' is taken for it.
-    for (int64_t i = 0; i < len; ++i) {
-      if (summed[i] <= INT64_MIN / 2 || summed[i] >= INT64_MAX / 2) finite = false;
-      grad[k + i] = static_cast<float>(std::ldexp(static_cast<double>(summed[i]), -kFixedBits));
-    }
-  }
-  return update(global_norm(finite), lr);
+  TANDEM_CHECK(static_cast<int64_t>(fixed.size()) == total(),
+               "optimizer: {} fixed-point gradients for {} parameters", fixed.size(), total());
+  impl_->thread->wait_all();
+  impl_->finite = true;
+  impl_->reduce_whole(nullptr, fixed);
+  return impl_->update(impl_->global_norm(), lr, counters_);
 }
 
-StepResult ShardedAdamW::update(float norm, float lr) {
-  const int64_t n = world_, chunk = stage_.numel() / (2 * n);
-  float* stage = stage_.data_as<float>();
-  float* grad = grad_.data_as<float>();
-  StepResult r = decide_step(norm, lr, config_, counters_);
-  if (r.skipped) return r;
+const model::ShardLayout& ShardedAdamW::layout() const { return impl_->layout; }
+const ShardOptions& ShardedAdamW::options() const { return impl_->options; }
+const AdamWConfig& ShardedAdamW::config() const { return impl_->config; }
+int64_t ShardedAdamW::total() const { return impl_->layout.total(); }
+const Tensor& ShardedAdamW::m() const { return impl_->m.t; }
+const Tensor& ShardedAdamW::v() const { return impl_->v.t; }
+Tensor& ShardedAdamW::m() { return impl_->m.t; }
+Tensor& ShardedAdamW::v() { return impl_->v.t; }
+Tensor& ShardedAdamW::local_params() { return impl_->params_local.t; }
 
-  ops::AdamWParams p = update_params(config_, counters_, r);
-  for_each_piece(begin_, end_, [&](size_t t, int64_t off, int64_t at, int64_t count) {
-    p.weight_decay = decay_[t] ? config_.weight_decay : 0.0f;
-    const Tensor& param = params_.storage()[t].tensor;
-    ops::adamw(flat(param).narrow(off, count), grad_.narrow(at, count), m_.narrow(at, count),
-               v_.narrow(at, count), p);
-  });
-
-  // Every rank's updated range into every rank's parameters.
-  for (int64_t k = 0; comm_ != nullptr && k < shard_; k += chunk) {
-    const int64_t len = std::min(chunk, shard_ - k);
-    float* mine = grad + k;  // the gradient chunk is spent: it carries this rank's parameters
-    std::fill(mine, mine + len, 0.0f);
-    for_each_piece(begin_ + k, begin_ + k + len,
-                   [&](size_t t, int64_t off, int64_t at, int64_t count) {
-                     std::memcpy(mine + at, params_.storage()[t].tensor.data_as<float>() + off,
-                                 static_cast<size_t>(count) * sizeof(float));
-                   });
-    comm_->all_gather(Tensor::wrap(mine, {len}, DType::f32),
-                      Tensor::wrap(stage, {n * len}, DType::f32));
-    for (int64_t q = 0; q < n; ++q) {
-      if (q == rank_) continue;
-      const int64_t lo = q * shard_ + k;
-      for_each_piece(lo, lo + len, [&](size_t t, int64_t off, int64_t at, int64_t count) {
-        std::memcpy(params_.storage()[t].tensor.data_as<float>() + off, stage + q * len + at,
-                    static_cast<size_t>(count) * sizeof(float));
-      });
-    }
-  }
-  ++counters_.step;
-  counters_.consecutive_skips = 0;
-  r.step = counters_.step;
-  return r;
+model::Weights& ShardedAdamW::params() {
+  TANDEM_CHECK(impl_->full != nullptr,
+               "optimizer: at trainer.shard = \"parameters\" no rank holds the whole weights "
+               "(gather_unit gathers one unit)");
+  return *impl_->full;
 }
+
+void ShardedAdamW::gather_unit(size_t unit, const Tensor& out) {
+  Impl& m = *impl_;
+  TANDEM_CHECK(m.sharded_params() && unit < m.units(),
+               "optimizer: gather_unit needs trainer.shard = \"parameters\" and a unit below {}",
+               m.units());
+  const model::ShardUnit& u = m.layout.units()[unit];
+  TANDEM_CHECK(out.dtype() == DType::f32 && out.numel() == u.flat.size() && out.device().is_cpu(),
+               "optimizer: gather_unit of {} needs f32({}) on the CPU, got {}", u.name,
+               u.flat.size(), out.str());
+  Buffer all(ArenaClass::parameters, m.world * u.shard);
+  m.thread->wait(
+      m.thread->submit([&] { m.gather_pieces(unit, m.params_local.f32() + u.local, all.f32()); }));
+  std::memcpy(out.data(), all.f32(), static_cast<size_t>(u.flat.size()) * sizeof(float));
+}
+
+void AdamW::begin_step() {
+  if (!grads_)
+    grads_ = std::make_unique<model::Weights>(params_.config(), DType::f32, params_.device(),
+                                              ArenaClass::gradients);
+  grads_->zero();
+}
+
+model::Weights& AdamW::gradients() {
+  if (!grads_) begin_step();
+  return *grads_;
+}
+
+int64_t AdamW::state_bytes() const { return static_cast<int64_t>(m_->nbytes() + v_->nbytes()); }
 
 }  // namespace tandem::trainer

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "core/names.h"
 #include "model/decoder.h"
 #include "model/shard_layout.h"
 #include "model/weights.h"
@@ -56,6 +57,10 @@ struct AdamWCounters {
 //     before the decoder uses it (the next unit's gather prefetched) and freed after.
 enum class ShardLevel { optimizer, gradients, parameters };
 const char* shard_level_name(ShardLevel level);
+inline constexpr NamedValue<ShardLevel> kShardLevelNames[] = {
+    {ShardLevel::optimizer, "optimizer"},
+    {ShardLevel::gradients, "gradients"},
+    {ShardLevel::parameters, "parameters"}};
 
 struct ShardOptions {
   ShardLevel level = ShardLevel::optimizer;

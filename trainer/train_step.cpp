@@ -58,21 +58,6 @@ model::PackedBatch pack(std::span<const TrainSample> samples, bool share_prompts
 
 // Adds `grads` (storage order, flattened) to `fixed` in units of 2^-kFixedBits; a non-finite or
 // too large value is carried as kFixedInvalid, which the optimizer takes for a non-finite norm.
-void add_fixed(const model::Weights& grads, std::vector<int64_t>& fixed) {
-  size_t k = 0;
-  for (const model::NamedTensor& s : grads.storage()) {
-    const float* g = s.tensor.data_as<float>();
-    for (int64_t i = 0; i < s.tensor.numel(); ++i, ++k) {
-      const double x = std::ldexp(static_cast<double>(g[i]), ShardedAdamW::kFixedBits);
-      if (fixed[k] == kFixedInvalid || !(std::abs(x) < 0x1p61)) {
-        fixed[k] = kFixedInvalid;
-        continue;
-      }
-      fixed[k] += std::llrint(x);
-    }
-  }
-}
-
 // The batch's metrics from every rank's: sums summed, extremes of the extremes, the step's
 // counters (the same on every rank) kept.
 void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
@@ -99,9 +84,17 @@ void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
                               static_cast<double>(p.mismatch_tokens),
                               p.mismatch_abs_sum,
                               p.mismatch_mult_sum};
-  std::vector<double> maxes = {
-      m.rollout_vs_trainer_max_abs, -p.ratio_min,  p.ratio_max,   -p.is_weight_min, p.is_weight_max,
-      p.mismatch_abs_max,           m.seconds_old, m.seconds_ref, m.seconds_update};
+  std::vector<double> maxes = {m.rollout_vs_trainer_max_abs,
+                               -p.ratio_min,
+                               p.ratio_max,
+                               -p.is_weight_min,
+                               p.is_weight_max,
+                               p.mismatch_abs_max,
+                               m.seconds_old,
+                               m.seconds_ref,
+                               m.seconds_update,
+                               m.comm_s,
+                               m.comm_exposed_s};
   const std::vector<double> all_sums = gather_doubles(comm, sums);
   const std::vector<double> all_maxes = gather_doubles(comm, maxes);
   std::vector<double> a(sums.size(), 0.0),
@@ -143,6 +136,8 @@ void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
   m.seconds_old = b[6];
   m.seconds_ref = b[7];
   m.seconds_update = b[8];
+  m.comm_s = b[9];
+  m.comm_exposed_s = b[10];
 }
 
 }  // namespace
@@ -156,42 +151,32 @@ void TrainStepConfig::validate() const {
   TANDEM_CHECK(temperature > 0, "trainer: temperature must be > 0, got {}", temperature);
 }
 
-PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* reference,
-                             AdamW& optimizer, const LrSchedule& schedule,
-                             const TrainStepConfig& config)
-    : policy_(policy),
-      reference_(reference),
-      optimizer_(&optimizer),
-      schedule_(schedule),
-      config_(config),
-      grads_(policy.config(), DType::f32, policy.device(), ArenaClass::gradients),
-      decoder_(std::make_unique<model::Decoder>(
-          policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})) {
-  TANDEM_CHECK(&optimizer.params() == &policy_, "trainer: the optimizer updates other weights");
-  init();
+namespace {
+
+model::DecoderOptions policy_decoder_options(Optimizer& optimizer, int64_t max_tokens) {
+  model::DecoderOptions o;
+  o.max_tokens = max_tokens;
+  o.unit_hooks = optimizer.unit_hooks();
+  return o;
 }
 
-PolicyTrainer::PolicyTrainer(model::Weights& policy, const model::Weights* reference,
-                             ShardedAdamW& optimizer, const LrSchedule& schedule,
-                             const TrainStepConfig& config)
-    : policy_(policy),
+}  // namespace
+
+PolicyTrainer::PolicyTrainer(Optimizer& optimizer, const model::Weights* reference,
+                             const LrSchedule& schedule, const TrainStepConfig& config)
+    : optimizer_(optimizer),
+      policy_(optimizer.compute_weights()),
       reference_(reference),
-      sharded_(&optimizer),
       schedule_(schedule),
       config_(config),
-      grads_(policy.config(), DType::f32, policy.device(), ArenaClass::gradients),
       decoder_(std::make_unique<model::Decoder>(
-          policy, model::DecoderOptions{.max_tokens = config.micro_batch_tokens})),
+          policy_, policy_decoder_options(optimizer, config.micro_batch_tokens))),
       comm_(optimizer.comm()) {
-  TANDEM_CHECK(&optimizer.params() == &policy_, "trainer: the optimizer updates other weights");
-  init();
-}
-
-void PolicyTrainer::init() {
   config_.validate();
-  TANDEM_CHECK(!config_.deterministic || sharded_ != nullptr,
-               "trainer: the deterministic update needs the sharded optimizer (on one rank too)");
-  if (config_.deterministic) fixed_.assign(static_cast<size_t>(sharded_->total()), 0);
+  auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer);
+  TANDEM_CHECK(!config_.deterministic || (sharded != nullptr && sharded->options().deterministic),
+               "trainer: the deterministic update needs the sharded optimizer in its "
+               "deterministic mode (on one rank too)");
   share_ = config_.share_prompts && policy_.device().is_cpu();
   TANDEM_CHECK(config_.loss.kl_beta == 0 || reference_ != nullptr,
                "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
@@ -223,19 +208,31 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
   std::vector<float> out;
   out.reserve(static_cast<size_t>(completion_tokens(samples)));
   if (entropy != nullptr) entropy->clear();
-  for (const auto& [b0, b1] :
-       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic)) {
+  const auto parts =
+      micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
+  const bool mine = dec == decoder_.get();
+  for (const auto& [b0, b1] : parts) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
     Tensor ent = Tensor::empty({batch.num_tokens()}, DType::f32);
+    if (mine) optimizer_.begin_pass(false);
     dec->forward(batch, lp, ent, config_.temperature);
     for (const int32_t row : batch.head_rows) {
       out.push_back(lp.data_as<float>()[row]);
       if (entropy != nullptr) entropy->push_back(ent.data_as<float>()[row]);
     }
   }
+  if (mine) passes_in_step(parts.size(), false);
   return out;
+}
+
+void PolicyTrainer::passes_in_step(size_t mine, bool backward) {
+  if (comm_ == nullptr || !optimizer_.lockstep(backward)) return;
+  const double n = static_cast<double>(mine);
+  double most = 0;
+  for (const double x : gather_doubles(*comm_, std::span(&n, 1))) most = std::max(most, x);
+  for (auto i = static_cast<double>(mine); i < most; ++i) optimizer_.idle_pass(backward);
 }
 
 double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
@@ -243,14 +240,16 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
                                  const LossNormalisers& norm, TrainStepMetrics& metrics) {
   double loss = 0;
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
-  for (const auto& [b0, b1] :
-       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic)) {
+  const auto parts =
+      micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
+  for (const auto& [b0, b1] : parts) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     const int64_t T = batch.num_tokens();
     metrics.packed_tokens += T;
     Tensor lp = Tensor::empty({T}, DType::f32);
     Tensor ent = Tensor::empty({T}, DType::f32);
+    optimizer_.begin_pass(true);
     decoder_->forward(batch, lp, ent, config_.temperature);
 
     std::vector<int32_t> lens;
@@ -290,17 +289,17 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
       dlogprob.data_as<float>()[batch.head_rows[i]] = pl.dlogp[i];
       if (dentropy.defined()) dentropy.data_as<float>()[batch.head_rows[i]] = pl.dentropy[i];
     }
-    if (config_.deterministic) grads_.zero();
-    decoder_->backward(dlogprob, dentropy, grads_);
-    if (config_.deterministic) add_fixed(grads_, fixed_);
+    decoder_->backward(dlogprob, dentropy, optimizer_.gradients());
+    optimizer_.end_micro_batch();
     token0 += n;
   }
+  passes_in_step(parts.size(), true);
   return loss;
 }
 
 TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
                                      const BatchShard* shard) {
-  TANDEM_CHECK(shard == nullptr || (sharded_ != nullptr && comm_ != nullptr),
+  TANDEM_CHECK(shard == nullptr || comm_ != nullptr,
                "trainer: a batch shard needs the sharded optimizer of several ranks");
   TANDEM_CHECK(shard != nullptr || comm_ == nullptr,
                "trainer: on several ranks a step needs this rank's shard of the batch");
@@ -371,18 +370,15 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
         for (size_t i = g0; i < g1; ++i) mb_tokens += shard->lengths[i];
       }
       const LossNormalisers norm{mb_tokens, static_cast<int64_t>(per_mb)};
-      grads_.zero();
-      if (config_.deterministic) std::fill(fixed_.begin(), fixed_.end(), 0);
+      optimizer_.begin_step();
       const auto old_part =
           std::span<const float>(old).subspan(token0, static_cast<size_t>(tokens));
       const auto ref_part =
           ref.empty() ? std::span<const float>()
                       : std::span<const float>(ref).subspan(token0, static_cast<size_t>(tokens));
-      if (!part.empty()) m.loss += accumulate(part, old_part, ref_part, norm, m);
+      m.loss += accumulate(part, old_part, ref_part, norm, m);
       m.lr = schedule_.lr_at(optimizer_steps_);
-      const StepResult r = config_.deterministic ? sharded_->step_fixed(fixed_, m.lr)
-                           : sharded_ != nullptr ? sharded_->step(grads_, m.lr)
-                                                 : optimizer_->step(grads_, m.lr);
+      const StepResult r = optimizer_.step(m.lr);
       m.grad_norm = r.grad_norm;
       if (r.skipped) ++m.skipped_steps;
       ++m.optimizer_steps;
@@ -391,6 +387,9 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
     }
   }
   m.seconds_update = seconds_since(t0);
+  const CommStats cs = optimizer_.take_comm_stats();
+  m.comm_s = cs.comm_s;
+  m.comm_exposed_s = cs.exposed_s;
   if (shard != nullptr) reduce_metrics(*comm_, m);
   return m;
 }

@@ -43,7 +43,8 @@ struct TrainStepConfig {
   bool share_prompts = true;
   // The same update bitwise whatever the number of data-parallel ranks: micro-batches never span
   // two groups, each one's gradient is added in 2^-40 fixed point (exact, in any order), and the
-  // optimizer sums the gradient norm in fixed blocks. Needs a ShardedAdamW, on one rank too.
+  // optimizer sums the gradient norm in fixed blocks. Needs a ShardedAdamW (ShardOptions::
+  // deterministic), on one rank too.
   bool deterministic = false;
   void validate() const;
 };
@@ -60,6 +61,9 @@ struct TrainStepMetrics {
   int64_t tokens = 0;         // completion tokens of the batch
   int64_t packed_tokens = 0;  // rows the update's forwards and backwards ran (all epochs)
   double seconds_old = 0, seconds_ref = 0, seconds_update = 0;
+  // Communication of the sharded optimizer: seconds its collectives ran, and the part the step
+  // waited for (the rest overlapped compute). The slowest rank's.
+  double comm_s = 0, comm_exposed_s = 0;
 };
 
 // This rank's part of a batch trained by several data-parallel ranks: its i-th sample is entry
@@ -73,14 +77,12 @@ struct BatchShard {
 
 class PolicyTrainer {
  public:
-  // policy: the f32 master weights that `optimizer` updates; reference: frozen weights for the
-  // KL term (may be null when loss.kl_beta == 0). All outlive the trainer.
-  PolicyTrainer(model::Weights& policy, const model::Weights* reference, AdamW& optimizer,
-                const LrSchedule& schedule, const TrainStepConfig& config);
-  // The same as one of several data-parallel ranks, each training its share of every batch with
-  // its part of the optimizer (ZeRO): the ranks of optimizer.comm().
-  PolicyTrainer(model::Weights& policy, const model::Weights* reference, ShardedAdamW& optimizer,
-                const LrSchedule& schedule, const TrainStepConfig& config);
+  // optimizer: its compute_weights() are the policy the decoders run (the f32 master weights, or
+  // at trainer.shard = "parameters" the units it gathers), and it takes every gradient; on several
+  // ranks each trains its share of every batch (optimizer.comm()). reference: frozen weights for
+  // the KL term (may be null when loss.kl_beta == 0). Both outlive the trainer.
+  PolicyTrainer(Optimizer& optimizer, const model::Weights* reference, const LrSchedule& schedule,
+                const TrainStepConfig& config);
   ~PolicyTrainer();
 
   // One training step (mu * minibatches optimizer steps) on these samples. On several ranks
@@ -89,31 +91,34 @@ class PolicyTrainer {
   // the batch's.
   TrainStepMetrics step(std::span<const TrainSample> samples, const BatchShard* shard = nullptr);
   // The logprobs of every completion token under `weights` (training forward), concatenated in
-  // sample order, and optionally the entropies.
+  // sample order, and optionally the entropies. With weights = policy() on several ranks of a
+  // sharded optimizer, collective (each rank its samples).
   std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
                               std::vector<float>* entropy = nullptr);
   // Gives the decoders' activation arenas back between steps (the rollout of a colocated job
   // wants the memory); the next step takes them again.
   void release_activations();
+  // The policy the decoders compute with (the optimizer's compute_weights()).
+  const model::Weights& policy() const { return policy_; }
   // Optimizer steps taken (the LR schedule's position); set it when resuming from a checkpoint.
   int64_t steps_done() const { return optimizer_steps_; }
   void set_steps_done(int64_t steps) { optimizer_steps_ = steps; }
 
  private:
-  void init();
   // d loss / d theta of one minibatch accumulated into grads_; returns the loss.
   double accumulate(std::span<const TrainSample> samples, std::span<const float> old_logp,
                     std::span<const float> ref_logp, const LossNormalisers& norm,
                     TrainStepMetrics& metrics);
 
-  model::Weights& policy_;
+  // Runs this rank's `mine` passes, then the idle passes that bring it to the most any rank runs
+  // when the optimizer needs the ranks in step (collective then).
+  void passes_in_step(size_t mine, bool backward);
+
+  Optimizer& optimizer_;
+  const model::Weights& policy_;
   const model::Weights* reference_;
-  AdamW* optimizer_ = nullptr;
-  ShardedAdamW* sharded_ = nullptr;
   const LrSchedule& schedule_;
   TrainStepConfig config_;
-  model::Weights grads_;
-  std::vector<int64_t> fixed_;  // deterministic: the minibatch's gradient in fixed point
   std::unique_ptr<model::Decoder> decoder_;
   std::unique_ptr<model::Decoder> ref_decoder_;  // planned once when there is a reference
   int64_t optimizer_steps_ = 0;
