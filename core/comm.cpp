@@ -8,9 +8,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 #include "core/comm_backend.h"
 #include "core/error.h"
@@ -18,6 +21,11 @@
 namespace tandem {
 
 const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::sum ? "sum" : "max"; }
+
+double EmulatedLink::seconds(double bytes, int steps) const {
+  if (!on()) return 0;
+  return bytes * 8 / (gbps * 1e9) + steps * latency_us * 1e-6;
+}
 
 namespace comm_detail {
 
@@ -58,6 +66,18 @@ std::string local_hostname(const rendezvous::Store& store, const rendezvous::Ran
   return name;
 }
 
+void check_link(const EmulatedLink& link, const std::string& group) {
+  TANDEM_CHECK(std::isfinite(link.gbps) && link.gbps >= 0 && std::isfinite(link.latency_us) &&
+                   link.latency_us >= 0,
+               "group '{}': the emulated link needs gbps >= 0 (0: off) and latency_us >= 0, found "
+               "{} gbps and {} us (distributed.emulated_link_gbps, "
+               "distributed.emulated_link_latency_us)",
+               group, link.gbps, link.latency_us);
+}
+
+// The share of a buffer each rank sends in one ring pass over n ranks (in n - 1 steps).
+double ring_share(int n) { return static_cast<double>(n - 1) / n; }
+
 }  // namespace
 
 std::unique_ptr<Communicator> Communicator::create(const rendezvous::RankInfo& info,
@@ -66,6 +86,7 @@ std::unique_ptr<Communicator> Communicator::create(const rendezvous::RankInfo& i
                options.timeout_s);
   TANDEM_CHECK(info.rank >= 0 && info.rank < info.world_size,
                "rank {} is out of range for world size {}", info.rank, info.world_size);
+  check_link(options.link, "world");
   ignore_sigpipe();
   std::unique_ptr<Communicator> c(new Communicator());
   c->rank_ = info.rank;
@@ -111,6 +132,20 @@ comm_detail::Backend& Communicator::backend_for(const Tensor& t, const char* wha
   return *nccl_;
 }
 
+void Communicator::set_link(const EmulatedLink& link) {
+  check_link(link, name_);
+  options_.link = link;
+}
+
+void Communicator::hold_for_link(std::chrono::steady_clock::time_point start, double bytes,
+                                 int steps) const {
+  if (!options_.link.on() || size_ == 1) return;
+  const auto modeled = std::chrono::duration<double>(options_.link.seconds(bytes, steps));
+  // sleep_until returns at once when the real transfer took longer already.
+  std::this_thread::sleep_until(start +
+                                std::chrono::duration_cast<std::chrono::nanoseconds>(modeled));
+}
+
 template <class Fn>
 void Communicator::guarded(const char* what, Fn&& fn) {
   try {
@@ -125,12 +160,16 @@ void Communicator::guarded(const char* what, Fn&& fn) {
 }
 
 void Communicator::all_reduce(const Tensor& t, ReduceOp op) {
+  const auto start = std::chrono::steady_clock::now();
   auto& b = backend_for(t, "all_reduce");
   guarded("all_reduce",
           [&] { b.all_reduce(t.data(), static_cast<size_t>(t.numel()), t.dtype(), op); });
+  // Ring reduce-scatter then ring all-gather.
+  hold_for_link(start, 2 * ring_share(size_) * static_cast<double>(t.nbytes()), 2 * (size_ - 1));
 }
 
 void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) {
+  const auto start = std::chrono::steady_clock::now();
   auto& b = backend_for(in, "reduce_scatter");
   TANDEM_CHECK(
       in.dtype() == out.dtype() && in.device() == out.device() && in.numel() == out.numel() * size_,
@@ -140,6 +179,7 @@ void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp 
   guarded("reduce_scatter", [&] {
     b.reduce_scatter(in.data(), out.data(), static_cast<size_t>(out.numel()), in.dtype(), op);
   });
+  hold_for_link(start, ring_share(size_) * static_cast<double>(in.nbytes()), (size_ - 1));
 }
 
 void Communicator::all_gather(const Tensor& in, const Tensor& out) {
@@ -149,6 +189,7 @@ void Communicator::all_gather(const Tensor& in, const Tensor& out) {
 
 void Communicator::all_gather_v(const Tensor& in, const Tensor& out,
                                 std::span<const int64_t> counts) {
+  const auto start = std::chrono::steady_clock::now();
   auto& b = backend_for(in, "all_gather");
   TANDEM_CHECK(static_cast<int>(counts.size()) == size_,
                "all_gather on group '{}': {} counts for {} ranks", name_, counts.size(), size_);
@@ -161,29 +202,45 @@ void Communicator::all_gather_v(const Tensor& in, const Tensor& out,
                name_, rank_, in.str(), counts[static_cast<size_t>(rank_)], out.str(), total);
   std::vector<size_t> sizes(counts.begin(), counts.end());
   guarded("all_gather", [&] { b.all_gather_v(in.data(), out.data(), sizes, in.dtype()); });
+  hold_for_link(start, ring_share(size_) * static_cast<double>(out.nbytes()), (size_ - 1));
 }
 
 void Communicator::broadcast(const Tensor& t, int root) {
+  const auto start = std::chrono::steady_clock::now();
   auto& b = backend_for(t, "broadcast");
   TANDEM_CHECK(root >= 0 && root < size_, "broadcast on group '{}': root {} is not a rank of {}",
                name_, root, size_);
   guarded("broadcast",
           [&] { b.broadcast(t.data(), static_cast<size_t>(t.numel()), t.dtype(), root); });
+  // A pipelined ring from the root: every rank but the last sends the bytes once, and no rank has
+  // them before the root has sent them.
+  hold_for_link(start, static_cast<double>(t.nbytes()), (size_ - 1));
 }
 
 void Communicator::send_recv(std::span<const P2POp> ops) {
   if (ops.empty()) return;
+  const auto start = std::chrono::steady_clock::now();
   auto& b = backend_for(ops.front().tensor, "send_recv");
   for (const auto& op : ops)
     TANDEM_CHECK(op.tensor.device() == ops.front().tensor.device(),
                  "send_recv on group '{}': one call moves tensors of one device ({} and {})", name_,
                  op.tensor.device().str(), ops.front().tensor.device().str());
   guarded("send_recv", [&] { b.send_recv(ops); });
+  // The link carries both ways at once: the larger of the bytes sent and received, one step.
+  double sent = 0, received = 0;
+  for (const auto& op : ops)
+    (op.kind == P2POp::Kind::send ? sent : received) += static_cast<double>(op.tensor.nbytes());
+  hold_for_link(start, std::max(sent, received), 1);
 }
 
 void Communicator::barrier() {
+  const auto start = std::chrono::steady_clock::now();
   check_usable("barrier");
   guarded("barrier", [&] { gloo_->barrier(); });
+  // The dissemination barrier's rounds: ceil(log2(size)).
+  int rounds = 0;
+  while ((1 << rounds) < size_) ++rounds;
+  hold_for_link(start, 0, rounds);
 }
 
 std::unique_ptr<Communicator> Communicator::split(const std::string& name,

@@ -18,6 +18,18 @@ namespace tandem {
 enum class ReduceOp { sum, max };
 const char* reduce_op_name(ReduceOp op);
 
+// A network that a Communicator emulates on top of its real transport (docs/distributed.md, "The
+// emulated link"): after each call it sleeps until the time a link of this bandwidth and latency
+// would have needed for the bytes this rank sends under a ring algorithm, counted from the call's
+// start. Off at 0 gbps.
+struct EmulatedLink {
+  double gbps = 0;        // bandwidth, 10^9 bits per second each way; 0: off
+  double latency_us = 0;  // added once per ring step
+  bool on() const { return gbps > 0; }
+  // Seconds to send `bytes` in `steps` ring steps; 0 when off.
+  double seconds(double bytes, int steps) const;
+};
+
 struct CommOptions {
   // Bound of every collective, of the rendezvous and of the store: a dead or stuck peer becomes a
   // tandem::Error after this long instead of a hang (distributed.timeout_s).
@@ -27,6 +39,9 @@ struct CommOptions {
   // CUDA: an NCCL communicator on this device carries the CUDA tensors (CPU ones still go over
   // Gloo). Needs a build with NCCL.
   Device device = Device::cpu();
+  // Off unless link.gbps > 0 (distributed.emulated_link_gbps,
+  // distributed.emulated_link_latency_us).
+  EmulatedLink link;
 };
 
 // One transfer of a grouped send_recv: `tensor` goes to, or is filled from, group rank `peer`.
@@ -64,6 +79,11 @@ class Communicator {
   // This group's rank r as a rank of the world.
   int world_rank(int r) const { return world_ranks_[static_cast<size_t>(r)]; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // The emulated link of this group's calls, from CommOptions.link; set_link changes it from the
+  // next call on (a bench compares links in one run). A split group starts with its parent's link
+  // at the time of the split. Throws on a negative bandwidth or latency.
+  const EmulatedLink& link() const { return options_.link; }
+  void set_link(const EmulatedLink& link);
 
   // t = op over the ranks' t, in place.
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum);
@@ -93,6 +113,9 @@ class Communicator {
   comm_detail::Backend& backend_for(const Tensor& t, const char* what);
   template <class Fn>
   void guarded(const char* what, Fn&& fn);
+  // With an emulated link in a group of more than one rank: sleeps until `start` plus the link's
+  // time for `bytes` sent in `steps` ring steps.
+  void hold_for_link(std::chrono::steady_clock::time_point start, double bytes, int steps) const;
 
   int rank_ = 0, size_ = 1;
   std::string name_;

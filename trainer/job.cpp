@@ -550,11 +550,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                world, info.source, job.where("placement.mode"));
   std::unique_ptr<Communicator> comm;
   if (world > 1) {
-    CommOptions o;
-    o.timeout_s = job.distributed.timeout_s;
-    o.store = job.distributed.store;
-    o.master = job.distributed.master;
-    comm = Communicator::create(info, o);
+    comm = Communicator::create(info, comm_options(job.distributed));
     verify_same_config(*comm, to_toml(job));
   }
   // The writer (rank 0) checks and locks the run and checkpoint directories for the job's life.

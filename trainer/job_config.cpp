@@ -533,6 +533,17 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("distributed.master", TANDEM_MEMBER(distributed.master),
               "HOST:PORT of the coordinator (rank 0), over the launcher's MASTER_ADDR/"
               "MASTER_PORT or Slurm node list; empty: from the launcher."));
+  add(bind<J>("distributed.emulated_link_gbps", TANDEM_MEMBER(distributed.emulated_link_gbps),
+              "Emulate a network of this many Gbit/s: each collective and send/recv returns no "
+              "sooner than a ring over such a link would have moved this rank's bytes, sleeping "
+              "the difference without spending CPU (for benchmarks and tests of overlap on one "
+              "machine; docs/distributed.md). 0: off."))
+      .range(0, std::nullopt);
+  add(bind<J>("distributed.emulated_link_latency_us",
+              TANDEM_MEMBER(distributed.emulated_link_latency_us),
+              "Latency of the emulated link, in microseconds, added once per ring step; used "
+              "when distributed.emulated_link_gbps > 0."))
+      .range(0, std::nullopt);
   // weight_sync
   add(bind<J>("weight_sync.bucket_mb", TANDEM_MEMBER(weight_sync.bucket_mb),
               "MiB a rank sends, and receives, in one round of a publish at most (its two send "
@@ -589,7 +600,8 @@ std::shared_ptr<const config::Schema> make_schema() {
               "Held-out evaluation: mean reward, pass@1 with its 95% Wilson interval over the "
               "prompts, pass@k.");
   s->describe("placement", "Where rollout and training run.");
-  s->describe("distributed", "Multi-rank jobs: rendezvous and timeouts (docs/distributed.md).");
+  s->describe("distributed",
+              "Multi-rank jobs: rendezvous, timeouts and an emulated link (docs/distributed.md).");
   s->describe("weight_sync",
               "The publish of the trainer's weights into the rollout engines' after each step, "
               "and its checks (docs/weight-sync.md).");
@@ -641,6 +653,11 @@ void check_job(const Config& c, JobConfig& j) {
     c.fail(
         "distributed.store",
         fmt::format("expected \"tcp\" or \"file:/shared/dir\", found \"{}\"", j.distributed.store));
+  if (j.distributed.emulated_link_latency_us > 0 && j.distributed.emulated_link_gbps == 0)
+    c.fail("distributed.emulated_link_latency_us",
+           fmt::format("{} us is used only with an emulated bandwidth: set "
+                       "distributed.emulated_link_gbps > 0 too, or the latency to 0",
+                       j.distributed.emulated_link_latency_us));
   const PlacementSection& pl = j.placement;
   if (pl.mode == "disaggregated") {
     if (pl.workers.empty())
@@ -743,6 +760,15 @@ JobConfig load_job_config(const std::string& path, std::span<const std::string> 
 JobConfig parse_job_config(std::string_view text, const std::string& source,
                            std::span<const std::string> overrides) {
   return from_config(config::parse(job_schema(), text, source, overrides));
+}
+
+CommOptions comm_options(const DistributedSection& d) {
+  CommOptions o;
+  o.timeout_s = d.timeout_s;
+  o.store = d.store;
+  o.master = d.master;
+  o.link = {d.emulated_link_gbps, d.emulated_link_latency_us};
+  return o;
 }
 
 std::string to_toml(const JobConfig& job) {

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/comm.h"
 #include "core/config.h"
 #include "kernels/ops.h"
 #include "trainer/grpo.h"
@@ -182,12 +183,18 @@ struct WeightSyncSection {
 constexpr double kCanaryToleranceF32 = 1e-3;
 constexpr double kCanaryToleranceBf16 = 2.0;
 
-// Multi-rank jobs (docs/distributed.md): the Communicator's store, coordinator and timeout.
+// Multi-rank jobs (docs/distributed.md): the Communicator's store, coordinator, timeout and
+// emulated link.
 struct DistributedSection {
-  double timeout_s = 300;     // bound of the rendezvous, the store and every collective
-  std::string store = "tcp";  // "tcp" (rank 0 serves it) or "file:/shared/dir"
-  std::string master;         // "HOST:PORT" of the coordinator over the launcher's variables
+  double timeout_s = 300;         // bound of the rendezvous, the store and every collective
+  std::string store = "tcp";      // "tcp" (rank 0 serves it) or "file:/shared/dir"
+  std::string master;             // "HOST:PORT" of the coordinator over the launcher's variables
+  double emulated_link_gbps = 0;  // EmulatedLink::gbps; 0: the real transport only
+  double emulated_link_latency_us = 0;  // EmulatedLink::latency_us
 };
+
+// The options of the job's world Communicator (on the CPU).
+CommOptions comm_options(const DistributedSection& d);
 
 struct JobConfig {
   ModelSection model;

@@ -1,7 +1,9 @@
 // The per-rank side of the multi-process tests: one scenario per run (collectives against a plain
-// reference, a dying or stuck rank, bootstrap facts, config checks, a failing rank for launch).
+// reference, a dying or stuck rank, bootstrap facts, config checks, a failing rank for launch,
+// all-gathers over an emulated link, alone and on a CommThread beside compute).
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "core/comm_thread.h"
 #include "core/error.h"
 
 namespace {
@@ -321,6 +324,94 @@ int scenario_config(const tandem::CommOptions& options, bool differ) {
   return 0;
 }
 
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double cpu_seconds() {  // user + system time of every thread of this process
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
+  return s(u.ru_utime) + s(u.ru_stime);
+}
+
+// All-gathers of `mib` MiB of f32 from each rank over an emulated link of `gbps`.
+constexpr int kLinkGathers = 4;
+int64_t link_piece(double mib) { return static_cast<int64_t>(mib * (1 << 20)) / 4; }
+
+// The link's time for kLinkGathers all-gathers into `out`: each rank sends (n - 1) / n of it in
+// n - 1 ring steps.
+double modeled_gathers(const Communicator& comm, const Tensor& out) {
+  const int n = comm.size();
+  return kLinkGathers * comm.link().seconds(static_cast<double>(out.nbytes()) * (n - 1) / n, n - 1);
+}
+
+// kLinkGathers all-gathers: the wall and CPU time they took, the fastest one, and the link's
+// modeled time for all and for one. (Wake-ups late by a busy machine only add time: the fastest
+// call shows the emulation's own overshoot.)
+int scenario_link_gather(tandem::CommOptions options, double gbps, double mib) {
+  const int64_t piece = link_piece(mib);
+  options.link.gbps = gbps;
+  auto comm = Communicator::from_environment(options);
+  Tensor in = filled(piece, DType::f32, 7, comm->rank());
+  Tensor out = Tensor::empty({piece * comm->size()}, DType::f32);
+  const double modeled = modeled_gathers(*comm, out);
+  comm->barrier();
+  const double cpu0 = cpu_seconds();
+  const auto t0 = std::chrono::steady_clock::now();
+  double fastest = 1e30;
+  for (int i = 0; i < kLinkGathers; ++i) {
+    const auto call = std::chrono::steady_clock::now();
+    comm->all_gather(in, out);
+    fastest = std::min(fastest, seconds_since(call));
+  }
+  const double wall = seconds_since(t0), cpu = cpu_seconds() - cpu0;
+  check_values(out, "all_gather over the emulated link",
+               [&](int64_t i) { return value_of(7, static_cast<int>(i / piece), i % piece); });
+  std::printf("wall %.4f modeled %.4f cpu %.4f fastest %.4f modeled_one %.4f\n", wall, modeled, cpu,
+              fastest, modeled / kLinkGathers);
+  std::printf("%s rank %d of %d\n", failures == 0 ? "ok" : "failed", comm->rank(), comm->size());
+  return failures == 0 ? 0 : 1;
+}
+
+// The same all-gathers on a CommThread (on a communicator split off for it) while this thread
+// computes for the link's modeled time: the total, the compute time, and the thread's stats.
+int scenario_link_overlap(tandem::CommOptions options, double gbps, double mib) {
+  const int64_t piece = link_piece(mib);
+  options.link.gbps = gbps;
+  auto world = Communicator::from_environment(options);
+  std::vector<int> all;
+  for (int q = 0; q < world->size(); ++q) all.push_back(q);
+  std::unique_ptr<Communicator> comm = world->split("comm", all);
+  Tensor in = filled(piece, DType::f32, 8, comm->rank());
+  std::vector<Tensor> outs;
+  for (int i = 0; i < kLinkGathers; ++i)
+    outs.push_back(Tensor::empty({piece * comm->size()}, DType::f32));
+  const double modeled = modeled_gathers(*comm, outs[0]);
+  tandem::CommThread thread("comm");
+  world->barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const Tensor& out : outs) thread.submit([&comm, &in, out] { comm->all_gather(in, out); });
+  // Compute: a dependent chain of multiply-adds for the modeled time.
+  const auto compute_start = std::chrono::steady_clock::now();
+  double x = 1.0;
+  while (seconds_since(compute_start) < modeled)
+    for (int i = 0; i < 10000; ++i) x = x * 0.999999 + 1e-6;
+  const double compute = seconds_since(compute_start);
+  thread.wait_all();
+  const double total = seconds_since(t0);
+  const tandem::CommThread::Stats stats = thread.take_stats();
+  for (const Tensor& out : outs)
+    check_values(out, "all_gather on the comm thread",
+                 [&](int64_t i) { return value_of(8, static_cast<int>(i / piece), i % piece); });
+  expect(stats.closures == kLinkGathers, "every all_gather ran on the comm thread");
+  std::printf("total %.4f compute %.4f modeled %.4f busy %.4f waited %.4f (x %.3f)\n", total,
+              compute, modeled, stats.busy_s, stats.waited_s, x);
+  world->barrier();
+  std::printf("%s rank %d of %d\n", failures == 0 ? "ok" : "failed", world->rank(), world->size());
+  return failures == 0 ? 0 : 1;
+}
+
 int scenario_fail(int victim, int code) {
   const char* rank_text = std::getenv("RANK");
   const int rank = rank_text != nullptr ? std::atoi(rank_text) : 0;
@@ -344,7 +435,8 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: tandem_comm_worker collectives|cuda|die K|stuck K|info|config same|differ|"
-                 "fail K CODE\n");
+                 "fail K CODE|link_gather GBPS MIB|"
+                 "link_overlap GBPS MIB\n");
     return 2;
   }
   const std::string what = argv[1];
@@ -363,6 +455,10 @@ int main(int argc, char** argv) {
     if (what == "info") return scenario_info(options);
     if (what == "config") return scenario_config(options, std::string(argv[2]) == "differ");
     if (what == "fail") return scenario_fail(std::atoi(argv[2]), std::atoi(argv[3]));
+    if (what == "link_gather")
+      return scenario_link_gather(options, std::atof(argv[2]), std::atof(argv[3]));
+    if (what == "link_overlap")
+      return scenario_link_overlap(options, std::atof(argv[2]), std::atof(argv[3]));
   } catch (const tandem::Error& e) {
     std::printf("error: %s\n", e.what());
     std::fflush(stdout);
