@@ -1,6 +1,8 @@
 // Bump-pointer arenas over one device allocation each.
 #include "core/arena.h"
 
+#include "core/memory_ledger.h"
+
 namespace tandem {
 
 const char* arena_class_name(ArenaClass c) {
@@ -40,13 +42,21 @@ Tensor Arena::alloc(const Shape& shape, DType dtype) {
 }
 
 void Arena::release() {
+  if (base_ != nullptr) memory_ledger::release(cls_, capacity_);
   device_free(device_, base_);
   base_ = nullptr;
   used_ = 0;
 }
 
 void Arena::reserve() {
-  if (base_ == nullptr) base_ = static_cast<char*>(device_alloc(device_, capacity_));
+  if (base_ != nullptr) return;
+  memory_ledger::reserve(cls_, capacity_);  // throws past the process's cap, holding nothing
+  try {
+    base_ = static_cast<char*>(device_alloc(device_, capacity_));
+  } catch (...) {
+    memory_ledger::release(cls_, capacity_);
+    throw;
+  }
 }
 
 }  // namespace tandem

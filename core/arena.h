@@ -12,7 +12,9 @@ enum class ArenaClass : uint8_t { parameters, gradients, optimizer_states, activ
 const char* arena_class_name(ArenaClass c);
 
 // Addresses stay fixed from reserve() to release(), so CUDA graphs may capture them. Tensors
-// from alloc() borrow the arena's memory and are invalid after reset() or release().
+// from alloc() borrow the arena's memory and are invalid after reset() or release(). While
+// reserved, the capacity counts in the process's core/memory_ledger.h by class; a reserve (the
+// constructor's too) that would take the ledger past its cap throws, holding nothing.
 class Arena {
  public:
   static constexpr size_t kAlignment = 256;

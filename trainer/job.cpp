@@ -540,6 +540,8 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                "({})",
                job.rollout.prompts_per_step, world, world, job.where("rollout.prompts_per_step"));
   check_job_dirs(job);  // before the model's load, which takes a while
+  // placement.rank_memory_limit_gb: from here every arena of the job counts against it.
+  const memory_ledger::ScopedLimit memory_cap(rank_memory_limit(job));
   // Read once, here: the rollout's tensor-parallel split is checked against it before anything
   // is written or connected, and the job trains it.
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);

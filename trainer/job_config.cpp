@@ -488,6 +488,12 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "generating its replica's prompts. Must divide the ranks and the model's query "
               "heads, MLP width and vocabulary (checked at start-up; docs/weight-sync.md)."))
       .range(1, 4096);
+  add(bind<J>("placement.rank_memory_limit_gb", TANDEM_MEMBER(placement.rank_memory_limit_gb),
+              "The most memory, GiB, that each rank's arenas may hold together (weights, "
+              "gradients, optimizer state, activations, KV cache); a reserve past it stops the "
+              "job with an error naming the class and what each holds. 0: no cap. What it counts "
+              "and what it does not: \"Per-rank memory cap\" above."))
+      .range(0, 1e6);
   add(bind<J>("placement.workers", TANDEM_MEMBER(placement.workers),
               "Disaggregated: the rollout workers, \"host:port\" each (`tandem serve`); each group "
               "of a step goes to the one with the fewest calls in flight."));
@@ -792,5 +798,11 @@ std::string JobConfig::where(std::string_view key) const {
 }
 
 std::string job_config_markdown() { return config::markdown(*job_schema()); }
+
+memory_ledger::Limit rank_memory_limit(const JobConfig& job) {
+  constexpr const char* kKey = "placement.rank_memory_limit_gb";
+  return {static_cast<size_t>(job.placement.rank_memory_limit_gb * 1024 * 1024 * 1024), kKey,
+          job.where(kKey)};
+}
 
 }  // namespace tandem::trainer

@@ -14,6 +14,7 @@
 
 #include "core/comm.h"
 #include "core/config.h"
+#include "core/memory_ledger.h"
 #include "kernels/ops.h"
 #include "trainer/grpo.h"
 #include "trainer/lr_schedule.h"
@@ -148,6 +149,8 @@ struct PlacementSection {
   // Ranks of one rollout engine (tensor parallel; colocated: world / rollout_tp replicas of
   // consecutive ranks). It divides the ranks and the model's heads, MLP width and vocabulary.
   int64_t rollout_tp = 1;
+  // A cap on the arena memory of each rank, GiB (0: none): rank_memory_limit() below.
+  double rank_memory_limit_gb = 0;
   // Disaggregated (docs/serve.md "A disaggregated job"): the rollout workers (`tandem serve`)
   // that generate every step's samples, and how the job calls them.
   std::vector<std::string> workers;     // host:port of each
@@ -231,5 +234,8 @@ JobConfig parse_job_config(std::string_view text, const std::string& source,
 std::string to_toml(const JobConfig& job);
 // docs/config.md's reference section, generated from the schema.
 std::string job_config_markdown();
+// placement.rank_memory_limit_gb as the cap of core/memory_ledger.h, naming the key and where it
+// was set.
+memory_ledger::Limit rank_memory_limit(const JobConfig& job);
 
 }  // namespace tandem::trainer

@@ -1,5 +1,5 @@
-// The record phase of a job's step on rank 0: the metrics line (metrics.jsonl and TensorBoard),
-// the report, the progress line and a sample.
+// The record phase of a job's step: every rank's memory peaks gathered, then on rank 0 the
+// metrics line (metrics.jsonl and TensorBoard), the report, the progress line and a sample.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,9 +7,13 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
 
 #include <sys/resource.h>
 
+#include "core/memory_ledger.h"
 #include "trainer/job_runner.h"
 #include "trainer/report.h"
 
@@ -23,6 +27,40 @@ double peak_rss_mib() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+double mib(size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+// A rank's memory figures, in this order: the peak of each ledger class since the previous
+// step, of the arenas together, and the process's peak RSS, MiB.
+constexpr size_t kMemoryFigures = memory_ledger::kClasses + 2;
+
+// Every rank's memory figures in rank order (every rank takes part); the ledger's peaks start
+// again from what each rank holds now.
+std::vector<double> memory_by_rank(Communicator* comm) {
+  const memory_ledger::Snapshot s = memory_ledger::reset_peaks();
+  std::vector<double> mine;
+  for (const ArenaClass c : memory_ledger::kAllClasses) mine.push_back(mib(s[c].peak));
+  mine.push_back(mib(s.total.peak));
+  mine.push_back(peak_rss_mib());
+  return comm != nullptr ? gather_doubles(*comm, mine) : mine;
+}
+
+// memory/<class>_peak_mib, memory/arena_peak_mib and memory/peak_rss_mib of rank 0, and with
+// several ranks each rank's as memory/rank<r>/...
+void add_memory_metrics(nlohmann::ordered_json& j, std::span<const double> all) {
+  const auto add = [&](const std::string& prefix, std::span<const double> f) {
+    for (size_t k = 0; k < memory_ledger::kClasses; ++k)
+      j[fmt::format("{}{}_peak_mib", prefix,
+                    memory_ledger::class_label(memory_ledger::kAllClasses[k]))] = f[k];
+    j[prefix + "arena_peak_mib"] = f[memory_ledger::kClasses];
+    j[prefix + "peak_rss_mib"] = f[memory_ledger::kClasses + 1];
+  };
+  add("memory/", all.first(kMemoryFigures));
+  const size_t ranks = all.size() / kMemoryFigures;
+  if (ranks > 1)
+    for (size_t r = 0; r < ranks; ++r)
+      add(fmt::format("memory/rank{}/", r), all.subspan(r * kMemoryFigures, kMemoryFigures));
 }
 
 std::string format_eta(double seconds) {
@@ -46,6 +84,7 @@ void Job::write_metrics(const nlohmann::ordered_json& line) {
 // The record phase: the step's metrics line, the report, the progress line and a sample.
 void Job::record(const Collected& c, const Selected& s, const Updated& u, double step_s,
                  Role role) {
+  const std::vector<double> memory = memory_by_rank(comm_);
   if (role != Role::writer) return;
   const TrainStepMetrics& tm = u.train;
   int64_t samples = 0, tokens = 0, max_len = 0, truncated = 0;
@@ -98,7 +137,7 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   j["dynamic_sampling/groups_generated"] = c.groups.size();
   j["dynamic_sampling/groups_kept"] = c.groups_kept;
   j["dynamic_sampling/refill_rounds"] = c.refill_rounds;
-  j["memory/peak_rss_mib"] = peak_rss_mib();  // rank 0's
+  add_memory_metrics(j, memory);
   j["memory/optimizer_state_mib"] =
       static_cast<double>(optimizer_->state_bytes()) / (1024.0 * 1024.0);
   j["distributed/ranks"] = world_;

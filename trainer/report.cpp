@@ -7,12 +7,14 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <vector>
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/memory_ledger.h"
 
 namespace tandem::trainer {
 namespace {
@@ -148,6 +150,60 @@ void add_fallback_series(const nlohmann::json& line, std::vector<Chart>& charts)
   }
 }
 
+// The columns of the memory table: each ledger class's peak, the arenas' together and the peak
+// RSS, as the metrics name them after memory/ or memory/rank<r>/ (trainer/job_record.cpp).
+std::vector<std::pair<std::string, std::string>> memory_columns() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const ArenaClass c : memory_ledger::kAllClasses)
+    out.emplace_back(fmt::format("{}_peak_mib", memory_ledger::class_label(c)),
+                     memory_ledger::class_label(c));
+  out.emplace_back("arena_peak_mib", "arenas together");
+  out.emplace_back("peak_rss_mib", "process peak RSS");
+  return out;
+}
+
+// The most each rank held over the run, by column (NAN: never logged).
+using MemoryTable = std::map<int64_t, std::vector<double>>;
+
+void add_memory_row(const nlohmann::json& line, MemoryTable& table) {
+  const auto columns = memory_columns();
+  const auto take = [&](int64_t rank, const std::string& prefix) {
+    for (size_t k = 0; k < columns.size(); ++k) {
+      const auto it = line.find(prefix + columns[k].first);
+      if (it == line.end() || !it->is_number()) continue;
+      std::vector<double>& row = table.try_emplace(rank, columns.size(), NAN).first->second;
+      const double v = it->get<double>();
+      row[k] = std::isnan(row[k]) ? v : std::max(row[k], v);
+    }
+  };
+  take(0, "memory/");  // rank 0's, also logged alone on one rank
+  for (int64_t r = 0; line.contains(fmt::format("memory/rank{}/peak_rss_mib", r)); ++r)
+    take(r, fmt::format("memory/rank{}/", r));
+}
+
+std::string memory_table_html(const MemoryTable& table) {
+  const auto columns = memory_columns();
+  // A run that logged its RSS alone (before the ledger's metrics) has no table.
+  const bool classes = std::any_of(table.begin(), table.end(), [](const auto& row) {
+    return std::any_of(row.second.begin(), row.second.end() - 2,
+                       [](double v) { return !std::isnan(v); });
+  });
+  if (!classes) return "";
+  std::string out =
+      "<h2>peak memory by class and rank (MiB)</h2><p>The most each rank's arenas held in a step, "
+      "by class (core/memory_ledger.h), and the process's peak resident memory.</p>"
+      "<table class=\"memory\"><tr><th>rank</th>";
+  for (const auto& [key, label] : columns) out += fmt::format("<th>{}</th>", escape(label));
+  out += "</tr>";
+  for (const auto& [rank, row] : table) {
+    out += fmt::format("<tr data-rank=\"{}\"><td>{}</td>", rank, rank);
+    for (const double v : row)
+      out += std::isnan(v) ? std::string("<td>-</td>") : fmt::format("<td>{:.1f}</td>", v);
+    out += "</tr>";
+  }
+  return out + "</table>";
+}
+
 }  // namespace
 
 void write_report(const std::string& metrics_jsonl, const std::string& html_path,
@@ -189,12 +245,14 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
   std::ifstream in(metrics_jsonl);
   std::string line;
   int64_t rows = 0;
+  MemoryTable memory;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (!j.is_object() || !j.contains("step") || !j["step"].is_number()) continue;
     ++rows;
     const double step = j["step"].get<double>();
     add_fallback_series(j, charts);
+    add_memory_row(j, memory);
     for (Chart& c : charts)
       for (Series& s : c.series)
         if (j.contains(s.key) && j[s.key].is_number()) {
@@ -212,6 +270,8 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
       "body{{font-family:sans-serif;margin:24px;color:#222}}"
       ".charts{{display:flex;flex-wrap:wrap;gap:16px}}"
       ".chart{{border:1px solid #ddd;background:#fff}}.title{{font-weight:bold;font-size:13px}}"
+      "table.memory{{border-collapse:collapse;margin-top:8px}}"
+      ".memory td,.memory th{{border:1px solid #ddd;padding:3px 8px;text-align:right}}"
       ".axis{{stroke:#888}}.tick{{font-size:10px;fill:#555}}.legend{{font-size:11px;fill:#333}}"
       "</style></head><body><h1>{0}</h1><p>{1} metric lines from {2}</p><div class=\"charts\">",
       escape(title), rows, escape(metrics_jsonl));
@@ -220,7 +280,7 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
                                    [](const Series& s) { return s.points.empty(); });
     if (!(c.optional && empty)) html += svg(c);
   }
-  html += "</div></body></html>\n";
+  html += "</div>" + memory_table_html(memory) + "</body></html>\n";
   write_file_atomically(html_path, html, "free space or move logging.dir");
 }
 

@@ -69,3 +69,43 @@ TEST_CASE("a report write that fails leaves no temporary file and names the repo
   CHECK(!std::filesystem::exists(html_path + ".tmp"));
   CHECK(std::filesystem::exists(tmp.file("report.html/keep")));
 }
+
+TEST_CASE("report html tables each rank's largest memory peak by class over the run", "[unit]") {
+  const tandem::test::TempDir tmp("report-memory");
+  std::string lines;
+  for (int s = 1; s <= 3; ++s) {
+    const double kv = s == 2 ? 40 : 10;  // the run's peak is step 2's, not the last step's
+    lines += "{\"step\": " + std::to_string(s) + R"(, "memory/weights_peak_mib": 5, )" +
+             R"("memory/peak_rss_mib": 300, )";
+    for (int r = 0; r < 2; ++r) {
+      const std::string p = "\"memory/rank" + std::to_string(r) + "/";
+      lines += p + "weights_peak_mib\": " + std::to_string(5 - 2 * r) + ", " + p +
+               "kv_cache_peak_mib\": " + std::to_string(kv + r) + ", " + p +
+               "arena_peak_mib\": 50, " + p + "peak_rss_mib\": " + std::to_string(300 + r) +
+               (r == 1 ? "}\n" : ", ");
+    }
+  }
+  const std::string html_path = tmp.file("report.html");
+  tandem::trainer::write_report(tmp.write("metrics.jsonl", lines), html_path, "run");
+  std::stringstream ss;
+  ss << std::ifstream(html_path).rdbuf();
+  const std::string html = ss.str();
+  INFO(html);
+  CHECK(html.find("peak memory by class and rank (MiB)") != std::string::npos);
+  CHECK(html.find("<th>weights</th><th>gradients</th><th>optimizer</th><th>activations</th>"
+                  "<th>kv_cache</th><th>arenas together</th><th>process peak RSS</th>") !=
+        std::string::npos);
+  // Unlogged classes show "-"; the kv_cache column keeps step 2's peak.
+  CHECK(html.find("<tr data-rank=\"0\"><td>0</td><td>5.0</td><td>-</td><td>-</td><td>-</td>"
+                  "<td>40.0</td><td>50.0</td><td>300.0</td></tr>") != std::string::npos);
+  CHECK(html.find("<tr data-rank=\"1\"><td>1</td><td>3.0</td><td>-</td><td>-</td><td>-</td>"
+                  "<td>41.0</td><td>50.0</td><td>301.0</td></tr>") != std::string::npos);
+  CHECK(html.find("data-rank=\"2\"") == std::string::npos);
+
+  // A run that logged only its RSS has no table.
+  tandem::trainer::write_report(
+      tmp.write("rss.jsonl", "{\"step\": 1, \"memory/peak_rss_mib\": 300}\n"), html_path, "run");
+  std::stringstream ss2;
+  ss2 << std::ifstream(html_path).rdbuf();
+  CHECK(ss2.str().find("peak memory by class and rank") == std::string::npos);
+}
