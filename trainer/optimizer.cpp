@@ -240,8 +240,9 @@ struct Buffer {
     t = arena->alloc({std::max<int64_t>(n, 1)}, dtype).narrow(0, n);
     t.zero();
   }
-  float* f32() const { return t.data_as<float>(); }
-  int64_t* i64() const { return t.data_as<int64_t>(); }
+  // The memory as floats or 64-bit integers (a staging buffer serves both).
+  float* f32() const { return static_cast<float*>(t.data()); }
+  int64_t* i64() const { return static_cast<int64_t*>(t.data()); }
 };
 
 // Gradient x in fixed point, or false when it is not finite or too large for the sum.
@@ -325,7 +326,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     if (comm != nullptr) {
       std::vector<int> all(static_cast<size_t>(world));
       for (int r = 0; r < world; ++r) all[static_cast<size_t>(r)] = r;
-      thread_comm = comm->split(comm->name() + "/shard", all);
+      thread_comm = comm->split("shard", all);
     }
     thread = std::make_unique<CommThread>("shard");
     resident.resize(units());
@@ -389,6 +390,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
         if (thread_comm)
           thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::i64),
                                       Tensor::wrap(sum, {len}, DType::i64));
+        else
+          std::copy(st, st + len, sum);
         int64_t* acc = fixed_sum.i64() + local + k;
         for (int64_t i = 0; i < len; ++i) acc[i] += sum[i];
       } else {
@@ -580,6 +583,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
             if (thread_comm)
               thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::i64),
                                           Tensor::wrap(sum, {len}, DType::i64));
+            else
+              std::copy(st, st + len, sum);
             for (int64_t i = 0; i < len; ++i)
               out[i] = static_cast<float>(std::ldexp(static_cast<double>(sum[i]), -kFixedBits));
           } else {

@@ -211,6 +211,8 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
   const auto parts =
       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
   const bool mine = dec == decoder_.get();
+  // Every rank's count first: the collectives of a pass run as it computes.
+  const size_t passes = mine ? agree_passes(parts.size(), false) : parts.size();
   for (const auto& [b0, b1] : parts) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
@@ -223,16 +225,16 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
       if (entropy != nullptr) entropy->push_back(ent.data_as<float>()[row]);
     }
   }
-  if (mine) passes_in_step(parts.size(), false);
+  for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(false);
   return out;
 }
 
-void PolicyTrainer::passes_in_step(size_t mine, bool backward) {
-  if (comm_ == nullptr || !optimizer_.lockstep(backward)) return;
+size_t PolicyTrainer::agree_passes(size_t mine, bool backward) {
+  if (comm_ == nullptr || !optimizer_.lockstep(backward)) return mine;
   const double n = static_cast<double>(mine);
   double most = 0;
   for (const double x : gather_doubles(*comm_, std::span(&n, 1))) most = std::max(most, x);
-  for (auto i = static_cast<double>(mine); i < most; ++i) optimizer_.idle_pass(backward);
+  return static_cast<size_t>(most);
 }
 
 double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
@@ -242,6 +244,7 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
   const auto parts =
       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
+  const size_t passes = agree_passes(parts.size(), true);
   for (const auto& [b0, b1] : parts) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
@@ -293,7 +296,7 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     optimizer_.end_micro_batch();
     token0 += n;
   }
-  passes_in_step(parts.size(), true);
+  for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(true);
   return loss;
 }
 

@@ -110,9 +110,9 @@ class PolicyTrainer {
                     std::span<const float> ref_logp, const LossNormalisers& norm,
                     TrainStepMetrics& metrics);
 
-  // Runs this rank's `mine` passes, then the idle passes that bring it to the most any rank runs
-  // when the optimizer needs the ranks in step (collective then).
-  void passes_in_step(size_t mine, bool backward);
+  // The passes every rank runs: the most any rank has when the optimizer needs the ranks in step
+  // (collective then; a rank runs idle passes after its own), else this rank's `mine`.
+  size_t agree_passes(size_t mine, bool backward);
 
   Optimizer& optimizer_;
   const model::Weights& policy_;

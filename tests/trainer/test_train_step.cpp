@@ -95,7 +95,7 @@ TEST_CASE("train step at step 0 has ratio 1 and KL 0 with the rollout's logprobs
     TrainStepConfig tc;
     tc.loss.kl_beta = 0.1;
     tc.always_recompute_old = true;  // measures rollout vs trainer logprobs
-    PolicyTrainer trainer(policy, &ref, opt, lr, tc);
+    PolicyTrainer trainer(opt, &ref, lr, tc);
     const TrainStepMetrics m = trainer.step(samples);
     CHECK(m.old_recomputed);
     // The engine's logprobs are the training forward's, bitwise.
@@ -130,7 +130,7 @@ TEST_CASE("train step loss and gradient do not depend on the micro-batch split",
     TrainStepConfig tc;
     tc.loss.aggregation = LossAggregation::kSeqMeanTokenMean;
     tc.micro_batch_tokens = (packed + parts - 1) / parts;
-    PolicyTrainer trainer(policy, nullptr, opt, lr, tc);
+    PolicyTrainer trainer(opt, nullptr, lr, tc);
     runs.push_back(trainer.step(samples));
   }
   for (size_t i = 1; i < runs.size(); ++i) {
@@ -160,7 +160,7 @@ TEST_CASE("train step with shared prompts: the same logprobs bitwise, the same u
     tc.share_prompts = share;
     tc.micro_batch_tokens = budget;
     tc.always_recompute_old = true;
-    PolicyTrainer trainer(after.back(), nullptr, opt, lr, tc);
+    PolicyTrainer trainer(opt, nullptr, lr, tc);
     logps.push_back(trainer.logprobs(after.back(), samples));
     runs.push_back(trainer.step(samples));
   }
@@ -211,7 +211,7 @@ TEST_CASE("train steps with the activations released between them are bitwise un
     TrainStepConfig tc;
     tc.loss.kl_beta = 0.01;
     tc.micro_batch_tokens = 64;
-    PolicyTrainer trainer(*policy, &ref, opt, lr, tc);
+    PolicyTrainer trainer(opt, &ref, lr, tc);
     losses.emplace_back();
     for (int s = 0; s < 3; ++s) {
       losses.back().push_back(trainer.step(samples).loss);
@@ -232,11 +232,11 @@ TEST_CASE("train step refuses batches the minibatches do not divide", "[unit]") 
   const LrSchedule lr(LrScheduleConfig{.lr = 1e-3f});
   TrainStepConfig tc;
   tc.minibatches = 2;
-  PolicyTrainer trainer(policy, nullptr, opt, lr, tc);
+  PolicyTrainer trainer(opt, nullptr, lr, tc);
   std::vector<TrainSample> three(3, TrainSample{{1, 2}, {3}, {-1.0f}, 0.5f});
   CHECK_THROWS_WITH(trainer.step(three), Catch::Contains("do not divide"));
   tc.loss.kl_beta = 0.1;
-  CHECK_THROWS_WITH(PolicyTrainer(policy, nullptr, opt, lr, tc), Catch::Contains("reference"));
+  CHECK_THROWS_WITH(PolicyTrainer(opt, nullptr, lr, tc), Catch::Contains("reference"));
 }
 
 TEST_CASE("a tiny model learns to emit small token ids with GRPO", "[unit]") {
@@ -250,7 +250,7 @@ TEST_CASE("a tiny model learns to emit small token ids with GRPO", "[unit]") {
   const LrSchedule lr(LrScheduleConfig{.lr = 2e-2f});
   TrainStepConfig tc;
   tc.epochs = 2;  // old logprobs recomputed, clipping active
-  PolicyTrainer trainer(policy, nullptr, opt, lr, tc);
+  PolicyTrainer trainer(opt, nullptr, lr, tc);
   const auto prompts = prompts_of(8, 4, cfg.vocab_size, 3);
   double first = 0, last = 0;
   for (int step = 0; step < 25; ++step) {
@@ -290,7 +290,7 @@ TEST_CASE("training resumed from a checkpoint is bitwise the same as training st
     TrainerState state;
     if (!resume_dir.empty()) load_checkpoint(resume_dir, policy, opt, state);
     REQUIRE(state.step == from);
-    PolicyTrainer trainer(policy, &ref, opt, lr, tc);
+    PolicyTrainer trainer(opt, &ref, lr, tc);
     trainer.set_steps_done(state.extra.value("optimizer_steps", int64_t{0}));
     rollout::Engine engine(policy, engine_options());
     engine.set_weights(policy, static_cast<uint64_t>(state.weight_version));
