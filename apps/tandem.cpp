@@ -71,6 +71,20 @@ int main(int argc, char** argv) {
   bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
   bench->add_option("--device", bench_device, "cpu or cuda[:N]");
   bench->add_option("--min-seconds", bench_opt.min_seconds, "time spent on each measurement");
+  bench
+      ->add_option("--ranks", bench_opt.ranks,
+                   "train: data-parallel ranks (threads of this process) training at every "
+                   "sharding level, with and without overlapped communication")
+      ->check(CLI::Range(2, 64));
+  bench
+      ->add_option("--link-gbps", bench_opt.link_gbps,
+                   "train --ranks: the emulated link of the second set of rows, Gbit/s (0: "
+                   "loopback only)")
+      ->check(CLI::NonNegativeNumber);
+  bench
+      ->add_option("--link-latency-us", bench_opt.link_latency_us,
+                   "train --ranks: the emulated link's latency per ring step, microseconds")
+      ->check(CLI::NonNegativeNumber);
   std::string bench_peer_python;
   bench->add_option("--peer-python", bench_peer_python,
                     "the Python interpreter of the peers (default: .venv-bench/bin/python of the "
@@ -122,6 +136,8 @@ int main(int argc, char** argv) {
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "sync") return tandem::bench::run_sync_bench(bench_opt);
       if (bench_what == "serve") return tandem::bench::run_serve_bench(bench_opt, bench_model);
+      if (bench_what == "train" && bench_opt.ranks > 0)
+        return tandem::bench::run_sharded_train_bench(bench_opt, bench_model);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);

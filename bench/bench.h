@@ -49,6 +49,11 @@ struct Options {
   // ops::set_matmul_backward; a job's placement.cpu_matmul_kernel and _backward in bench step).
   ops::MatmulKernel cpu_matmul_kernel = ops::MatmulKernel::automatic;
   ops::MatmulBackward cpu_matmul_backward = ops::MatmulBackward::outer;
+  // train: data-parallel ranks (threads of this process) training at every sharding level; 0:
+  // the one-rank step beside PyTorch. link_gbps, link_latency_us: the emulated link of the second
+  // set of rows (0 gbps: loopback only).
+  int ranks = 0;
+  double link_gbps = 10, link_latency_us = 50;
   std::string precision_suffix() const;
 };
 
@@ -148,6 +153,9 @@ std::vector<std::unique_ptr<Communicator>> loopback_communicators(int ranks, dou
 // beside memcpy of the same bytes; returns the exit code.
 
 int run_comm_bench(const Options& opt);
+// `tandem bench train --ranks N`: a GRPO update on N ranks at every sharding level, with and
+// without overlapped communication, over loopback and an emulated link; returns the exit code.
+int run_sharded_train_bench(const Options& opt, const std::string& model_path);
 // `tandem bench sync`: weight publishing, one rank f32 -> bf16 beside memcpy, and ZeRO-4 ->
 // TP-2 x 2 over Gloo beside a raw all-gather of the same bytes, the bucket size swept; returns
 // the exit code.

@@ -3,6 +3,7 @@
 #include "trainer/optimizer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -229,16 +230,60 @@ const char* shard_level_name(ShardLevel level) {
 
 namespace {
 
-// A tensor in an arena of its own, so that the memory ledger counts it under its class.
+// Bytes a ShardedAdamW holds by class now and at most since the last reset (weights,
+// gradients, optimizer), counted by its Buffers.
+struct Held {
+  std::atomic<int64_t> now[3] = {0, 0, 0}, peak[3] = {0, 0, 0};
+  static int index(ArenaClass c) {
+    return c == ArenaClass::parameters ? 0 : c == ArenaClass::gradients ? 1 : 2;
+  }
+  void add(ArenaClass c, int64_t bytes) {
+    const int i = index(c);
+    const int64_t v = now[i] += bytes;
+    int64_t p = peak[i].load();
+    while (v > p && !peak[i].compare_exchange_weak(p, v)) {
+    }
+  }
+};
+
+// A tensor in an arena of its own, so that the memory ledger counts it under its class (and the
+// optimizer's Held, when given).
 struct Buffer {
   std::unique_ptr<Arena> arena;
   Tensor t;
+  Held* held = nullptr;
+  ArenaClass cls = ArenaClass::parameters;
+  int64_t bytes = 0;
   Buffer() = default;
-  Buffer(ArenaClass cls, int64_t n, DType dtype = DType::f32)
+  Buffer(ArenaClass c, int64_t n, DType dtype = DType::f32, Held* h = nullptr)
       : arena(std::make_unique<Arena>(
-            cls, Device::cpu(), static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_size(dtype))) {
+            c, Device::cpu(), static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_size(dtype))),
+        held(h),
+        cls(c),
+        bytes(static_cast<int64_t>(arena->capacity())) {
     t = arena->alloc({std::max<int64_t>(n, 1)}, dtype).narrow(0, n);
     t.zero();
+    if (held) held->add(cls, bytes);
+  }
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      drop();
+      arena = std::move(o.arena);
+      t = o.t;
+      held = o.held;
+      cls = o.cls;
+      bytes = o.bytes;
+      o.held = nullptr;
+      o.bytes = 0;
+    }
+    return *this;
+  }
+  ~Buffer() { drop(); }
+  void drop() {
+    if (held && bytes) held->add(cls, -bytes);
+    held = nullptr;
+    bytes = 0;
   }
   // The memory as floats or 64-bit integers (a staging buffer serves both).
   float* f32() const { return static_cast<float*>(t.data()); }
@@ -278,6 +323,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   ShardOptions options;
   model::ShardLayout layout;
   model::ModelConfig model_config;
+  Held held;                // this optimizer's buffers by class
   std::vector<bool> decay;  // per storage tensor
   Buffer m, v, grad;        // local buffers: moments, the summed gradients of the pieces
   Buffer fixed_sum;         // deterministic, gradients/parameters: the pieces' sums in fixed point
@@ -315,14 +361,14 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     for (const model::NamedTensor& s : full->storage())
       decay.push_back(AdamW::decays(config, s.name));
     const int64_t n = layout.local_size();
-    m = Buffer(ArenaClass::optimizer_states, n);
-    v = Buffer(ArenaClass::optimizer_states, n);
-    grad = Buffer(ArenaClass::gradients, n);
+    m = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held);
+    v = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held);
+    grad = Buffer(ArenaClass::gradients, n, DType::f32, &held);
     if (options.deterministic && sharded_grads())
-      fixed_sum = Buffer(ArenaClass::gradients, n, DType::i64);
+      fixed_sum = Buffer(ArenaClass::gradients, n, DType::i64, &held);
     chunk = std::max<int64_t>(1024, options.bucket_bytes / 8 / world);  // i64 staging: 8 bytes
-    stage = Buffer(ArenaClass::gradients, world * chunk, DType::i64);
-    stage_out = Buffer(ArenaClass::gradients, chunk, DType::i64);
+    stage = Buffer(ArenaClass::gradients, world * chunk, DType::i64, &held);
+    stage_out = Buffer(ArenaClass::gradients, chunk, DType::i64, &held);
     if (comm != nullptr) {
       std::vector<int> all(static_cast<size_t>(world));
       for (int r = 0; r < world; ++r) all[static_cast<size_t>(r)] = r;
@@ -332,8 +378,9 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     resident.resize(units());
     open.resize(units());
     if (sharded_grads()) grads_table = model::Weights::unbound(model_config, DType::f32);
+    if (!sharded_params()) held.add(ArenaClass::parameters, static_cast<int64_t>(full->nbytes()));
     if (sharded_params()) {
-      params_local = Buffer(ArenaClass::parameters, n);
+      params_local = Buffer(ArenaClass::parameters, n, DType::f32, &held);
       for (size_t u = 0; u < units(); ++u) {
         const model::FlatRange r = layout.range(u, rank);
         float* dst = params_local.f32() + layout.units()[u].local;
@@ -436,7 +483,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     Resident& r = resident[u];
     if (r.buf) return;
     const int64_t S = layout.units()[u].shard;
-    r.buf = std::make_shared<Buffer>(ArenaClass::parameters, world * S);
+    r.buf = std::make_shared<Buffer>(ArenaClass::parameters, world * S, DType::f32, &held);
     const float* src = params_local.f32() + layout.units()[u].local;
     float* out = r.buf->f32();
     r.ticket = submit([this, u, src, out] { gather_pieces(u, src, out); });
@@ -475,7 +522,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       in_flight.pop_front();
     }
     const model::ShardUnit& unit = layout.units()[u];
-    open[u] = std::make_shared<Buffer>(ArenaClass::gradients, world * unit.shard);
+    open[u] =
+        std::make_shared<Buffer>(ArenaClass::gradients, world * unit.shard, DType::f32, &held);
     grads_table->bind(unit.first_tensor, unit.end_tensor, open[u]->t);
   }
 
@@ -678,11 +726,17 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     grad.t.zero();
     if (fixed_sum.arena) fixed_sum.t.zero();
     if (!sharded_grads()) {
-      if (!whole_grads)
+      if (!whole_grads) {
         whole_grads = std::make_unique<model::Weights>(model_config, DType::f32, Device::cpu(),
                                                        ArenaClass::gradients);
+        held.add(ArenaClass::gradients, static_cast<int64_t>(whole_grads->nbytes()));
+      }
       whole_grads->zero();
-      if (options.deterministic) whole_fixed.assign(static_cast<size_t>(layout.total()), 0);
+      if (options.deterministic && whole_fixed.empty()) {
+        whole_fixed.assign(static_cast<size_t>(layout.total()), 0);
+        held.add(ArenaClass::gradients, 8 * layout.total());
+      }
+      std::fill(whole_fixed.begin(), whole_fixed.end(), 0);
     }
   }
 
@@ -768,6 +822,14 @@ StepResult ShardedAdamW::step(float lr) { return impl_->step(lr, counters_); }
 int64_t ShardedAdamW::state_bytes() const {
   const int64_t n = impl_->layout.local_size();
   return 3 * 4 * n + (impl_->fixed_sum.arena ? 8 * n : 0);
+}
+
+ShardedAdamW::Memory ShardedAdamW::memory(bool reset_peaks) {
+  Held& h = impl_->held;
+  Memory m{h.peak[0].load(), h.peak[1].load(), h.peak[2].load()};
+  if (reset_peaks)
+    for (int i = 0; i < 3; ++i) h.peak[i] = h.now[i].load();
+  return m;
 }
 
 CommStats ShardedAdamW::take_comm_stats() {

@@ -233,6 +233,14 @@ class ShardedAdamW final : public Optimizer {
   // rank. Collective.
   void gather_unit(size_t unit, const Tensor& out);
   int64_t step_count() const { return counters_.step; }
+  // The training state this rank held at most (bytes) since the last reset: f32 weights (whole or
+  // its pieces, and the units gathered), gradients (whole, or its pieces and the buckets in
+  // flight, and the staging), optimizer moments.
+  struct Memory {
+    int64_t weights = 0, gradients = 0, optimizer = 0;
+    int64_t total() const { return weights + gradients + optimizer; }
+  };
+  Memory memory(bool reset_peaks = false);
 
  private:
   struct Impl;
