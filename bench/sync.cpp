@@ -19,8 +19,8 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/shard_layout.h"
 #include "model/weights.h"
-#include "trainer/optimizer.h"
 #include "trainer/rollout_group.h"
 #include "weight_sync/cast.h"
 #include "weight_sync/transfer.h"
@@ -183,7 +183,7 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
   const model::ModelConfig& c = master.config();
   const auto specs = trainer::param_specs(master);
   const weight_sync::Layout src =
-      weight_sync::Layout::zero(specs, kRanks, trainer::ShardedAdamW::kNormBlock);
+      weight_sync::Layout::zero(specs, model::ShardLayout(master, kRanks));
   const weight_sync::Layout dst =
       weight_sync::Layout::tensor_parallel(trainer::tp_dims(c), specs, 2, 2)
           .with_dtype(DType::bf16);
