@@ -3,7 +3,8 @@
 // Qwen2.5-0.5B shapes, random weights), beside memcpy; and
 // ZeRO over 4 ranks to 2 tensor-parallel replicas of 2 over Gloo on loopback (threads of this
 // process, each with its own communicator and sockets, as bench comm), beside a raw Gloo
-// all-gather of the same bytes in the same run, the bucket size swept.
+// all-gather of the same bytes in the same run, the bucket size swept, from whole parameters
+// (ZeRO-1/2) and from each rank's local buffer of pieces (ZeRO-3).
 #include <fmt/format.h>
 #include <sys/resource.h>
 
@@ -19,8 +20,8 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/shard_layout.h"
 #include "model/weights.h"
-#include "trainer/optimizer.h"
 #include "trainer/rollout_group.h"
 #include "weight_sync/cast.h"
 #include "weight_sync/transfer.h"
@@ -157,21 +158,39 @@ void one_rank(const Options& opt, const char* name, const model::Weights& master
   ++emitted;
 }
 
+// Rank r's local buffer of ZeRO-3 pieces of `master` (f32, zero padded).
+Tensor zero3_buffer(const model::ShardLayout& shards, int r, const model::Weights& master) {
+  Tensor local = Tensor::zeros({shards.local_size()}, DType::f32);
+  for (size_t u = 0; u < shards.units().size(); ++u) {
+    const model::FlatRange piece = shards.range(u, r);
+    float* to = local.data_as<float>() + shards.units()[u].local;
+    shards.for_each_piece(piece.begin, piece.end,
+                          [&](size_t t, int64_t at, int64_t into, int64_t n) {
+                            std::memcpy(to + into, master.storage()[t].tensor.data_as<float>() + at,
+                                        static_cast<size_t>(n) * sizeof(float));
+                          });
+  }
+  return local;
+}
+
 // ZeRO-4 -> TP-2 x 2 over Gloo (4 threads, one communicator each), per bucket size, beside a raw
 // all-gather that moves the same bytes between the same ranks.
 void zero_to_tp(const Options& opt, const char* name, const model::Weights& master, int& emitted) {
   constexpr int kRanks = 4;
-  // Bucket sizes, staged (the default) or not.
+  // Bucket sizes, staged (the default) or not, from whole parameters or ZeRO-3 buffers.
   struct Variant {
     int64_t mib;
     bool staged;
+    bool zero3 = false;
     std::string label() const {
-      return fmt::format("bucket {} MiB{}", mib, staged ? "" : " unstaged");
+      return fmt::format("bucket {} MiB{}{}", mib, staged ? "" : " unstaged",
+                         zero3 ? " from zero3 buffers" : "");
     }
   };
   const std::vector<Variant> variants =
-      opt.quick ? std::vector<Variant>{{16, true}}
-                : std::vector<Variant>{{4, true}, {16, true}, {64, true}, {4, false}};
+      opt.quick
+          ? std::vector<Variant>{{16, true}, {16, false, true}}
+          : std::vector<Variant>{{4, true}, {16, true}, {64, true}, {4, false}, {4, false, true}};
   std::vector<Variant> wanted;
   for (const Variant& v : variants)
     if (Runner(opt, {}).wants("reshard",
@@ -179,15 +198,19 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
       wanted.push_back(v);
   if (wanted.empty()) return;
   // One set of full f32 master weights stands for every rank's (ZeRO-1/2: each rank keeps the
-  // full parameters and owns a range of them); each rank sends only its range.
+  // full parameters and owns a range of them); each rank sends only its range. ZeRO-3: each rank's
+  // local buffer of its pieces (the same elements).
   const model::ModelConfig& c = master.config();
   const auto specs = trainer::param_specs(master);
-  const weight_sync::Layout src =
-      weight_sync::Layout::zero(specs, kRanks, trainer::ShardedAdamW::kNormBlock);
+  const model::ShardLayout shards(master, kRanks);
+  const weight_sync::Layout src = weight_sync::Layout::zero(specs, shards);
+  const weight_sync::Layout src3 = weight_sync::Layout::zero(specs, shards, false);
   const weight_sync::Layout dst =
       weight_sync::Layout::tensor_parallel(trainer::tp_dims(c), specs, 2, 2)
           .with_dtype(DType::bf16);
   const weight_sync::ReshardPlan plan = weight_sync::ReshardPlan::make(src, dst);
+  const weight_sync::ReshardPlan plan3 = weight_sync::ReshardPlan::make(src3, dst);
+  std::vector<Tensor> buffers(kRanks);
   int64_t remote = 0;
   for (int a = 0; a < kRanks; ++a)
     for (int b = 0; b < kRanks; ++b)
@@ -199,10 +222,10 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
   auto on_ranks = [&](const std::function<void(int)>& fn) {
     on_rank_threads(kRanks, fn, "bench sync");
   };
-  std::vector<std::vector<Tensor>> shards(kRanks);
+  std::vector<std::vector<Tensor>> engine(kRanks);  // [rank]: its TP shard of every parameter
   for (int r = 0; r < kRanks; ++r)
     for (size_t p = 0; p < specs.size(); ++p)
-      shards[static_cast<size_t>(r)].push_back(Tensor::empty(dst.shard(p, r).shape, DType::bf16));
+      engine[static_cast<size_t>(r)].push_back(Tensor::empty(dst.shard(p, r).shape, DType::bf16));
   // Per bucket size: a warm-up sync, then `reps` timed ones, each beside a raw all_gather run just
   // before it (the machine's load changes between variants), each moving a gigabyte and more.
   const int reps = 1;
@@ -240,9 +263,12 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
       weight_sync::SyncOptions so;
       so.bucket_bytes = v.mib << 20;
       so.staged = v.staged;
+      Tensor& buffer = buffers[static_cast<size_t>(r)];
+      if (v.zero3 && !buffer.defined()) buffer = zero3_buffer(shards, r, master);
       pubs[static_cast<size_t>(r)] = std::make_unique<weight_sync::Publisher>(
-          plan, comms[static_cast<size_t>(r)].get(), weight_sync::bind(src, r, mp),
-          shards[static_cast<size_t>(r)], so);
+          v.zero3 ? plan3 : plan, comms[static_cast<size_t>(r)].get(),
+          v.zero3 ? weight_sync::bind_local(src3, r, buffer) : weight_sync::bind(src, r, mp),
+          engine[static_cast<size_t>(r)], so);
       pubs[static_cast<size_t>(r)]->publish(1);  // warm-up
     });
     std::vector<double> ours, peer;
@@ -261,9 +287,10 @@ void zero_to_tp(const Options& opt, const char* name, const model::Weights& mast
     const std::string case_name = fmt::format(
         "{} zero4->tp2x2 f32->bf16 {} gloo ({} MB of bf16 between ranks, the peer's bytes; the "
         "peer does not read the {} MB of f32 they are cast from, nor cast the {} MB within ranks; "
-        "{} MB added on rank 0)",
+        "{} MB added on rank 0{})",
         name, v.label(), remote / 1000000, 2 * remote / 1000000, local / 1000000,
-        pubs[0]->added_bytes() / 1000000);
+        pubs[0]->added_bytes() / 1000000,
+        v.zero3 ? fmt::format(", its buffer {} MB", buffers[0].nbytes() / 1000000) : "");
     // Where the time went: CPU seconds of the 4 ranks together (the last sync), and per rank the
     // phases of its last sync.
     fmt::print(stderr,

@@ -137,7 +137,8 @@ class GlooBackend : public Backend {
   void send_recv(std::span<const P2POp> ops) override {
     size_t bytes = 0;
     for (const auto& op : ops) bytes += op.tensor.nbytes();
-    Call call(*this, "send_recv", bytes);
+    // Not a collective: the ranks that take no part in it must agree on the next one's slots.
+    Call call(*this, "send_recv", bytes, /*collective=*/false);
     std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
     for (const auto& op : ops) {
       TANDEM_CHECK(op.peer >= 0 && op.peer < group_.size && op.peer != group_.rank,
@@ -176,15 +177,16 @@ class GlooBackend : public Backend {
   }
 
  private:
-  // One collective in progress: its deadline, its slots and its error messages.
+  // One collective in progress: its deadline, its slots and its error messages. A point-to-point
+  // call (collective = false: its slots are its own, per peer) takes no collective sequence number.
   class Call {
    public:
-    Call(GlooBackend& b, const char* what, size_t bytes)
+    Call(GlooBackend& b, const char* what, size_t bytes, bool collective = true)
         : b_(b),
           what_(what),
           bytes_(bytes),
           deadline_(Clock::now() + b.group_.timeout),
-          base_(kCollectiveSlot | (b.seq_++ << 20)) {}
+          base_(collective ? kCollectiveSlot | (b.seq_++ << 20) : kCollectiveSlot) {}
     uint64_t slot(uint64_t step) const { return base_ | step; }
     std::string what() const { return b_.group_.call(what_, bytes_); }
 

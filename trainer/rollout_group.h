@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/comm.h"
+#include "model/shard_layout.h"
 #include "model/weights.h"
 #include "weight_sync/layout.h"
 #include "weight_sync/transfer.h"
@@ -49,12 +50,27 @@ class RolloutGroup {
   // ranks (null: one process). Collective over world: the replicas' group splits and the plan's
   // digest. The engine weights hold version 0 (policy's values) on return.
   RolloutGroup(const JobConfig& job, const model::Weights& policy, Communicator* world);
+  // The same for a trainer that keeps only its ZeRO-3 pieces (trainer.shard = parameters): the
+  // model's config, the split of its storage tensors over the ranks of `world` (the optimizer's
+  // layout()) and this rank's local buffer of pieces (f32, shards.local_size() elements: its
+  // local_params(); the memory outlives the group and is refilled in place by each step).
+  // Publishing reshards those pieces straight into the engines' layout in buckets of
+  // weight_sync.bucket_mb (docs/weight-sync.md, "From sharded parameters"): no rank builds the
+  // whole f32 model, and the engine always holds its own copy.
+  RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
+               const model::ShardLayout& shards, const Tensor& local, Communicator* world);
 
   // What the engine is built on: its weights and its tensor-parallel group (null at tp = 1).
-  const model::Weights& weights() const { return engine_weights_ ? *engine_weights_ : policy_; }
+  const model::Weights& weights() const { return engine_weights_ ? *engine_weights_ : *policy_; }
   // The engine's own weights (a copy in rollout.dtype or a tensor-parallel shard); null when it
   // reads the trainer's tensors.
   model::Weights* own_weights() const { return engine_weights_.get(); }
+  // The policy's whole f32 weights on this rank, which a disaggregated job pushes to its workers
+  // after each publish: the trainer's own when it keeps them whole; from ZeRO-3 pieces, the
+  // engine's weights where they are the whole model in f32 (placement.rollout_tp = 1,
+  // rollout.dtype = f32), else a copy the group keeps on rank 0 of a disaggregated job and
+  // refills at every publish. Throws tandem::Error on other ranks and colocated jobs then.
+  const model::Weights& whole_policy() const;
   Communicator* tp_group() const { return group_.get(); }
   int tp() const { return tp_; }
   int replica() const { return replica_; }
@@ -63,18 +79,33 @@ class RolloutGroup {
   std::pair<size_t, size_t> replica_prompts(size_t count) const;
   // Whether the engine reads the trainer's own tensors (publishing moves no bytes).
   bool zero_copy() const { return publisher_->zero_copy(); }
+  // Bytes the publishers hold beyond the weights (their buckets, or staging buffers).
+  int64_t added_bytes() const;
 
   // Makes the engine weights hold policy's values (one Publisher for every placement).
   PublishStats publish(uint64_t version);
 
  private:
   enum class Kind { shared, copied, cast };
-  const model::Weights& policy_;
+  // Allocates the engine weights and the tensor-parallel group.
+  void make_engine(const model::ModelConfig& config, Communicator* world);
+  // The plan from `src` (this rank's tensors `from`) into the engines' layout of the model
+  // `config`, and version 0.
+  void make_publisher(const JobConfig& job, const model::ModelConfig& config,
+                      const weight_sync::Layout& src, std::vector<Tensor> from,
+                      Communicator* world);
+
+  const model::Weights* policy_;  // null: the trainer keeps ZeRO-3 pieces only
   const int rank_, world_, tp_, replica_;
+  const DType dtype_;
   std::unique_ptr<Communicator> group_;
-  std::unique_ptr<model::Weights> engine_weights_;  // null: the engine reads policy_ itself
+  std::unique_ptr<model::Weights> engine_weights_;  // null: the engine reads *policy_ itself
   std::unique_ptr<weight_sync::Publisher> publisher_;
   std::vector<Kind> kinds_;  // [parameter this rank holds]
+  // From ZeRO-3 pieces in a disaggregated job whose engine is not the whole f32 model: the whole
+  // f32 weights on rank 0 and their publisher.
+  std::unique_ptr<model::Weights> whole_;
+  std::unique_ptr<weight_sync::Publisher> whole_publisher_;
 };
 
 }  // namespace tandem::trainer

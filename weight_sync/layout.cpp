@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "model/shard_layout.h"
 #include "model/tensor_parallel.h"
 
 namespace tandem::weight_sync {
@@ -206,24 +207,34 @@ Layout Layout::replicated(std::vector<ParamSpec> params, int world) {
   return l;
 }
 
-Layout Layout::zero(std::vector<ParamSpec> params, int world, int64_t block, bool full_tensors) {
-  TANDEM_CHECK(block >= 1, "weight_sync: ZeRO block size must be positive, got {}", block);
-  Layout l(fmt::format("zero{}", world), world, std::move(params));
-  int64_t total = 0;
-  for (const ParamSpec& p : l.params_) total += p.shape.numel();
-  const int64_t blocks = (total + block - 1) / block;
-  const int64_t S = (blocks + world - 1) / world * block;
+Layout Layout::zero(std::vector<ParamSpec> params, const model::ShardLayout& shards,
+                    bool full_tensors) {
+  const int world = shards.world();
+  Layout l(fmt::format("zero{}{}", world, full_tensors ? "" : "-params"), world, std::move(params));
+  const std::span<const int64_t> starts = shards.tensor_starts();
+  TANDEM_CHECK(starts.size() == l.params_.size() + 1,
+               "weight_sync: the ZeRO split has {} storage tensors and layout '{}' {} parameters: "
+               "build both from the same model::Weights",
+               starts.size() - 1, l.name_, l.params_.size());
+  for (size_t p = 0; p < l.params_.size(); ++p)
+    TANDEM_CHECK(starts[p + 1] - starts[p] == l.params_[p].shape.numel(),
+                 "weight_sync: {} has {} elements ({}), but storage tensor {} of the ZeRO split "
+                 "has {}: build both from the same model::Weights",
+                 l.params_[p].name, l.params_[p].shape.numel(), l.params_[p].shape, p,
+                 starts[p + 1] - starts[p]);
   for (int r = 0; r < world; ++r) {
-    const int64_t lo = std::min(total, r * S), hi = std::min(total, lo + S);
-    int64_t start = 0;
-    for (size_t p = 0; p < l.params_.size(); ++p) {
-      const ParamSpec& spec = l.params_[p];
-      const int64_t n = spec.shape.numel();
-      const int64_t a = std::max(lo, start), b = std::min(hi, start + n);
-      Shard s{full_tensors ? spec.shape : Shape{std::max<int64_t>(0, b - a)}, {}};
-      if (a < b) s.runs.push_back({a - start, b - a, full_tensors ? a - start : 0});
-      l.set_shard(p, r, std::move(s));
-      start += n;
+    for (size_t u = 0; u < shards.units().size(); ++u) {
+      const model::ShardUnit& unit = shards.units()[u];
+      const model::FlatRange piece = shards.range(u, r);
+      for (size_t p = unit.first_tensor; p < unit.end_tensor; ++p) {
+        const ParamSpec& spec = l.params_[p];
+        const int64_t a = std::max(piece.begin, starts[p]), b = std::min(piece.end, starts[p + 1]);
+        Shard s{full_tensors ? spec.shape : Shape{a < b ? shards.local_size() : 0}, {}};
+        if (a < b)
+          s.runs.push_back({a - starts[p], b - a,
+                            full_tensors ? a - starts[p] : unit.local + (a - piece.begin)});
+        l.set_shard(p, r, std::move(s));
+      }
     }
   }
   return l;

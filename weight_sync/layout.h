@@ -11,6 +11,10 @@
 
 #include "core/tensor.h"
 
+namespace tandem::model {
+class ShardLayout;
+}
+
 namespace tandem::weight_sync {
 
 // One parameter as both sides of a sync name it: the storage tensors of model::Weights (fused
@@ -52,12 +56,16 @@ class Layout {
   // Every rank holds every parameter whole (a data-parallel trainer after its all-gather, or
   // rollout engines without tensor parallelism).
   static Layout replicated(std::vector<ParamSpec> params, int world);
-  // The ZeRO ranges of trainer::ShardedAdamW over `world` ranks: the parameters flattened one
-  // after the other in the given (storage) order, rank r owning [r S, min((r + 1) S, P)) with
-  // S = ceil(P / (N block)) block elements (block = ShardedAdamW::kNormBlock). full_tensors: a
-  // rank's local tensor is the whole parameter (ZeRO-1/2: every rank keeps full parameters and
-  // owns a range of them); else the owned range alone, contiguous (ZeRO-3).
-  static Layout zero(std::vector<ParamSpec> params, int world, int64_t block,
+  // The ZeRO split of a data-parallel trainer (model::ShardLayout, the one the optimizer and the
+  // checkpoint use): `params` are the storage tensors in storage order, `shards` their units over
+  // its ranks; rank r owns, of each unit u, the flat elements shards.range(u, r). full_tensors: a
+  // rank's local tensor of a parameter is the whole parameter (ZeRO-1/2: every rank keeps whole
+  // parameters and owns ranges of them). Else (ZeRO-3) it is the rank's local buffer itself
+  // (shards.local_size() elements, unit u's piece at units()[u].local): the parameter's run sits
+  // where its elements lie in that buffer, so every parameter binds to the same buffer
+  // (bind_local) and nothing is copied out of it. Throws tandem::Error naming the parameter when
+  // the parameters are not the layout's storage tensors.
+  static Layout zero(std::vector<ParamSpec> params, const model::ShardLayout& shards,
                      bool full_tensors = true);
   // `replicas` engines of `tp` ranks each, replica k being ranks [k tp, (k + 1) tp), tensor
   // parallel in the Megatron split: qkv_proj (weight and bias) by heads, rank t holding its H/tp

@@ -514,15 +514,23 @@ SyncStats Publisher::publish(uint64_t version) {
   return st;
 }
 
-std::vector<Tensor> bind(const Layout& layout, int rank, std::span<const Param> tensors) {
+namespace {
+
+// fn(spec, shard) for every parameter this rank holds some of, undefined tensors for the others.
+template <class Fn>
+std::vector<Tensor> bind_each(const Layout& layout, int rank, Fn&& fn) {
   std::vector<Tensor> out;
   for (size_t p = 0; p < layout.params().size(); ++p) {
-    const ParamSpec& spec = layout.params()[p];
     const Shard& sh = layout.shard(p, rank);
-    if (sh.shape.numel() == 0) {
-      out.emplace_back();
-      continue;
-    }
+    out.push_back(sh.shape.numel() == 0 ? Tensor() : fn(layout.params()[p], sh));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<Tensor> bind(const Layout& layout, int rank, std::span<const Param> tensors) {
+  return bind_each(layout, rank, [&](const ParamSpec& spec, const Shard& sh) {
     auto it = std::find_if(tensors.begin(), tensors.end(),
                            [&](const Param& t) { return t.name == spec.name; });
     TANDEM_CHECK(it != tensors.end(),
@@ -533,9 +541,21 @@ std::vector<Tensor> bind(const Layout& layout, int rank, std::span<const Param> 
                  "weight_sync: rank {} holds {} as {} {} in layout '{}', given {} {}", rank,
                  spec.name, sh.shape, dtype_name(spec.dtype), layout.name(), it->tensor.shape(),
                  dtype_name(it->tensor.dtype()));
-    out.push_back(it->tensor);
-  }
-  return out;
+    return it->tensor;
+  });
+}
+
+std::vector<Tensor> bind_local(const Layout& layout, int rank, const Tensor& local) {
+  return bind_each(layout, rank, [&](const ParamSpec& spec, const Shard& sh) {
+    TANDEM_CHECK(
+        local.defined() && local.numel() == sh.shape.numel() && local.dtype() == spec.dtype,
+        "weight_sync: rank {} holds {} in a local buffer of {} {} elements in layout "
+        "'{}', given {} {}",
+        rank, spec.name, sh.shape.numel(), dtype_name(spec.dtype), layout.name(),
+        local.defined() ? dtype_name(local.dtype()) : "an undefined tensor",
+        local.defined() ? local.shape() : Shape{});
+    return local.view(sh.shape);
+  });
 }
 
 }  // namespace tandem::weight_sync

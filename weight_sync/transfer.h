@@ -174,4 +174,10 @@ class Publisher {
 // dtype is not the layout's.
 std::vector<Tensor> bind(const Layout& layout, int rank, std::span<const Param> tensors);
 
+// This rank's local tensors of a layout whose every parameter lives in one buffer of the rank
+// (Layout::zero without full tensors: the trainer's local buffer of ZeRO-3 pieces): `local` for
+// each parameter the rank holds, undefined for the others. Throws tandem::Error naming a
+// parameter whose local tensor is not `local`'s size and dtype.
+std::vector<Tensor> bind_local(const Layout& layout, int rank, const Tensor& local);
+
 }  // namespace tandem::weight_sync

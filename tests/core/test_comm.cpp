@@ -60,6 +60,14 @@ TEST_CASE("every collective matches a plain reference at world size 4", "[multip
                          torchrun_env(4, tandem::test::free_port(), "TANDEM_TEST_TIMEOUT_S=30")));
 }
 
+TEST_CASE(
+    "point to point transfers between some ranks leave the next collective of all ranks in step",
+    "[multiproc]") {
+  check_all_ok(run_ranks(4, "p2p_then_collective",
+                         torchrun_env(4, tandem::test::free_port(), "TANDEM_TEST_TIMEOUT_S=5"),
+                         30));
+}
+
 TEST_CASE("the file store bootstraps ranks from a shared directory", "[multiproc]") {
   TempDir shared("comm_file_store");
   check_all_ok(run_ranks(2, "collectives",

@@ -8,6 +8,7 @@
 
 #include "kernels/ops.h"
 #include "model/config.h"
+#include "model/shard_layout.h"
 #include "model/weights.h"
 #include "trainer/rollout_group.h"
 #include "weight_sync/layout.h"
@@ -58,6 +59,24 @@ inline Tensor shard_image(const weight_sync::Shard& shard, const Tensor& full, D
                 static_cast<const char*>(cast.data()) + static_cast<size_t>(r.global) * es,
                 static_cast<size_t>(r.length) * es);
   return out;
+}
+
+// Rank `rank`'s local buffer of a ZeRO-3 trainer (f32, shards.local_size() elements): of every unit
+// u, the flat elements shards.range(u, rank) of `full` at units()[u].local, zeros after them.
+inline Tensor zero3_local(const model::ShardLayout& shards, int rank, const model::Weights& full) {
+  std::vector<float> flat;
+  for (const model::NamedTensor& s : full.storage()) {
+    Tensor f = Tensor::empty(s.tensor.shape(), DType::f32);
+    ops::cast(s.tensor, f);
+    flat.insert(flat.end(), f.data_as<float>(), f.data_as<float>() + f.numel());
+  }
+  Tensor local = Tensor::zeros({shards.local_size()}, DType::f32);
+  for (size_t u = 0; u < shards.units().size(); ++u) {
+    const model::FlatRange r = shards.range(u, rank);
+    std::memcpy(local.data_as<float>() + shards.units()[u].local, flat.data() + r.begin,
+                static_cast<size_t>(r.size()) * sizeof(float));
+  }
+  return local;
 }
 
 }  // namespace tandem::test

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/shard_layout.h"
 #include "model/tensor_parallel.h"
 #include "model/weights.h"
 #include "tests/testutil.h"
@@ -121,6 +122,17 @@ Layout random_layout(std::vector<ParamSpec> params, int world, bool cover, std::
   return l;
 }
 
+// The ZeRO split of `params` (their names and sizes) over `world` ranks.
+model::ShardLayout shards_of(const std::vector<ParamSpec>& params, int world) {
+  std::vector<std::string> names;
+  std::vector<int64_t> numels;
+  for (const ParamSpec& p : params) {
+    names.push_back(p.name);
+    numels.push_back(p.shape.numel());
+  }
+  return model::ShardLayout(names, numels, world);
+}
+
 // local element -> global element of a shard (-1 where it holds none).
 std::vector<int64_t> global_of(const Shard& s) {
   std::vector<int64_t> g(static_cast<size_t>(s.shape.numel()), -1);
@@ -228,38 +240,98 @@ TEST_CASE("tensor parallel layout shards are the model's own tensor parallel sha
   }
 }
 
-TEST_CASE("zero layout gives each rank an even range of whole blocks of the flat parameters",
-          "[unit]") {
-  model::Weights w(sync_model_config(), DType::f32);
-  const std::vector<ParamSpec> specs = param_specs(w);
-  int64_t total = 0;
-  for (const ParamSpec& s : specs) total += s.shape.numel();
-  for (const int world : {1, 2, 3, 4, 7}) {
-    for (const bool full : {true, false}) {
-      const Layout l = Layout::zero(specs, world, 4096, full);
-      const int64_t S = ((total + 4095) / 4096 + world - 1) / world * 4096;
-      for (int r = 0; r < world; ++r) {
-        // The rank's flat range, read back from its runs.
-        int64_t start = 0, lo = -1, hi = -1;
-        for (size_t p = 0; p < specs.size(); ++p) {
-          for (const Run& run : l.shard(p, r).runs) {
-            if (lo < 0) lo = start + run.global;
-            CHECK((hi < 0 || hi == start + run.global));
-            hi = start + run.global + run.length;
-            CHECK(run.local == (full ? run.global : 0));
+TEST_CASE(
+    "zero layout gives each rank the shard layout's blocks of every unit whole or at their place "
+    "in its local buffer",
+    "[unit]") {
+  for (const bool untied : {false, true}) {
+    model::Weights w(sync_model_config(untied), DType::f32);
+    const std::vector<ParamSpec> specs = param_specs(w);
+    for (const int world : {1, 2, 3, 4, 7}) {
+      const model::ShardLayout shards(w, world);
+      for (const bool full : {true, false}) {
+        INFO("world " << world << " full " << full << " untied " << untied);
+        const Layout l = Layout::zero(specs, shards, full);
+        int64_t held = 0;
+        for (int r = 0; r < world; ++r) {
+          held += l.held(r);
+          // Each unit's flat elements, read back from the runs of its tensors: the rank's piece.
+          for (size_t u = 0; u < shards.units().size(); ++u) {
+            const model::ShardUnit& unit = shards.units()[u];
+            const model::FlatRange want = shards.range(u, r);
+            int64_t lo = -1, hi = -1, start = unit.flat.begin;
+            for (size_t p = unit.first_tensor; p < unit.end_tensor; ++p) {
+              const Shard& s = l.shard(p, r);
+              REQUIRE(s.runs.size() <= 1);
+              CHECK(s.shape ==
+                    (full ? specs[p].shape : Shape{s.runs.empty() ? 0 : shards.local_size()}));
+              for (const Run& run : s.runs) {
+                if (lo < 0) lo = start + run.global;
+                CHECK((hi < 0 || hi == start + run.global));
+                hi = start + run.global + run.length;
+                CHECK(run.local ==
+                      (full ? run.global : unit.local + (start + run.global - want.begin)));
+              }
+              start += specs[p].shape.numel();
+            }
+            if (want.size() > 0) {
+              CHECK(lo == want.begin);
+              CHECK(hi == want.end);
+            } else {
+              CHECK(lo == -1);
+            }
           }
-          start += specs[p].shape.numel();
         }
-        const int64_t want_lo = std::min(total, r * S), want_hi = std::min(total, want_lo + S);
-        if (want_lo < want_hi) {
-          CHECK(lo == want_lo);
-          CHECK(hi == want_hi);
-        } else {
-          CHECK(l.held(r) == 0);
-        }
+        CHECK(held == shards.total());  // every element on exactly one rank
       }
     }
+    const std::string d = Layout::zero(specs, model::ShardLayout(w, 2), false).describe();
+    INFO(d);
+    CHECK(d.find("layout zero2-params (2 ranks)") != std::string::npos);
+    // The embedding (6144 elements, unit 0 at the start of the buffer): 2 blocks, one a rank.
+    const model::ShardLayout s2(w, 2);
+    CHECK(d.find(fmt::format("  rank 1: local ({}), 1 runs [4096, 6144)@0\n", s2.local_size())) !=
+          std::string::npos);
   }
+  // Parameters of another model than the split's.
+  model::Weights tied(sync_model_config(false), DType::f32),
+      untied(sync_model_config(true), DType::f32);
+  CHECK_THROWS_WITH(Layout::zero(param_specs(untied), model::ShardLayout(tied, 2)),
+                    Catch::Contains("the ZeRO split has") &&
+                        Catch::Contains("build both from the same model::Weights"));
+}
+
+TEST_CASE(
+    "publisher on one rank fills whole bf16 engine weights from a zero3 local buffer bitwise as "
+    "from the whole weights",
+    "[unit]") {
+  model::Weights trainer(sync_model_config(true), DType::f32);
+  fill_sync_weights(trainer, 21);
+  const auto specs = param_specs(trainer);
+  const model::ShardLayout shards(trainer, 1);
+  const Tensor local = zero3_local(shards, 0, trainer);
+  const Layout zero3 = Layout::zero(specs, shards, false);
+  const Layout engine = Layout::replicated(specs, 1).with_dtype(DType::bf16);
+  model::Weights from_local(sync_model_config(true), DType::bf16),
+      from_whole(sync_model_config(true), DType::bf16);
+  from_local.zero();
+  from_whole.zero();
+  weight_sync::Publisher a(ReshardPlan::make(zero3, engine), nullptr,
+                           weight_sync::bind_local(zero3, 0, local),
+                           weight_sync::bind(engine, 0, trainer::params_of(from_local)));
+  const Layout whole = Layout::replicated(specs, 1);
+  weight_sync::Publisher b(ReshardPlan::make(whole, engine), nullptr,
+                           weight_sync::bind(whole, 0, trainer::params_of(trainer)),
+                           weight_sync::bind(engine, 0, trainer::params_of(from_whole)));
+  a.publish(1);
+  b.publish(1);
+  CHECK(a.added_bytes() == 0);
+  for (size_t p = 0; p < specs.size(); ++p) {
+    INFO(specs[p].name);
+    CHECK(bitwise_equal(from_local.storage()[p].tensor, from_whole.storage()[p].tensor));
+  }
+  CHECK_THROWS_WITH(weight_sync::bind_local(zero3, 0, Tensor::zeros({7}, DType::f32)),
+                    Catch::Contains("holds model.embed_tokens.weight in a local buffer of"));
 }
 
 TEST_CASE(
@@ -305,15 +377,16 @@ TEST_CASE("reshard plan covers every destination element exactly once over rando
       Shape s;
       const int dims = std::uniform_int_distribution<int>(1, 3)(rng);
       for (int d = 0; d < dims; ++d) s.push_back(std::uniform_int_distribution<int64_t>(1, 9)(rng));
-      params.push_back({fmt::format("p{}", i), s, rng() % 2 ? DType::f32 : DType::bf16});
+      // Each a unit of its own (a layer): ZeRO splits units, not parameters.
+      params.push_back(
+          {fmt::format("model.layers.{}.p", i), s, rng() % 2 ? DType::f32 : DType::bf16});
     }
     auto pick = [&](bool cover) {
       switch (rng() % 4) {
         case 0:
           return Layout::replicated(params, world);
         case 1:
-          return Layout::zero(params, world, std::uniform_int_distribution<int64_t>(1, 16)(rng),
-                              rng() % 2);
+          return Layout::zero(params, shards_of(params, world), rng() % 2);
         default:
           return random_layout(params, world, cover, rng);
       }
@@ -334,11 +407,17 @@ TEST_CASE(
     "[unit]") {
   model::Weights w(sync_model_config(), DType::f32);
   const auto specs = param_specs(w);
-  const Layout zero4 = Layout::zero(specs, 4, 4096);
+  const Layout zero4 = Layout::zero(specs, model::ShardLayout(w, 4));
   const Layout tp2x2 =
       Layout::tensor_parallel(tp_dims(w.config()), specs, 2, 2).with_dtype(DType::bf16);
   const ReshardPlan plan = ReshardPlan::make(zero4, tp2x2);
   check_plan(zero4, tp2x2, plan);
+  // From the ranks' local buffers of ZeRO-3: the same traffic between the same ranks.
+  const Layout zero4p = Layout::zero(specs, model::ShardLayout(w, 4), false);
+  const ReshardPlan from_buffers = ReshardPlan::make(zero4p, tp2x2);
+  check_plan(zero4p, tp2x2, from_buffers);
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < 4; ++b) CHECK(from_buffers.bytes(a, b) == plan.bytes(a, b));
   int64_t into = 0;
   for (int from = 0; from < 4; ++from) into += plan.elements(from, 0);
   CHECK(into == tp2x2.held(0));

@@ -36,6 +36,15 @@ void check_all_ok(const std::vector<RankResult>& results) {
   }
 }
 
+// Every rank ok, and each printed `text`.
+void check_all_say(const std::vector<RankResult>& results, const std::string& text) {
+  check_all_ok(results);
+  for (const auto& r : results) {
+    INFO(r.out);
+    CHECK(r.out.find(text) != std::string::npos);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("zero over 4 ranks reshards into 2 tensor parallel replicas of 2 as bf16",
@@ -64,6 +73,43 @@ TEST_CASE(
   CHECK(results[0].out.find("(here: model.") != std::string::npos);
 }
 
+// ZeRO-3: each rank holds only its local buffer of pieces; the engines get bitwise what a publish
+// of the whole weights gives them, through buckets (the worker checks the bytes the publisher
+// adds: 4 buckets unstaged, 2 send buckets and the bytes received staged).
+TEST_CASE("zero3 local buffers of 2 ranks reshard into replicated bf16 engines as whole weights do",
+          "[multiproc]") {
+  check_all_ok(run_ranks(2, "zero3x2_replicated"));
+}
+
+TEST_CASE(
+    "zero3 local buffers of 4 ranks reshard into replicated bf16 engines unstaged within four "
+    "buckets",
+    "[multiproc]") {
+  // 4096-byte buckets: 16 KiB at most, against a 266 KiB f32 model.
+  check_all_say(run_ranks(4, "zero3x4_replicated unstaged"), "(bound 16384)");
+}
+
+TEST_CASE(
+    "zero3 local buffers reshard into tensor parallel engines as whole weights do on 2 and 4 "
+    "ranks",
+    "[multiproc]") {
+  check_all_ok(run_ranks(2, "zero3x2_tp2 unstaged"));
+  check_all_ok(run_ranks(4, "zero3x4_tp2x2"));
+  check_all_ok(run_ranks(4, "zero3x4_tp4_f32 unstaged"));
+}
+
+TEST_CASE(
+    "a job's rollout side publishes from zero3 pieces the engine weights it publishes from whole "
+    "weights",
+    "[multiproc]") {
+  check_all_ok(run_ranks(2, "group 2 bf16 colocated"));
+  check_all_ok(run_ranks(4, "group 1 f32 colocated"));
+  check_all_ok(run_ranks(4, "group 2 f32 colocated"));
+  // Disaggregated (one rank): the whole f32 weights the workers load, from the pieces.
+  check_all_ok(run_ranks(1, "group 1 bf16 disaggregated"));
+  check_all_ok(run_ranks(1, "group 1 f32 disaggregated"));
+}
+
 TEST_CASE("zero over 2 ranks reshards into tensor parallel 2 bitwise", "[multiproc]") {
   check_all_ok(run_ranks(2, "zero2_tp2"));
 }
@@ -78,10 +124,8 @@ TEST_CASE("a trainer rank reshards into a tensor parallel engine on two other ra
 }
 
 TEST_CASE("replicated ranks reshard into tensor parallel 2 without sending a byte", "[multiproc]") {
-  const auto results = run_ranks(2, "replicated_tp2");
-  check_all_ok(results);
   // Every piece is on its own rank: no rounds at all.
-  for (const auto& r : results) CHECK(r.out.find(": 0 rounds") != std::string::npos);
+  check_all_say(run_ranks(2, "replicated_tp2"), ": 0 rounds");
 }
 
 TEST_CASE(

@@ -315,6 +315,39 @@ int scenario_info(const tandem::CommOptions& options) {
   return 0;
 }
 
+// Ranks 0 and 1 exchange point-to-point transfers that the other ranks take no part in, then every
+// rank joins one all-gather: a send_recv is no collective, so it must not shift the collectives'
+// sequence on the ranks that made it.
+int scenario_p2p_then_collective(const tandem::CommOptions& options) {
+  auto comm = Communicator::from_environment(options);
+  const int rank = comm->rank(), world = comm->size();
+  if (rank < 2) {
+    for (int i = 0; i < 3; ++i) {
+      Tensor out = Tensor::empty({4}, DType::i64), in = Tensor::empty({4}, DType::i64);
+      for (int64_t k = 0; k < 4; ++k) out.data_as<int64_t>()[k] = 100 * rank + 10 * i + k;
+      const tandem::P2POp ops[] = {tandem::send_to(1 - rank, out), tandem::recv_from(1 - rank, in)};
+      comm->send_recv(ops);
+      for (int64_t k = 0; k < 4; ++k)
+        if (in.data_as<int64_t>()[k] != 100 * (1 - rank) + 10 * i + k) {
+          std::printf("rank %d: transfer %d element %lld is %lld\n", rank, i,
+                      static_cast<long long>(k), static_cast<long long>(in.data_as<int64_t>()[k]));
+          return 1;
+        }
+    }
+  }
+  Tensor mine = Tensor::empty({1}, DType::i64), all = Tensor::empty({world}, DType::i64);
+  mine.data_as<int64_t>()[0] = rank + 1;
+  comm->all_gather(mine, all);
+  for (int r = 0; r < world; ++r)
+    if (all.data_as<int64_t>()[r] != r + 1) {
+      std::printf("rank %d: all_gather gave %lld from rank %d\n", rank,
+                  static_cast<long long>(all.data_as<int64_t>()[r]), r);
+      return 1;
+    }
+  std::printf("ok rank %d of %d\n", rank, world);
+  return 0;
+}
+
 int scenario_config(const tandem::CommOptions& options, bool differ) {
   auto comm = Communicator::from_environment(options);
   std::string text = "# job\n[trainer]\nlr = 1e-05\nsteps = 10\n[rollout]\nn = 8\n";
@@ -453,6 +486,7 @@ int main(int argc, char** argv) {
     if (what == "die" || what == "stuck")
       return scenario_die(options, std::atoi(argv[2]), what == "stuck");
     if (what == "info") return scenario_info(options);
+    if (what == "p2p_then_collective") return scenario_p2p_then_collective(options);
     if (what == "config") return scenario_config(options, std::string(argv[2]) == "differ");
     if (what == "fail") return scenario_fail(std::atoi(argv[2]), std::atoi(argv[3]));
     if (what == "link_gather")
