@@ -480,8 +480,10 @@ json list_files(const fs::path& tmp, const std::map<std::string, FileSum>& known
 
 // One rank's save: the whole optimizer state (moments in storage tensors m and v) in
 // optimizer.safetensors.
-// The policy comes from write_policy_fn (into p.tmp/policy).
+// The policy comes from write_policy_fn (into p.tmp/policy); level: a ShardedAdamW's, for the
+// marker (null for AdamW).
 std::string save_alone(const std::string& root, int64_t step, const ModelShape& shape,
+                       const char* level,
                        const std::function<void(const PendingSave&)>& write_policy_fn,
                        std::span<const model::NamedTensor> m, std::span<const model::NamedTensor> v,
                        const AdamWCounters& c, const AdamWConfig& oc, const TrainerState& state,
@@ -499,6 +501,7 @@ std::string save_alone(const std::string& root, int64_t step, const ModelShape& 
     const int64_t total = shape.total();
     json marker =
         marker_json(step, 1, total, {{{"file", kOptimizerFile}, {"begin", 0}, {"end", total}}});
+    if (level != nullptr) marker["shard_level"] = level;
     marker["files"] = list_files(p.tmp, {});
     return commit(p, marker);
   } catch (...) {
@@ -697,7 +700,7 @@ void check_optimizer_file(const model::SafetensorsFile& file,
   TANDEM_CHECK(file.tensors().size() == 2 * ranges.size(),
                "{}: holds {} tensors, expected {} (the moments m and v of {})", where,
                file.tensors().size(), 2 * ranges.size(),
-               ranges.size() == 1 ? "its range" : "every storage tensor");
+               ranges.size() == 1 ? "its range" : "each of its ranges");
   const auto meta = file.metadata().find("step");
   TANDEM_CHECK(meta != file.metadata().end() && meta->second == std::to_string(counters.step),
                "{}: metadata 'step' does not match {}'s optimizer.step {} (files from different "
@@ -874,9 +877,9 @@ std::string save_checkpoint(const std::string& root, int64_t step, const model::
                             const CheckpointOptions& options) {
   check_policy(policy);
   return save_alone(
-      root, step, model_shape(policy), [&](const PendingSave& p) { write_policy(p, policy); },
-      optimizer.m().storage(), optimizer.v().storage(), optimizer.counters(), optimizer.config(),
-      state, options);
+      root, step, model_shape(policy), nullptr,
+      [&](const PendingSave& p) { write_policy(p, policy); }, optimizer.m().storage(),
+      optimizer.v().storage(), optimizer.counters(), optimizer.config(), state, options);
 }
 
 std::string save_checkpoint(const std::string& root_path, int64_t step, ShardedAdamW& optimizer,
@@ -904,7 +907,8 @@ std::string save_checkpoint(const std::string& root_path, int64_t step, ShardedA
       if (std::exception_ptr e = write_gathered_policy(&p, optimizer, shape))
         std::rethrow_exception(e);
     };
-    return save_alone(root_path, step, shape, policy, m, v, c, optimizer.config(), state, options);
+    return save_alone(root_path, step, shape, shard_level_name(optimizer.options().level), policy,
+                      m, v, c, optimizer.config(), state, options);
   }
   check_save_arguments(step, state, options);
   const int rank = comm->rank(), world = comm->size();
