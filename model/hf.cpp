@@ -330,10 +330,10 @@ std::unique_ptr<Weights> load_hf(const std::string& path, DType dtype) {
   return weights;
 }
 
-void save_hf(const Weights& weights, const std::string& dir, const SaveOptions& options) {
-  const ModelConfig& config = weights.config();
-  const DType out = options.dtype.value_or(weights.dtype());
-  TANDEM_CHECK(dtype_is_float(out), "{}: save dtype must be f32, bf16 or f16, got {}", dir, out);
+HfWriter::HfWriter(const ModelConfig& config, std::span<const NamedShape> tensors,
+                   const std::string& dir, const SaveOptions& options)
+    : options_(options), out_(options.dtype.value_or(DType::f32)) {
+  TANDEM_CHECK(dtype_is_float(out_), "{}: save dtype must be f32, bf16 or f16, got {}", dir, out_);
   TANDEM_CHECK(options.max_shard_bytes > 0, "{}: max_shard_bytes must be positive", dir);
   for (const auto& [name, contents] : options.extra_files) {
     const bool ours = name == "config.json" || name == "generation_config.json" ||
@@ -343,20 +343,20 @@ void save_hf(const Weights& weights, const std::string& dir, const SaveOptions& 
                  "{}: extra file '{}' must be a plain file name not written by save_hf", dir, name);
   }
 
-  fs::path target(dir);
-  if (target.filename().empty()) target = target.parent_path();  // "dir/" -> "dir"
-  TANDEM_CHECK(!target.empty(), "save_hf: empty directory name");
-  const std::string pid = std::to_string(::getpid());
-  fs::path tmp = target;
-  tmp += ".tmp-" + pid;
+  target_ = fs::path(dir);
+  if (target_.filename().empty()) target_ = target_.parent_path();  // "dir/" -> "dir"
+  TANDEM_CHECK(!target_.empty(), "save_hf: empty directory name");
+  pid_ = std::to_string(::getpid());
+  tmp_ = target_;
+  tmp_ += ".tmp-" + pid_;
   std::error_code ec;
-  fs::remove_all(tmp, ec);
-  if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
-  fs::create_directory(tmp, ec);
-  TANDEM_CHECK(!ec, "{}: cannot create directory: {}", tmp.string(), ec.message());
+  fs::remove_all(tmp_, ec);
+  if (target_.has_parent_path()) fs::create_directories(target_.parent_path(), ec);
+  fs::create_directory(tmp_, ec);
+  TANDEM_CHECK(!ec, "{}: cannot create directory: {}", tmp_.string(), ec.message());
 
   try {
-    write_text(tmp / "config.json", config_to_hf(config, out).dump(2) + "\n");
+    write_text(tmp_ / "config.json", config_to_hf(config, out_).dump(2) + "\n");
     json gen = {{"_from_model_config", false}, {"do_sample", options.do_sample}};
     gen["bos_token_id"] = config.bos_token_id >= 0 ? json(config.bos_token_id) : json(nullptr);
     if (config.eos_token_ids.size() == 1) {
@@ -364,76 +364,113 @@ void save_hf(const Weights& weights, const std::string& dir, const SaveOptions& 
     } else if (!config.eos_token_ids.empty()) {
       gen["eos_token_id"] = config.eos_token_ids;
     }
-    write_text(tmp / "generation_config.json", gen.dump(2) + "\n");
+    write_text(tmp_ / "generation_config.json", gen.dump(2) + "\n");
 
     // Shards as transformers cuts them: a new shard when the next tensor would pass the limit.
-    const std::span<const NamedTensor> named = weights.named();
-    std::vector<std::vector<size_t>> shards;
-    size_t shard_bytes = 0, total_bytes = 0;
-    for (size_t i = 0; i < named.size(); ++i) {
-      const size_t bytes = static_cast<size_t>(named[i].tensor.numel()) * dtype_size(out);
-      if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > options.max_shard_bytes)) {
-        shards.emplace_back();
+    size_t shard_bytes = 0;
+    for (const NamedShape& t : tensors) {
+      const size_t bytes = static_cast<size_t>(t.shape.numel()) * dtype_size(out_);
+      if (shards_.empty() || (shard_bytes > 0 && shard_bytes + bytes > options.max_shard_bytes)) {
+        shards_.emplace_back();
         shard_bytes = 0;
       }
-      shards.back().push_back(i);
+      shards_.back().push_back({t.name, out_, t.shape});
       shard_bytes += bytes;
-      total_bytes += bytes;
+      total_bytes_ += bytes;
     }
-    json weight_map = json::object();
-    for (size_t s = 0; s < shards.size(); ++s) {
-      const std::string file =
-          shards.size() == 1
-              ? "model.safetensors"
-              : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
-      std::vector<NamedTensor> tensors;
-      for (size_t i : shards[s]) {
-        const NamedTensor& nt = named[i];
-        Tensor t = nt.tensor.device().is_cpu() ? nt.tensor : nt.tensor.to(Device::cpu());
-        if (t.dtype() != out) {
-          Tensor cast = Tensor::empty(t.shape(), out);
-          ops::cast(t, cast);
-          t = cast;
-        }
-        tensors.push_back({nt.name, t});
-        weight_map[nt.name] = file;
-      }
-      write_safetensors((tmp / file).string(), tensors, {{"format", "pt"}});
-    }
-    if (shards.size() > 1) {
-      json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-      write_text(tmp / "model.safetensors.index.json", index.dump(2) + "\n");
-    }
-    for (const auto& [name, contents] : options.extra_files) write_text(tmp / name, contents);
   } catch (...) {
-    fs::remove_all(tmp, ec);
+    fs::remove_all(tmp_, ec);
     throw;
   }
+}
+
+HfWriter::~HfWriter() {
+  if (done_) return;
+  writer_.reset();
+  std::error_code ec;
+  fs::remove_all(tmp_, ec);
+}
+
+std::string HfWriter::shard_file(size_t s) const {
+  return shards_.size() == 1
+             ? std::string("model.safetensors")
+             : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards_.size());
+}
+
+void HfWriter::append(const Tensor& tensor) {
+  TANDEM_CHECK(!done_, "{}: already written", target_.string());
+  if (!writer_ || next_ == shards_[shard_].size()) {
+    if (writer_) {
+      writer_->finish();
+      ++shard_;
+    }
+    TANDEM_CHECK(shard_ < shards_.size(), "{}: more tensors than the model has", target_.string());
+    writer_ =
+        std::make_unique<SafetensorsWriter>((tmp_ / shard_file(shard_)).string(), shards_[shard_],
+                                            std::map<std::string, std::string>{{"format", "pt"}});
+    next_ = 0;
+  }
+  Tensor t = tensor.device().is_cpu() ? tensor : tensor.to(Device::cpu());
+  if (t.dtype() != out_) {
+    Tensor cast = Tensor::empty(t.shape(), out_);
+    ops::cast(t, cast);
+    t = cast;
+  }
+  writer_->append(t);
+  ++next_;
+}
+
+void HfWriter::finish() {
+  TANDEM_CHECK(!done_ && shard_ + 1 == shards_.size() && next_ == shards_.back().size(),
+               "{}: not every tensor was written", target_.string());
+  writer_->finish();
+  writer_.reset();
+  if (shards_.size() > 1) {
+    json weight_map = json::object();
+    for (size_t s = 0; s < shards_.size(); ++s)
+      for (const SafetensorsEntry& e : shards_[s]) weight_map[e.name] = shard_file(s);
+    json index = {{"metadata", {{"total_size", total_bytes_}}}, {"weight_map", weight_map}};
+    write_text(tmp_ / "model.safetensors.index.json", index.dump(2) + "\n");
+  }
+  for (const auto& [name, contents] : options_.extra_files) write_text(tmp_ / name, contents);
 
   // Move the new directory in; an old one is renamed away first and deleted last, so `dir`
   // always holds either the old or the new model whole.
-  if (fs::exists(target)) {
-    fs::path old = target;
-    old += ".old-" + pid;
+  std::error_code ec;
+  done_ = true;
+  if (fs::exists(target_)) {
+    fs::path old = target_;
+    old += ".old-" + pid_;
     fs::remove_all(old, ec);
-    fs::rename(target, old, ec);
+    fs::rename(target_, old, ec);
     if (ec) {
-      fs::remove_all(tmp);
-      TANDEM_FAIL("{}: cannot move the existing directory away: {}", target.string(), ec.message());
+      fs::remove_all(tmp_);
+      TANDEM_FAIL("{}: cannot move the existing directory away: {}", target_.string(),
+                  ec.message());
     }
-    fs::rename(tmp, target, ec);
+    fs::rename(tmp_, target_, ec);
     if (ec) {
       std::error_code ec2;
-      fs::rename(old, target, ec2);
-      TANDEM_FAIL("{}: cannot move the new model into place ({} is left): {}", target.string(),
-                  tmp.string(), ec.message());
+      fs::rename(old, target_, ec2);
+      TANDEM_FAIL("{}: cannot move the new model into place ({} is left): {}", target_.string(),
+                  tmp_.string(), ec.message());
     }
     fs::remove_all(old, ec);
   } else {
-    fs::rename(tmp, target, ec);
-    TANDEM_CHECK(!ec, "{}: cannot move the new model into place ({} is left): {}", target.string(),
-                 tmp.string(), ec.message());
+    fs::rename(tmp_, target_, ec);
+    TANDEM_CHECK(!ec, "{}: cannot move the new model into place ({} is left): {}", target_.string(),
+                 tmp_.string(), ec.message());
   }
+}
+
+void save_hf(const Weights& weights, const std::string& dir, const SaveOptions& options) {
+  SaveOptions o = options;
+  o.dtype = options.dtype.value_or(weights.dtype());
+  std::vector<HfWriter::NamedShape> shapes;
+  for (const NamedTensor& nt : weights.named()) shapes.push_back({nt.name, nt.tensor.shape()});
+  HfWriter writer(weights.config(), shapes, dir, o);
+  for (const NamedTensor& nt : weights.named()) writer.append(nt.tensor);
+  writer.finish();
 }
 
 }  // namespace tandem::model

@@ -3,14 +3,18 @@
 #pragma once
 
 #include <cstddef>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/safetensors.h"
 #include "model/weights.h"
 
 namespace tandem::model {
@@ -43,5 +47,39 @@ struct SaveOptions {
 // Writes config.json, generation_config.json, the safetensors checkpoint and the extra files
 // into dir + ".tmp-<pid>", then moves that over dir (an existing dir is replaced whole).
 void save_hf(const Weights& weights, const std::string& dir, const SaveOptions& options = {});
+
+// save_hf for tensors that arrive one at a time (e.g. gathered unit by unit from the ranks of a
+// sharded trainer, never whole in one place): the names and shapes of every tensor up front, in
+// the order append() then gets them (Weights::named()'s); options.dtype the saved dtype (f32 when
+// unset). Shards, files and the move into place as save_hf; destroyed unfinished, it removes its
+// temporary directory and leaves dir as it was.
+class HfWriter {
+ public:
+  struct NamedShape {
+    std::string name;
+    Shape shape;
+  };
+  HfWriter(const ModelConfig& config, std::span<const NamedShape> tensors, const std::string& dir,
+           const SaveOptions& options = {});
+  ~HfWriter();
+  HfWriter(const HfWriter&) = delete;
+  HfWriter& operator=(const HfWriter&) = delete;
+
+  // The next tensor (its shape, any float dtype: cast; any device).
+  void append(const Tensor& tensor);
+  // Writes the index and extra files and moves the directory over dir.
+  void finish();
+
+ private:
+  std::string shard_file(size_t s) const;
+  SaveOptions options_;
+  DType out_;
+  std::filesystem::path target_, tmp_;
+  std::string pid_;
+  std::vector<std::vector<SafetensorsEntry>> shards_;
+  size_t total_bytes_ = 0, shard_ = 0, next_ = 0;
+  std::unique_ptr<SafetensorsWriter> writer_;
+  bool done_ = false;
+};
 
 }  // namespace tandem::model

@@ -304,52 +304,90 @@ const SafetensorsFile& SafetensorsCheckpoint::file_of(std::string_view name) con
   return *files_[it->second];
 }
 
-void write_safetensors(const std::string& path, std::span<const NamedTensor> tensors,
-                       const std::map<std::string, std::string>& metadata) {
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsEntry> entries,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), entries_(std::move(entries)) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
-  for (const NamedTensor& t : tensors) {
-    TANDEM_CHECK(t.tensor.defined(), "{}: tensor '{}' is undefined", path, t.name);
-    TANDEM_CHECK(t.name != "__metadata__" && !header.contains(t.name),
-                 "{}: tensor name '{}' is reserved or used twice", path, t.name);
+  for (SafetensorsEntry& e : entries_) {
+    TANDEM_CHECK(e.name != "__metadata__" && !header.contains(e.name),
+                 "{}: tensor name '{}' is reserved or used twice", path_, e.name);
     nlohmann::ordered_json shape = nlohmann::ordered_json::array();
-    for (int d = 0; d < t.tensor.ndim(); ++d) shape.push_back(t.tensor.size(d));
-    header[t.name] = {{"dtype", safetensors_dtype_name(t.tensor.dtype())},
+    for (int d = 0; d < e.shape.ndim(); ++d) shape.push_back(e.shape[d]);
+    e.begin = offset;
+    e.end = offset + static_cast<size_t>(e.shape.numel()) * dtype_size(e.dtype);
+    header[e.name] = {{"dtype", safetensors_dtype_name(e.dtype)},
                       {"shape", shape},
-                      {"data_offsets", {offset, offset + t.tensor.nbytes()}}};
-    offset += t.tensor.nbytes();
+                      {"data_offsets", {e.begin, e.end}}};
+    offset = e.end;
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  TANDEM_CHECK(f != nullptr, "{}: cannot create: {}", tmp, errno_text());
-  bool ok = true;
-  auto put = [&](const void* data, size_t n) {
-    if (ok && n > 0 && std::fwrite(data, 1, n, f) != n) ok = false;
-  };
+  file_ = std::fopen((path_ + ".tmp").c_str(), "wb");
+  TANDEM_CHECK(file_ != nullptr, "{}: cannot create: {}", path_ + ".tmp", errno_text());
   unsigned char size_le[8];
   for (int i = 0; i < 8; ++i) size_le[i] = static_cast<unsigned char>(text.size() >> (8 * i));
   put(size_le, 8);
   put(text.data(), text.size());
-  for (const NamedTensor& t : tensors) {
-    if (t.tensor.device().is_cpu()) {
-      put(t.tensor.data(), t.tensor.nbytes());
-    } else {
-      Tensor host = t.tensor.to(Device::cpu());
-      put(host.data(), host.nbytes());
-    }
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (file_ == nullptr) return;
+  std::fclose(file_);
+  std::remove((path_ + ".tmp").c_str());
+}
+
+void SafetensorsWriter::put(const void* data, size_t n) {
+  if (ok_ && n > 0 && std::fwrite(data, 1, n, file_) != n) {
+    ok_ = false;
+    why_ = errno_text();
   }
-  ok = ok && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
-  const std::string why = ok ? "" : errno_text();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+}
+
+void SafetensorsWriter::append(const Tensor& t) {
+  TANDEM_CHECK(file_ != nullptr && next_ < entries_.size(),
+               "{}: every tensor of the header is written already", path_);
+  const SafetensorsEntry& e = entries_[next_];
+  TANDEM_CHECK(t.defined(), "{}: tensor '{}' is undefined", path_, e.name);
+  TANDEM_CHECK(t.dtype() == e.dtype && t.shape() == e.shape,
+               "{}: tensor '{}' is {} {}, its header says {} {}", path_, e.name, t.dtype(),
+               t.shape(), e.dtype, e.shape);
+  if (t.device().is_cpu()) {
+    put(t.data(), t.nbytes());
+  } else {
+    const Tensor host = t.to(Device::cpu());
+    put(host.data(), host.nbytes());
+  }
+  ++next_;
+}
+
+void SafetensorsWriter::finish() {
+  TANDEM_CHECK(file_ != nullptr && next_ == entries_.size(),
+               "{}: {} of its {} tensors written, finish() needs them all", path_, next_,
+               entries_.size());
+  const std::string tmp = path_ + ".tmp";
+  bool ok = ok_ && std::fflush(file_) == 0 && ::fsync(fileno(file_)) == 0;
+  const std::string why = ok ? "" : (why_.empty() ? errno_text() : why_);
+  ok = (std::fclose(file_) == 0) && ok;
+  file_ = nullptr;
+  if (!ok || std::rename(tmp.c_str(), path_.c_str()) != 0) {
     const std::string reason = why.empty() ? errno_text() : why;
     std::remove(tmp.c_str());
-    TANDEM_FAIL("{}: cannot write safetensors file: {}", path, reason);
+    TANDEM_FAIL("{}: cannot write safetensors file: {}", path_, reason);
   }
+}
+
+void write_safetensors(const std::string& path, std::span<const NamedTensor> tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsEntry> entries;
+  for (const NamedTensor& t : tensors) {
+    TANDEM_CHECK(t.tensor.defined(), "{}: tensor '{}' is undefined", path, t.name);
+    entries.push_back({t.name, t.tensor.dtype(), t.tensor.shape()});
+  }
+  SafetensorsWriter writer(path, std::move(entries), metadata);
+  for (const NamedTensor& t : tensors) writer.append(t.tensor);
+  writer.finish();
 }
 
 }  // namespace tandem::model

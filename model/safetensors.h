@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <span>
@@ -95,6 +96,33 @@ class SafetensorsCheckpoint {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<std::string> names_;
   std::unordered_map<std::string, size_t> file_index_;  // name -> files_ index
+};
+
+// A .safetensors file written a tensor at a time: the header from every tensor's name, dtype and
+// shape (SafetensorsEntry's offsets are computed), then append() each tensor's data in that order,
+// then finish() (to path + ".tmp", flushed, renamed to path). Destroyed unfinished, it removes
+// the .tmp file. For data that never sits whole in memory (a sharded trainer's gathered units).
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(std::string path, std::vector<SafetensorsEntry> entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  const std::vector<SafetensorsEntry>& entries() const { return entries_; }
+  // The next tensor's data (any device, contiguous; the dtype and shape of its entry).
+  void append(const Tensor& t);
+  void finish();
+
+ private:
+  void put(const void* data, size_t n);
+  std::string path_;
+  std::vector<SafetensorsEntry> entries_;
+  size_t next_ = 0;
+  std::FILE* file_ = nullptr;
+  bool ok_ = true;
+  std::string why_;
 };
 
 // Writes the tensors (any device, contiguous) in the given order, back to back (the format allows

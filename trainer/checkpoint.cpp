@@ -188,15 +188,83 @@ void check_same_config(const model::ModelConfig& want, const model::ModelConfig&
   field("rope_scaling.factor", want.rope.factor, got.rope.factor);
 }
 
-// Each storage tensor's flat range (FlatRange's numbering).
-std::vector<FlatRange> storage_ranges(const model::Weights& w) {
-  std::vector<FlatRange> out;
-  int64_t at = 0;
-  for (const model::NamedTensor& s : w.storage()) {
-    out.push_back({at, at + s.tensor.numel()});
-    at += s.tensor.numel();
+// The shapes of a model's tensors, bound or not: its storage tensors in the flat parameters, and
+// every HF-named tensor (Weights::named()'s order) as a piece of one storage tensor.
+struct ModelShape {
+  struct Named {
+    std::string name;
+    Shape shape;
+    size_t tensor = 0;   // its storage tensor
+    int64_t offset = 0;  // its first element in that storage tensor
+  };
+  model::ModelConfig config;
+  std::vector<std::string> storage_names;
+  std::vector<Shape> storage_shapes;
+  std::vector<FlatRange> storage;  // each storage tensor's flat range
+  std::vector<Named> named;
+  int64_t total() const { return storage.empty() ? 0 : storage.back().end; }
+};
+
+ModelShape model_shape(const model::Weights& w) {
+  ModelShape s;
+  s.config = w.config();
+  int64_t at = 0, largest = 1;
+  for (size_t t = 0; t < w.storage().size(); ++t) {
+    const int64_t n = w.storage_shape(t).numel();
+    s.storage_names.push_back(w.storage()[t].name);
+    s.storage_shapes.push_back(w.storage_shape(t));
+    s.storage.push_back({at, at + n});
+    at += n;
+    largest = std::max(largest, n);
+  }
+  // Each storage tensor in turn bound to scratch memory in an unbound table shows which named
+  // views lie in it, and where (nothing is read or written: untouched pages take no memory).
+  const std::unique_ptr<model::Weights> table = model::Weights::unbound(w.config(), DType::f32);
+  const Tensor scratch = Tensor::empty({largest}, DType::f32);
+  s.named.resize(table->named().size());
+  for (size_t t = 0; t < s.storage.size(); ++t) {
+    table->bind(t, t + 1, scratch);
+    for (size_t i = 0; i < table->named().size(); ++i) {
+      const model::NamedTensor& nt = table->named()[i];
+      if (nt.tensor.defined())
+        s.named[i] = {nt.name, nt.tensor.shape(), t,
+                      static_cast<int64_t>(nt.tensor.data_as<float>() - scratch.data_as<float>())};
+    }
+    table->unbind(t, t + 1);
+  }
+  return s;
+}
+
+// One piece of a rank's: unit `unit`'s elements `range`, at `local` in its local buffer.
+struct Piece {
+  size_t unit = 0;
+  FlatRange range;
+  int64_t local = 0;
+};
+
+std::vector<Piece> pieces_of(const model::ShardLayout& layout, int rank) {
+  std::vector<Piece> out;
+  for (size_t u = 0; u < layout.units().size(); ++u) {
+    const FlatRange r = layout.range(u, rank);
+    if (r.size() > 0) out.push_back({u, r, layout.units()[u].local});
   }
   return out;
+}
+
+std::vector<FlatRange> ranges_of(std::span<const Piece> pieces) {
+  std::vector<FlatRange> out;
+  for (const Piece& p : pieces) out.push_back(p.range);
+  return out;
+}
+
+json ranges_json(std::span<const FlatRange> ranges) {
+  json out = json::array();
+  for (const FlatRange& r : ranges) out.push_back(json::array({r.begin, r.end}));
+  return out;
+}
+
+int rank_of(ShardedAdamW& optimizer) {
+  return optimizer.comm() == nullptr ? 0 : optimizer.comm()->rank();
 }
 
 std::string shard_file(int rank, int world) {
@@ -216,13 +284,16 @@ struct PendingSave {
   }
 };
 
-void check_save_arguments(int64_t step, const model::Weights& policy, const TrainerState& state,
+void check_save_arguments(int64_t step, const TrainerState& state,
                           const CheckpointOptions& options) {
   TANDEM_CHECK(step >= 0, "checkpoint: step {} must be 0 or more", step);
   TANDEM_CHECK(options.keep_last >= 0, "checkpoint: keep_last {} must be 0 or more (0 keeps all)",
                options.keep_last);
   TANDEM_CHECK(state.rng_states.is_object() && state.extra.is_object(),
                "checkpoint: TrainerState rng_states and extra must be JSON objects");
+}
+
+void check_policy(const model::Weights& policy) {
   TANDEM_CHECK(policy.dtype() == DType::f32,
                "checkpoint: the policy must be the f32 master weights, got {}", policy.dtype());
 }
@@ -248,6 +319,62 @@ void write_policy(const PendingSave& p, const model::Weights& policy) {
   hf.extra_files = p.options.extra_files;
   model::save_hf(policy, (p.tmp / kPolicyDir).string(), hf);
   p.stage("policy");
+}
+
+// ShardLevel::parameters: the policy unit by unit, every rank gathering each unit in the same
+// order (collective) and the writer (p non-null: rank 0) writing the unit's named tensors as it
+// arrives, so that no rank holds more than one unit. A writer's failure is returned, its
+// gathering carried on so that the ranks stay in step; a failed gather throws.
+std::exception_ptr write_gathered_policy(const PendingSave* p, ShardedAdamW& optimizer,
+                                         const ModelShape& shape) {
+  const model::ShardLayout& layout = optimizer.layout();
+  std::exception_ptr failed;
+  std::unique_ptr<model::HfWriter> writer;
+  if (p != nullptr) {
+    try {
+      std::vector<model::HfWriter::NamedShape> tensors;
+      for (const ModelShape::Named& n : shape.named) tensors.push_back({n.name, n.shape});
+      model::SaveOptions hf;
+      hf.dtype = DType::f32;
+      hf.extra_files = p->options.extra_files;
+      writer = std::make_unique<model::HfWriter>(shape.config, tensors,
+                                                 (p->tmp / kPolicyDir).string(), hf);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  int64_t largest = 1;
+  for (const model::ShardUnit& u : layout.units()) largest = std::max(largest, u.flat.size());
+  const Tensor buffer = Tensor::empty({largest}, DType::f32);
+  size_t next = 0;  // the next named tensor to write
+  for (size_t u = 0; u < layout.units().size(); ++u) {
+    const model::ShardUnit& unit = layout.units()[u];
+    const Tensor gathered = buffer.narrow(0, unit.flat.size());
+    optimizer.gather_unit(u, gathered);
+    if (!writer || failed) continue;
+    try {
+      for (; next < shape.named.size() && layout.unit_of_tensor(shape.named[next].tensor) == u;
+           ++next) {
+        const ModelShape::Named& n = shape.named[next];
+        const int64_t at = shape.storage[n.tensor].begin - unit.flat.begin + n.offset;
+        writer->append(gathered.narrow(at, n.shape.numel()).view(n.shape));
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  if (writer && !failed) {
+    try {
+      TANDEM_CHECK(next == shape.named.size(),
+                   "{}: tensor {} of the policy is not in unit order; cannot stream it",
+                   p->tmp.string(), shape.named[next].name);
+      writer->finish();
+      p->stage("policy");
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  return failed;
 }
 
 void write_state(const PendingSave& p, const TrainerState& state, const AdamWCounters& c,
@@ -353,23 +480,28 @@ json list_files(const fs::path& tmp, const std::map<std::string, FileSum>& known
 
 // One rank's save: the whole optimizer state (moments in storage tensors m and v) in
 // optimizer.safetensors.
-std::string save_alone(const std::string& root, int64_t step, const model::Weights& policy,
+// The policy comes from write_policy_fn (into p.tmp/policy); level: a ShardedAdamW's, for the
+// marker (null for AdamW).
+std::string save_alone(const std::string& root, int64_t step, const ModelShape& shape,
+                       const char* level,
+                       const std::function<void(const PendingSave&)>& write_policy_fn,
                        std::span<const model::NamedTensor> m, std::span<const model::NamedTensor> v,
                        const AdamWCounters& c, const AdamWConfig& oc, const TrainerState& state,
                        const CheckpointOptions& options) {
-  check_save_arguments(step, policy, state, options);
+  check_save_arguments(step, state, options);
   const auto pid = static_cast<int64_t>(::getpid());
   const std::string name = "step-" + std::to_string(step);
   const PendingSave p{fs::path(root), tmp_dir(root, step, pid), fs::path(root) / name, name, pid,
                       options};
   create_tmp(p, false);
   try {
-    write_policy(p, policy);
+    write_policy_fn(p);
     write_whole_optimizer(p, m, v, c);
     write_state(p, state, c, oc);
-    const int64_t total = storage_ranges(policy).empty() ? 0 : storage_ranges(policy).back().end;
+    const int64_t total = shape.total();
     json marker =
         marker_json(step, 1, total, {{{"file", kOptimizerFile}, {"begin", 0}, {"end", total}}});
+    if (level != nullptr) marker["shard_level"] = level;
     marker["files"] = list_files(p.tmp, {});
     return commit(p, marker);
   } catch (...) {
@@ -381,10 +513,11 @@ std::string save_alone(const std::string& root, int64_t step, const model::Weigh
 
 // ---- Loading ----
 
-// What a checkpoint holds for one rank's range, read and checked, not yet copied anywhere.
+// What a checkpoint holds for one rank's ranges, read and checked, not yet copied anywhere.
 struct Restored {
-  std::unique_ptr<model::Weights> policy;
-  Tensor m, v;  // (want.end - want.begin) f32 moments of the range
+  std::unique_ptr<model::Weights> policy;  // the whole policy, or null
+  Tensor params;                           // or the policy's elements of the ranges
+  Tensor m, v;  // the f32 moments of the ranges, one range after the other
   AdamWCounters counters;
   TrainerState state;
 };
@@ -488,17 +621,19 @@ json read_marker(const fs::path& dir, const TrainerState& s) {
   return j;
 }
 
-// The saved ranges of the optimizer state: the marker's ranks' files, or (one rank, and
-// checkpoints from before markers) optimizer.safetensors's storage tensors.
+// The saved ranges of the optimizer state in flat order: the marker's ranks' files (one range
+// each, tensors m and v, as one ShardedAdamW range per rank saved them; or several, tensors named
+// in the marker), or (one rank, and checkpoints from before markers) optimizer.safetensors's
+// storage tensors.
 std::vector<SavedRange> saved_ranges(const fs::path& dir, const json* marker,
-                                     const model::Weights& policy) {
-  const std::vector<FlatRange> storage = storage_ranges(policy);
-  const int64_t total = storage.empty() ? 0 : storage.back().end;
+                                     const ModelShape& shape) {
+  const int64_t total = shape.total();
   auto whole_file = [&] {
     std::vector<SavedRange> out;
-    for (size_t t = 0; t < storage.size(); ++t) {
-      const model::NamedTensor& s = policy.storage()[t];
-      out.push_back({storage[t], kOptimizerFile, "m." + s.name, "v." + s.name, s.tensor.shape()});
+    for (size_t t = 0; t < shape.storage.size(); ++t) {
+      const std::string& name = shape.storage_names[t];
+      out.push_back(
+          {shape.storage[t], kOptimizerFile, "m." + name, "v." + name, shape.storage_shapes[t]});
     }
     return out;
   };
@@ -515,10 +650,31 @@ std::vector<SavedRange> saved_ranges(const fs::path& dir, const json* marker,
     const std::string file = get_field<std::string>(e, "file", where + " optimizer");
     TANDEM_CHECK(marker->at("files").contains(file),
                  "{}: the optimizer file {} is not among its files", where, file);
-    const FlatRange r{get_field<int64_t>(e, "begin", where + " optimizer"),
-                      get_field<int64_t>(e, "end", where + " optimizer")};
-    out.push_back({r, file, "m", "v", {r.end - r.begin}});
+    if (!e.contains("ranges")) {
+      const FlatRange r{get_field<int64_t>(e, "begin", where + " optimizer"),
+                        get_field<int64_t>(e, "end", where + " optimizer")};
+      out.push_back({r, file, "m", "v", {r.end - r.begin}});
+      continue;
+    }
+    const std::string at = where + " optimizer " + file;
+    TANDEM_CHECK(e.at("ranges").is_array(), "{}: field 'ranges' must be a list", at);
+    for (const json& x : e.at("ranges")) {
+      const FlatRange r{get_field<int64_t>(x, "begin", at), get_field<int64_t>(x, "end", at)};
+      TANDEM_CHECK(r.begin < r.end,
+                   "{}: range [{}, {}) is empty or reversed: the file is "
+                   "damaged; resume from another checkpoint",
+                   at, r.begin, r.end);
+      out.push_back({r,
+                     file,
+                     get_field<std::string>(x, "m", at),
+                     get_field<std::string>(x, "v", at),
+                     {r.end - r.begin}});
+    }
   }
+  TANDEM_CHECK(!out.empty(), "{}: field 'optimizer' lists no range", where);
+  std::stable_sort(out.begin(), out.end(), [](const SavedRange& a, const SavedRange& b) {
+    return a.range.begin < b.range.begin;
+  });
   TANDEM_CHECK(out.front().range.begin == 0 && out.back().range.end == total,
                "{}: the optimizer ranges cover parameters [{}, {}), the model has {}: the file is "
                "damaged; resume from another checkpoint",
@@ -544,29 +700,73 @@ void check_optimizer_file(const model::SafetensorsFile& file,
   TANDEM_CHECK(file.tensors().size() == 2 * ranges.size(),
                "{}: holds {} tensors, expected {} (the moments m and v of {})", where,
                file.tensors().size(), 2 * ranges.size(),
-               ranges.size() == 1 ? "its range" : "every storage tensor");
+               ranges.size() == 1 ? "its range" : "each of its ranges");
   const auto meta = file.metadata().find("step");
   TANDEM_CHECK(meta != file.metadata().end() && meta->second == std::to_string(counters.step),
                "{}: metadata 'step' does not match {}'s optimizer.step {} (files from different "
                "checkpoints?)",
                where, state_where, counters.step);
+  auto check_meta = [&](const char* key, const std::string& value) {
+    const auto it = file.metadata().find(key);
+    TANDEM_CHECK(it != file.metadata().end() && it->second == value,
+                 "{}: metadata '{}' is {}, the checkpoint's COMMITTED says {}", where, key,
+                 it == file.metadata().end() ? std::string("missing") : it->second, value);
+  };
   if (ranges.size() == 1 && ranges.front()->m_name == "m") {
     const FlatRange& r = ranges.front()->range;
-    for (const auto& [key, value] : {std::pair{"begin", r.begin}, std::pair{"end", r.end}}) {
-      const auto it = file.metadata().find(key);
-      TANDEM_CHECK(it != file.metadata().end() && it->second == std::to_string(value),
-                   "{}: metadata '{}' is {}, the checkpoint's COMMITTED says {}", where, key,
-                   it == file.metadata().end() ? std::string("missing") : it->second, value);
-    }
+    check_meta("begin", std::to_string(r.begin));
+    check_meta("end", std::to_string(r.end));
+  } else if (file.metadata().contains("ranges")) {
+    std::vector<FlatRange> mine;
+    for (const SavedRange* r : ranges) mine.push_back(r->range);
+    check_meta("ranges", ranges_json(mine).dump());
   }
 }
 
-Restored restore(const std::string& dir_path, const model::Weights& policy, FlatRange want) {
+// The policy's elements of the wanted ranges (one after the other) from its HF directory, each
+// tensor checked (present, F32, its shape); the files are mapped, so only the pages holding them
+// are read.
+Tensor read_policy_pieces(const fs::path& policy_dir, const ModelShape& shape,
+                          std::span<const FlatRange> want) {
+  const model::SafetensorsCheckpoint ckpt(policy_dir.string());
+  int64_t n = 0;
+  for (const FlatRange& w : want) n += w.size();
+  Tensor out = Tensor::empty({n}, DType::f32);
+  float* into = out.data_as<float>();
+  int64_t copied = 0;
+  for (const ModelShape::Named& t : shape.named) {
+    const model::SafetensorsEntry* e = ckpt.find(t.name);
+    TANDEM_CHECK(e != nullptr, "{}: the policy lacks tensor '{}'", ckpt.path(), t.name);
+    TANDEM_CHECK(e->dtype == DType::f32 && e->shape == t.shape,
+                 "{}: tensor '{}' is {} {}, a checkpoint's policy holds F32 {}",
+                 ckpt.file_of(t.name).path(), t.name, model::safetensors_dtype_name(e->dtype),
+                 e->shape, t.shape);
+    const int64_t begin = shape.storage[t.tensor].begin + t.offset, end = begin + t.shape.numel();
+    Tensor from;
+    int64_t at = 0;  // into out
+    for (const FlatRange& w : want) {
+      const int64_t lo = std::max(begin, w.begin), hi = std::min(end, w.end);
+      if (lo < hi) {
+        if (!from.defined()) from = ckpt.view(t.name);
+        std::memcpy(into + at + (lo - w.begin), from.data_as<float>() + (lo - begin),
+                    static_cast<size_t>(hi - lo) * sizeof(float));
+        copied += hi - lo;
+      }
+      at += w.size();
+    }
+  }
+  TANDEM_CHECK(copied == n, "{}: the policy's tensors hold {} of the {} elements wanted",
+               policy_dir.string(), copied, n);
+  return out;
+}
+
+// Reads and checks everything for the wanted ranges: the moments, and the whole policy
+// (whole_policy) or its elements of the ranges.
+Restored restore(const std::string& dir_path, const ModelShape& shape,
+                 std::span<const FlatRange> want, bool whole_policy) {
   const fs::path dir(dir_path);
   std::error_code ec;
   TANDEM_CHECK(fs::is_directory(dir, ec), "{}: checkpoint directory does not exist", dir.string());
-  TANDEM_CHECK(policy.dtype() == DType::f32,
-               "checkpoint: the policy must be the f32 master weights, got {}", policy.dtype());
   Restored out;
   int64_t version = 0;
   out.state = read_state(dir, version, out.counters);
@@ -578,17 +778,22 @@ Restored restore(const std::string& dir_path, const model::Weights& policy, Flat
 
   // Policy: the config first, so that another model is named by its field.
   const model::ModelConfig got = model::config_from_hf_file((policy_dir / "config.json").string());
-  check_same_config(policy.config(), got, (policy_dir / "config.json").string());
-  const std::vector<SavedRange> saved = saved_ranges(dir, marker ? &*marker : nullptr, policy);
-  out.policy = model::load_hf(policy_dir.string(), DType::f32);
+  check_same_config(shape.config, got, (policy_dir / "config.json").string());
+  const std::vector<SavedRange> saved = saved_ranges(dir, marker ? &*marker : nullptr, shape);
+  if (whole_policy) {
+    out.policy = model::load_hf(policy_dir.string(), DType::f32);
+  } else {
+    out.params = read_policy_pieces(policy_dir, shape, want);
+  }
 
   // Optimizer: the pieces of the saved ranges that overlap `want`, file by file.
   std::vector<FlatRange> ranges;
   for (const SavedRange& r : saved) ranges.push_back(r.range);
   const std::vector<ShardRead> plan = plan_shard_reads(ranges, want);
-  spdlog::debug("{}: parameters [{}, {}) of the optimizer state from\n{}", dir.string(), want.begin,
-                want.end, describe(plan));
-  const int64_t n = want.end - want.begin;
+  spdlog::debug("{}: {} ranges of the optimizer state from\n{}", dir.string(), want.size(),
+                describe(plan));
+  int64_t n = 0;
+  for (const FlatRange& w : want) n += w.size();
   out.m = Tensor::zeros({n}, DType::f32);
   out.v = Tensor::zeros({n}, DType::f32);
   std::map<std::string, std::unique_ptr<model::SafetensorsFile>> files;
@@ -614,10 +819,11 @@ Restored restore(const std::string& dir_path, const model::Weights& policy, Flat
 }  // namespace
 
 std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved, FlatRange want) {
-  TANDEM_CHECK(want.begin <= want.end, "checkpoint: range [{}, {}) to read is empty the wrong way",
-               want.begin, want.end);
-  std::vector<ShardRead> plan;
-  int64_t at = want.begin;  // the next element to find
+  return plan_shard_reads(saved, std::span<const FlatRange>(&want, 1));
+}
+
+std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved,
+                                        std::span<const FlatRange> want) {
   for (size_t i = 0; i < saved.size(); ++i) {
     const FlatRange& r = saved[i];
     TANDEM_CHECK(r.begin <= r.end && (i == 0 || saved[i - 1].end == r.begin),
@@ -625,16 +831,32 @@ std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved, FlatRa
                  "ranges must be in order, without gaps or overlaps",
                  i, r.begin, r.end, i == 0 ? 0 : i - 1, i == 0 ? 0 : saved[i - 1].begin,
                  i == 0 ? 0 : saved[i - 1].end);
-    const int64_t lo = std::max(at, r.begin), hi = std::min(want.end, r.end);
-    if (lo >= hi || lo != at) continue;
-    plan.push_back({i, lo - r.begin, lo - want.begin, hi - lo});
-    at = hi;
   }
-  TANDEM_CHECK(at == want.end,
-               "checkpoint: the saved ranges ({} of them, [{}, {})) do not hold elements [{}, {}) "
-               "of the parameters",
-               saved.size(), saved.empty() ? 0 : saved.front().begin,
-               saved.empty() ? 0 : saved.back().end, at, want.end);
+  std::vector<ShardRead> plan;
+  int64_t offset = 0;  // of this wanted range in the buffer read
+  for (const FlatRange& w : want) {
+    TANDEM_CHECK(w.begin <= w.end, "checkpoint: range [{}, {}) to read is empty the wrong way",
+                 w.begin, w.end);
+    int64_t at = w.begin;  // the next element to find
+    // The first saved range that ends past w.begin.
+    auto i = static_cast<size_t>(
+        std::upper_bound(saved.begin(), saved.end(), w.begin,
+                         [](int64_t x, const FlatRange& r) { return x < r.end; }) -
+        saved.begin());
+    for (; i < saved.size() && at < w.end; ++i) {
+      const FlatRange& r = saved[i];
+      const int64_t lo = std::max(at, r.begin), hi = std::min(w.end, r.end);
+      if (lo >= hi || lo != at) continue;
+      plan.push_back({i, lo - r.begin, offset + lo - w.begin, hi - lo});
+      at = hi;
+    }
+    TANDEM_CHECK(at == w.end,
+                 "checkpoint: the saved ranges ({} of them, [{}, {})) do not hold elements [{}, "
+                 "{}) of the parameters",
+                 saved.size(), saved.empty() ? 0 : saved.front().begin,
+                 saved.empty() ? 0 : saved.back().end, at, w.end);
+    offset += w.size();
+  }
   return plan;
 }
 
@@ -653,28 +875,42 @@ std::string checkpoint_dir(const std::string& root, int64_t step) {
 std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
                             const AdamW& optimizer, const TrainerState& state,
                             const CheckpointOptions& options) {
-  return save_alone(root, step, policy, optimizer.m().storage(), optimizer.v().storage(),
-                    optimizer.counters(), optimizer.config(), state, options);
+  check_policy(policy);
+  return save_alone(
+      root, step, model_shape(policy), nullptr,
+      [&](const PendingSave& p) { write_policy(p, policy); }, optimizer.m().storage(),
+      optimizer.v().storage(), optimizer.counters(), optimizer.config(), state, options);
 }
 
-std::string save_checkpoint(const std::string& root_path, int64_t step,
-                            const model::Weights& policy, ShardedAdamW& optimizer,
+std::string save_checkpoint(const std::string& root_path, int64_t step, ShardedAdamW& optimizer,
                             const TrainerState& state, const CheckpointOptions& options) {
   const AdamWCounters& c = optimizer.counters();
   Communicator* comm = optimizer.comm();
+  const model::ShardLayout& layout = optimizer.layout();
+  const bool gathered = optimizer.options().level == ShardLevel::parameters;
+  const ModelShape shape = model_shape(optimizer.compute_weights());
+  TANDEM_CHECK(shape.total() == layout.total(),
+               "checkpoint: the optimizer's layout has {} parameters, its model {}", layout.total(),
+               shape.total());
   if (comm == nullptr) {
-    // One range, the whole model: the moments as its storage tensors.
+    // One rank: every unit whole in its piece, the moments as views of its storage tensors.
     std::vector<model::NamedTensor> m, v;
-    const std::vector<FlatRange> ranges = storage_ranges(policy);
-    for (size_t t = 0; t < ranges.size(); ++t) {
-      const model::NamedTensor& s = policy.storage()[t];
+    for (size_t t = 0; t < shape.storage.size(); ++t) {
+      const model::ShardUnit& unit = layout.units()[layout.unit_of_tensor(t)];
+      const int64_t at = unit.local + shape.storage[t].begin - unit.flat.begin;
       for (auto [into, from] : {std::pair{&m, &optimizer.m()}, std::pair{&v, &optimizer.v()}})
-        into->push_back({s.name, Tensor::wrap(from->data_as<float>() + ranges[t].begin,
-                                              s.tensor.shape(), DType::f32)});
+        into->push_back({shape.storage_names[t],
+                         from->narrow(at, shape.storage[t].size()).view(shape.storage_shapes[t])});
     }
-    return save_alone(root_path, step, policy, m, v, c, optimizer.config(), state, options);
+    auto policy = [&](const PendingSave& p) {
+      if (!gathered) return write_policy(p, optimizer.params());
+      if (std::exception_ptr e = write_gathered_policy(&p, optimizer, shape))
+        std::rethrow_exception(e);
+    };
+    return save_alone(root_path, step, shape, shard_level_name(optimizer.options().level), policy,
+                      m, v, c, optimizer.config(), state, options);
   }
-  check_save_arguments(step, policy, state, options);
+  check_save_arguments(step, state, options);
   const int rank = comm->rank(), world = comm->size();
   const bool writer = rank == 0;
   const std::string name = "step-" + std::to_string(step);
@@ -691,22 +927,25 @@ std::string save_checkpoint(const std::string& root_path, int64_t step,
       failed = std::current_exception();
     }
   };
+  auto abandon = [&](const char* phase, const std::exception& e) {
+    if (writer && !p.tmp.empty()) {
+      std::error_code ec;
+      fs::remove_all(p.tmp, ec);
+    }
+    // Past a commit that went through, the checkpoint is complete all the same.
+    const bool done = writer && !failed && std::string_view(phase) == "commit";
+    TANDEM_FAIL("checkpoint {} {} at the {} phase: {}", p.target.string(),
+                done ? "is complete, but a rank was lost"
+                     : "abandoned (the previous checkpoints are as they were)",
+                phase, e.what());
+  };
   auto agree = [&](const char* phase, std::vector<double> mine) {
     mine.insert(mine.begin(), failed ? 0.0 : 1.0);
     std::vector<double> all;
     try {
       all = gather_doubles(*comm, mine);
     } catch (const std::exception& e) {
-      if (writer && !p.tmp.empty()) {
-        std::error_code ec;
-        fs::remove_all(p.tmp, ec);
-      }
-      // Past a commit that went through, the checkpoint is complete all the same.
-      const bool done = writer && !failed && std::string_view(phase) == "commit";
-      TANDEM_FAIL("checkpoint {} {} at the {} phase: {}", p.target.string(),
-                  done ? "is complete, but a rank was lost"
-                       : "abandoned (the previous checkpoints are as they were)",
-                  phase, e.what());
+      abandon(phase, e);
     }
     const size_t k = mine.size();
     std::vector<int> bad;
@@ -736,48 +975,87 @@ std::string save_checkpoint(const std::string& root_path, int64_t step,
   p.pid = static_cast<int64_t>(pids[1]);
   p.tmp = tmp_dir(p.root, step, p.pid);
 
-  // Every rank its range; rank 0 the policy and trainer state too.
+  // The policy: rank 0 writes it, from the whole weights or as every rank gathers it.
+  if (gathered) {
+    try {
+      if (std::exception_ptr e = write_gathered_policy(writer ? &p : nullptr, optimizer, shape))
+        failed = e;
+    } catch (const std::exception& e) {
+      abandon("policy", e);
+    }
+  } else if (writer) {
+    attempt([&] { write_policy(p, optimizer.params()); });
+  }
+
+  // Every rank its pieces; rank 0 the trainer state too.
   const std::string mine = shard_file(rank, world);
   FileSum sum;
   attempt([&] {
-    if (writer) write_policy(p, policy);
-    const int64_t n = optimizer.end() - optimizer.begin();
+    const std::vector<Piece> pieces = pieces_of(layout, rank);
     std::map<std::string, std::string> meta = counters_metadata(c);
-    meta["begin"] = std::to_string(optimizer.begin());
-    meta["end"] = std::to_string(optimizer.end());
-    meta["parameters"] = std::to_string(optimizer.total());
+    meta["ranges"] = ranges_json(ranges_of(pieces)).dump();
+    meta["parameters"] = std::to_string(layout.total());
     meta["rank"] = std::to_string(rank);
     meta["world_size"] = std::to_string(world);
-    const model::NamedTensor tensors[] = {{"m", optimizer.m().narrow(0, n)},
-                                          {"v", optimizer.v().narrow(0, n)}};
+    meta["shard_level"] = shard_level_name(optimizer.options().level);
+    std::vector<model::NamedTensor> tensors;
+    for (auto [prefix, from] : {std::pair{"m.", &optimizer.m()}, std::pair{"v.", &optimizer.v()}})
+      for (const Piece& piece : pieces)
+        tensors.push_back({prefix + layout.units()[piece.unit].name,
+                           from->narrow(piece.local, piece.range.size())});
     model::write_safetensors((p.tmp / mine).string(), tensors, meta);
     sum = sum_file(p.tmp / mine);
     p.stage("optimizer");
     if (writer) write_state(p, state, c, optimizer.config());
   });
   const std::vector<double> parts =
-      agree("write", {static_cast<double>(optimizer.begin()), static_cast<double>(optimizer.end()),
-                      static_cast<double>(sum.bytes), static_cast<double>(sum.crc)});
+      agree("write", {static_cast<double>(sum.bytes), static_cast<double>(sum.crc)});
 
   // Every part is complete: rank 0 commits.
   if (writer) {
     attempt([&] {
-      std::vector<json> ranges;
+      std::vector<json> ranks;
       std::map<std::string, FileSum> known;
       for (int r = 0; r < world; ++r) {
-        const double* x = parts.data() + static_cast<size_t>(r) * 5;  // ok, begin, end, bytes, crc
-        ranges.push_back({{"file", shard_file(r, world)},
-                          {"begin", static_cast<int64_t>(x[1])},
-                          {"end", static_cast<int64_t>(x[2])}});
-        known[shard_file(r, world)] = {static_cast<int64_t>(x[3]), static_cast<uint32_t>(x[4])};
+        const double* x = parts.data() + static_cast<size_t>(r) * 3;  // ok, bytes, crc
+        json ranges = json::array();
+        for (const Piece& piece : pieces_of(layout, r)) {
+          const std::string& unit = layout.units()[piece.unit].name;
+          ranges.push_back({{"begin", piece.range.begin},
+                            {"end", piece.range.end},
+                            {"m", "m." + unit},
+                            {"v", "v." + unit}});
+        }
+        ranks.push_back({{"file", shard_file(r, world)}, {"ranges", ranges}});
+        known[shard_file(r, world)] = {static_cast<int64_t>(x[1]), static_cast<uint32_t>(x[2])};
       }
-      json marker = marker_json(step, world, optimizer.total(), ranges);
+      json marker = marker_json(step, world, layout.total(), ranks);
+      marker["shard_level"] = shard_level_name(optimizer.options().level);
       marker["files"] = list_files(p.tmp, known);
       commit(p, marker);
     });
   }
   agree("commit", {});
   return p.target.string();
+}
+
+std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
+                            ShardedAdamW& optimizer, const TrainerState& state,
+                            const CheckpointOptions& options) {
+  TANDEM_CHECK(
+      optimizer.options().level == ShardLevel::parameters || &policy == &optimizer.params(),
+      "checkpoint: the policy given is not the weights of the optimizer ({}); save from "
+      "the optimizer alone",
+      shard_level_name(optimizer.options().level));
+  return save_checkpoint(root, step, optimizer, state, options);
+}
+
+std::string save_checkpoint(const std::string& root, int64_t step, Optimizer& optimizer,
+                            const TrainerState& state, const CheckpointOptions& options) {
+  if (auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer))
+    return save_checkpoint(root, step, *sharded, state, options);
+  auto& adamw = dynamic_cast<AdamW&>(optimizer);
+  return save_checkpoint(root, step, adamw.params(), adamw, state, options);
 }
 
 std::vector<std::string> recover_interrupted_saves(const std::string& root_path) {
@@ -823,12 +1101,14 @@ std::vector<std::string> recover_interrupted_saves(const std::string& root_path)
 
 void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& optimizer,
                      TrainerState& state) {
-  const std::vector<FlatRange> storage = storage_ranges(optimizer.params());
-  Restored r = restore(dir, policy, {0, storage.empty() ? 0 : storage.back().end});
+  check_policy(policy);
+  const ModelShape shape = model_shape(optimizer.params());
+  const FlatRange whole{0, shape.total()};
+  Restored r = restore(dir, shape, std::span<const FlatRange>(&whole, 1), true);
   // Everything read and checked: now overwrite.
   policy.copy_from(*r.policy);
-  for (size_t t = 0; t < storage.size(); ++t) {
-    const int64_t at = storage[t].begin, len = storage[t].end - at;
+  for (size_t t = 0; t < shape.storage.size(); ++t) {
+    const int64_t at = shape.storage[t].begin, len = shape.storage[t].size();
     for (auto [from, into] : {std::pair{&r.m, &optimizer.m()}, std::pair{&r.v, &optimizer.v()}}) {
       Tensor dst = into->storage()[t].tensor;
       dst.copy_from(from->narrow(at, len).view(dst.shape()));
@@ -838,15 +1118,45 @@ void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& opti
   state = std::move(r.state);
 }
 
-void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
-                     TrainerState& state) {
-  Restored r = restore(dir, policy, {optimizer.begin(), optimizer.end()});
-  policy.copy_from(*r.policy);
-  const int64_t n = optimizer.end() - optimizer.begin();
-  optimizer.m().narrow(0, n).copy_from(r.m);
-  optimizer.v().narrow(0, n).copy_from(r.v);
+void load_checkpoint(const std::string& dir, ShardedAdamW& optimizer, TrainerState& state) {
+  const model::ShardLayout& layout = optimizer.layout();
+  const bool gathered = optimizer.options().level == ShardLevel::parameters;
+  const ModelShape shape = model_shape(optimizer.compute_weights());
+  TANDEM_CHECK(shape.total() == layout.total(),
+               "checkpoint: the optimizer's layout has {} parameters, its model {}", layout.total(),
+               shape.total());
+  const std::vector<Piece> pieces = pieces_of(layout, rank_of(optimizer));
+  const std::vector<FlatRange> want = ranges_of(pieces);
+  Restored r = restore(dir, shape, want, !gathered);
+  // Everything read and checked: now overwrite (the pieces' padding zero).
+  std::vector<std::pair<const Tensor*, Tensor*>> copies = {{&r.m, &optimizer.m()},
+                                                           {&r.v, &optimizer.v()}};
+  if (gathered) copies.emplace_back(&r.params, &optimizer.local_params());
+  for (auto [from, into] : copies) {
+    std::memset(into->data(), 0, into->nbytes());
+    int64_t at = 0;
+    for (const Piece& piece : pieces) {
+      into->narrow(piece.local, piece.range.size()).copy_from(from->narrow(at, piece.range.size()));
+      at += piece.range.size();
+    }
+  }
+  if (!gathered) optimizer.params().copy_from(*r.policy);
   optimizer.set_counters(r.counters);
   state = std::move(r.state);
+}
+
+void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
+                     TrainerState& state) {
+  load_checkpoint(dir, optimizer, state);
+  if (optimizer.options().level != ShardLevel::parameters && &policy != &optimizer.params())
+    policy.copy_from(optimizer.params());
+}
+
+void load_checkpoint(const std::string& dir, Optimizer& optimizer, TrainerState& state) {
+  if (auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer))
+    return load_checkpoint(dir, *sharded, state);
+  auto& adamw = dynamic_cast<AdamW&>(optimizer);
+  load_checkpoint(dir, adamw.params(), adamw, state);
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root) {

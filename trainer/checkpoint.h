@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/shard_layout.h"
 #include "model/weights.h"
 #include "trainer/optimizer.h"
 
@@ -47,14 +48,11 @@ struct CheckpointOptions {
 };
 
 // A flat range [begin, end) of the parameters: every storage tensor flattened, one after the
-// other in storage order (ShardedAdamW's numbering).
-struct FlatRange {
-  int64_t begin = 0, end = 0;
-  bool operator==(const FlatRange&) const = default;
-};
+// other in storage order (model::ShardLayout's numbering).
+using model::FlatRange;
 
 // One copy of a read plan: `count` elements from `source_offset` into saved range `source` go to
-// `offset` into the range read.
+// `offset` into the range read (into the wanted ranges one after the other, for several).
 struct ShardRead {
   size_t source = 0;
   int64_t source_offset = 0;
@@ -68,6 +66,10 @@ struct ShardRead {
 // each saved range, in order. Throws tandem::Error when the saved ranges do not cover `want` or
 // are not in order.
 std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved, FlatRange want);
+// The same for several wanted ranges (e.g. a rank's pieces of every unit), read into one buffer
+// one after the other in the order given.
+std::vector<ShardRead> plan_shard_reads(std::span<const FlatRange> saved,
+                                        std::span<const FlatRange> want);
 // One line per copy, "range 1 [10, 30) -> [0, 20)" (elements of saved range 1 -> of the range
 // read), for messages and logs.
 std::string describe(std::span<const ShardRead> plan);
@@ -86,17 +88,29 @@ std::string save_checkpoint(const std::string& root, int64_t step, const model::
 // The same from the ranks of optimizer.comm(), collective: every rank calls it with the same
 // step, state and options. The ranks share <root>/.tmp-step-<step>-<pid of rank 0>, so root must
 // be one file system that every rank sees (on several nodes, a shared one). Each rank writes its
-// range of the optimizer state to optimizer/rank-<r>-of-<N>.safetensors (tensors "m" and "v",
-// the range and counters in the metadata); rank 0 writes the policy and the trainer state. Once
-// every rank's part is written (each rank's outcome all-gathered, bounded by the communicator's
-// timeout), rank 0 writes COMMITTED (world size, step, the ranges, every file with its size and
-// CRC-32C) and renames the directory into place. A rank that fails or dies makes the others
-// throw; the directory is removed (or left as a .tmp-* that the next job removes) and every
-// existing checkpoint stays as it was. Without a communicator (one rank) it writes
-// optimizer.safetensors as the AdamW overload does.
+// pieces of the optimizer state (model::ShardLayout's, one per unit it owns elements of) to
+// optimizer/rank-<r>-of-<N>.safetensors: tensors "m.<unit>" and "v.<unit>" holding the real
+// elements of each piece, in unit order, their flat ranges and the counters in the metadata.
+// Rank 0 writes the policy (f32): below ShardLevel::parameters from the whole master weights
+// params(); at ShardLevel::parameters unit by unit as every rank gathers it (gather_unit), the
+// HF files written tensor by tensor as the units arrive, so that no rank holds more than one
+// unit's weights at a time. Once every rank's part is written (each rank's outcome all-gathered,
+// bounded by the communicator's timeout), rank 0 writes COMMITTED (world size, shard level,
+// step, every rank's ranges and tensor names, every file with its size and CRC-32C) and renames
+// the directory into place. A rank that fails or dies makes the others throw; the directory is
+// removed (or left as a .tmp-* that the next job removes) and every existing checkpoint stays as
+// it was. Without a communicator (one rank) it writes optimizer.safetensors as the AdamW
+// overload does.
+std::string save_checkpoint(const std::string& root, int64_t step, ShardedAdamW& optimizer,
+                            const TrainerState& state, const CheckpointOptions& options = {});
+// The same for a caller that holds the policy beside the optimizer: `policy` must be the weights
+// the optimizer was made over (its params(); ignored at ShardLevel::parameters).
 std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
                             ShardedAdamW& optimizer, const TrainerState& state,
                             const CheckpointOptions& options = {});
+// Either optimizer's save (AdamW's policy: its params()).
+std::string save_checkpoint(const std::string& root, int64_t step, Optimizer& optimizer,
+                            const TrainerState& state, const CheckpointOptions& options = {});
 
 // Cleans up after saves that were killed mid-way: removes every <root>/.tmp-step-<N>-<pid>
 // directory, and every .old-step-<N>-<pid> whose step-<N> is in place (one whose step-<N> is
@@ -118,9 +132,17 @@ std::optional<std::string> latest_checkpoint(const std::string& root);
 // untouched.
 void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& optimizer,
                      TrainerState& state);
-// The same into this rank's range of a sharded optimizer: only the pieces of the saved files that
-// overlap it are read (plan_shard_reads). Not collective.
+// The same into this rank's pieces of a sharded optimizer, whatever the world size and shard
+// level that saved it: only the pieces of the saved files that overlap this rank's pieces are
+// read (plan_shard_reads), and below ShardLevel::parameters the whole policy into params(); at
+// ShardLevel::parameters only this rank's pieces of the policy's tensors (the files are mapped:
+// only their pages are read) into local_params(). Not collective.
+void load_checkpoint(const std::string& dir, ShardedAdamW& optimizer, TrainerState& state);
+// The same, the whole policy also copied into `policy` below ShardLevel::parameters (unless it
+// is the optimizer's params()).
 void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
                      TrainerState& state);
+// Either optimizer's load (AdamW's policy: its params()).
+void load_checkpoint(const std::string& dir, Optimizer& optimizer, TrainerState& state);
 
 }  // namespace tandem::trainer
