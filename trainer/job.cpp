@@ -156,6 +156,14 @@ std::unique_ptr<Optimizer> make_optimizer(const JobConfig& job, model::Weights& 
                                           Communicator* comm) {
   if (comm == nullptr && !job.trainer.step.deterministic)
     return std::make_unique<AdamW>(policy, job.trainer.optimizer);
+  // The job's rollout, eval and checkpoint phases still read the whole f32 policy; the optimizer
+  // and weight_sync support parameters sharded (trainer/optimizer.h, RolloutGroup's sharded
+  // constructor), the job does not use them yet.
+  TANDEM_CHECK(job.trainer.shard.level != ShardLevel::parameters,
+               "{}: \"parameters\" is not supported by `tandem train` yet (the optimizer, the "
+               "checkpoints and weight_sync support it; the job's rollout does not): use "
+               "\"optimizer\" or \"gradients\"",
+               job.where("trainer.shard"));
   ShardOptions o = job.trainer.shard;
   o.deterministic = job.trainer.step.deterministic;
   o.bucket_bytes = job.trainer.comm_bucket_mb << 20;
