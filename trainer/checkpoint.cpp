@@ -882,16 +882,26 @@ std::string save_checkpoint(const std::string& root, int64_t step, const model::
       optimizer.v().storage(), optimizer.counters(), optimizer.config(), state, options);
 }
 
+namespace {
+
+// The model's shape as a sharded optimizer's layout splits it.
+ModelShape sharded_shape(ShardedAdamW& optimizer) {
+  const ModelShape shape = model_shape(optimizer.compute_weights());
+  TANDEM_CHECK(shape.total() == optimizer.layout().total(),
+               "checkpoint: the optimizer's layout has {} parameters, its model {}",
+               optimizer.layout().total(), shape.total());
+  return shape;
+}
+
+}  // namespace
+
 std::string save_checkpoint(const std::string& root_path, int64_t step, ShardedAdamW& optimizer,
                             const TrainerState& state, const CheckpointOptions& options) {
   const AdamWCounters& c = optimizer.counters();
   Communicator* comm = optimizer.comm();
   const model::ShardLayout& layout = optimizer.layout();
   const bool gathered = optimizer.options().level == ShardLevel::parameters;
-  const ModelShape shape = model_shape(optimizer.compute_weights());
-  TANDEM_CHECK(shape.total() == layout.total(),
-               "checkpoint: the optimizer's layout has {} parameters, its model {}", layout.total(),
-               shape.total());
+  const ModelShape shape = sharded_shape(optimizer);
   if (comm == nullptr) {
     // One rank: every unit whole in its piece, the moments as views of its storage tensors.
     std::vector<model::NamedTensor> m, v;
@@ -1039,17 +1049,6 @@ std::string save_checkpoint(const std::string& root_path, int64_t step, ShardedA
   return p.target.string();
 }
 
-std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
-                            ShardedAdamW& optimizer, const TrainerState& state,
-                            const CheckpointOptions& options) {
-  TANDEM_CHECK(
-      optimizer.options().level == ShardLevel::parameters || &policy == &optimizer.params(),
-      "checkpoint: the policy given is not the weights of the optimizer ({}); save from "
-      "the optimizer alone",
-      shard_level_name(optimizer.options().level));
-  return save_checkpoint(root, step, optimizer, state, options);
-}
-
 std::string save_checkpoint(const std::string& root, int64_t step, Optimizer& optimizer,
                             const TrainerState& state, const CheckpointOptions& options) {
   if (auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer))
@@ -1121,10 +1120,7 @@ void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& opti
 void load_checkpoint(const std::string& dir, ShardedAdamW& optimizer, TrainerState& state) {
   const model::ShardLayout& layout = optimizer.layout();
   const bool gathered = optimizer.options().level == ShardLevel::parameters;
-  const ModelShape shape = model_shape(optimizer.compute_weights());
-  TANDEM_CHECK(shape.total() == layout.total(),
-               "checkpoint: the optimizer's layout has {} parameters, its model {}", layout.total(),
-               shape.total());
+  const ModelShape shape = sharded_shape(optimizer);
   const std::vector<Piece> pieces = pieces_of(layout, rank_of(optimizer));
   const std::vector<FlatRange> want = ranges_of(pieces);
   Restored r = restore(dir, shape, want, !gathered);
@@ -1143,13 +1139,6 @@ void load_checkpoint(const std::string& dir, ShardedAdamW& optimizer, TrainerSta
   if (!gathered) optimizer.params().copy_from(*r.policy);
   optimizer.set_counters(r.counters);
   state = std::move(r.state);
-}
-
-void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
-                     TrainerState& state) {
-  load_checkpoint(dir, optimizer, state);
-  if (optimizer.options().level != ShardLevel::parameters && &policy != &optimizer.params())
-    policy.copy_from(optimizer.params());
 }
 
 void load_checkpoint(const std::string& dir, Optimizer& optimizer, TrainerState& state) {

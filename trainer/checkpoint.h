@@ -103,11 +103,6 @@ std::string save_checkpoint(const std::string& root, int64_t step, const model::
 // overload does.
 std::string save_checkpoint(const std::string& root, int64_t step, ShardedAdamW& optimizer,
                             const TrainerState& state, const CheckpointOptions& options = {});
-// The same for a caller that holds the policy beside the optimizer: `policy` must be the weights
-// the optimizer was made over (its params(); ignored at ShardLevel::parameters).
-std::string save_checkpoint(const std::string& root, int64_t step, const model::Weights& policy,
-                            ShardedAdamW& optimizer, const TrainerState& state,
-                            const CheckpointOptions& options = {});
 // Either optimizer's save (AdamW's policy: its params()).
 std::string save_checkpoint(const std::string& root, int64_t step, Optimizer& optimizer,
                             const TrainerState& state, const CheckpointOptions& options = {});
@@ -138,10 +133,6 @@ void load_checkpoint(const std::string& dir, model::Weights& policy, AdamW& opti
 // ShardLevel::parameters only this rank's pieces of the policy's tensors (the files are mapped:
 // only their pages are read) into local_params(). Not collective.
 void load_checkpoint(const std::string& dir, ShardedAdamW& optimizer, TrainerState& state);
-// The same, the whole policy also copied into `policy` below ShardLevel::parameters (unless it
-// is the optimizer's params()).
-void load_checkpoint(const std::string& dir, model::Weights& policy, ShardedAdamW& optimizer,
-                     TrainerState& state);
 // Either optimizer's load (AdamW's policy: its params()).
 void load_checkpoint(const std::string& dir, Optimizer& optimizer, TrainerState& state);
 

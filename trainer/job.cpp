@@ -261,11 +261,9 @@ void Job::resume() {
   if (from == "auto") from = agreed_latest_checkpoint();
   if (from == "none") from.clear();
   if (from.empty()) return;
-  // Any number of ranks wrote it: this rank reads the pieces that overlap its range.
-  if (sharded_)
-    load_checkpoint(from, policy_, *sharded_, state_);
-  else
-    load_checkpoint(from, policy_, static_cast<AdamW&>(*optimizer_), state_);
+  // Any number of ranks wrote it: this rank reads the pieces that overlap its own (the policy is
+  // the optimizer's weights).
+  load_checkpoint(from, *optimizer_, state_);
   state_.config = to_toml(job_);  // the config this run trains with, not the checkpoint's
   if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
   trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
@@ -477,9 +475,7 @@ void Job::checkpoint() {
       hooks_.on_checkpoint_stage(rank_, state_.step, stage);
     };
   const std::string dir =
-      sharded_ ? save_checkpoint(job_.checkpoint.dir, state_.step, policy_, *sharded_, state_, co)
-               : save_checkpoint(job_.checkpoint.dir, state_.step, policy_,
-                                 static_cast<AdamW&>(*optimizer_), state_, co);
+      save_checkpoint(job_.checkpoint.dir, state_.step, *optimizer_, state_, co);
   if (role_ == Role::writer) std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
 }
 

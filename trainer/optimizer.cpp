@@ -433,12 +433,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
             if (!to_fixed(in[r * S + k + i], q)) finite = false;
             st[r * len + i] = q;
           }
-        int64_t* sum = stage_out.i64();
-        if (thread_comm)
-          thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::i64),
-                                      Tensor::wrap(sum, {len}, DType::i64));
-        else
-          std::copy(st, st + len, sum);
+        const int64_t* sum = reduce_staged<int64_t>(len, DType::i64);
         int64_t* acc = fixed_sum.i64() + local + k;
         for (int64_t i = 0; i < len; ++i) acc[i] += sum[i];
       } else {
@@ -448,16 +443,25 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
           for (int64_t i = 0; i < len; ++i)
             if (!std::isfinite(st[r * len + i])) finite = false;
         }
-        float* sum = stage_out.f32();
-        if (thread_comm)
-          thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::f32),
-                                      Tensor::wrap(sum, {len}, DType::f32));
-        else
-          std::memcpy(sum, st, static_cast<size_t>(len) * sizeof(float));
+        const float* sum = reduce_staged<float>(len, DType::f32);
         float* acc = grad.f32() + local + k;
         for (int64_t i = 0; i < len; ++i) acc[i] += sum[i];
       }
     }
+  }
+
+  // This rank's len elements of the sum over the ranks of the N len values staged in `stage`
+  // (rank r's at r len), into stage_out. On the communication thread.
+  template <class T>
+  const T* reduce_staged(int64_t len, DType dtype) {
+    T* st = static_cast<T*>(stage.t.data());
+    T* sum = static_cast<T*>(stage_out.t.data());
+    if (thread_comm)
+      thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, dtype),
+                                  Tensor::wrap(sum, {len}, dtype));
+    else
+      std::copy(st, st + len, sum);
+    return sum;
   }
 
   // --- UnitHooks ---
@@ -627,12 +631,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
                                            : fixed[static_cast<size_t>(i)];
               }
             }
-            int64_t* sum = stage_out.i64();
-            if (thread_comm)
-              thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::i64),
-                                          Tensor::wrap(sum, {len}, DType::i64));
-            else
-              std::copy(st, st + len, sum);
+            const int64_t* sum = reduce_staged<int64_t>(len, DType::i64);
             for (int64_t i = 0; i < len; ++i)
               out[i] = static_cast<float>(std::ldexp(static_cast<double>(sum[i]), -kFixedBits));
           } else {
@@ -647,12 +646,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
                                                   static_cast<size_t>(count) * sizeof(float));
                                     });
             }
-            float* sum = stage_out.f32();
-            if (thread_comm)
-              thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, DType::f32),
-                                          Tensor::wrap(sum, {len}, DType::f32));
-            else
-              std::memcpy(sum, st, static_cast<size_t>(len) * sizeof(float));
+            const float* sum = reduce_staged<float>(len, DType::f32);
             std::memcpy(out, sum, static_cast<size_t>(len) * sizeof(float));
             for (int64_t i = 0; i < len; ++i)
               if (!std::isfinite(out[i])) finite = false;
