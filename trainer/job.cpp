@@ -156,14 +156,6 @@ std::unique_ptr<Optimizer> make_optimizer(const JobConfig& job, model::Weights& 
                                           Communicator* comm) {
   if (comm == nullptr && !job.trainer.step.deterministic)
     return std::make_unique<AdamW>(policy, job.trainer.optimizer);
-  // The job's rollout, eval and checkpoint phases still read the whole f32 policy; the optimizer
-  // and weight_sync support parameters sharded (trainer/optimizer.h, RolloutGroup's sharded
-  // constructor), the job does not use them yet.
-  TANDEM_CHECK(job.trainer.shard.level != ShardLevel::parameters,
-               "{}: \"parameters\" is not supported by `tandem train` yet (the optimizer, the "
-               "checkpoints and weight_sync support it; the job's rollout does not): use "
-               "\"optimizer\" or \"gradients\"",
-               job.where("trainer.shard"));
   ShardOptions o = job.trainer.shard;
   o.deterministic = job.trainer.step.deterministic;
   o.bucket_bytes = job.trainer.comm_bucket_mb << 20;
@@ -182,21 +174,30 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
       world_(comm != nullptr ? comm->size() : 1),
       role_(rank_ == 0 ? Role::writer : Role::worker),
       m_(std::move(m)),
-      policy_(*m_.weights),
+      policy_(m_.weights.get()),
       data_(make_data(job)),
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
       stream_(data_.train, static_cast<uint64_t>(job.data.seed), job.data.shuffle),
       rewards_(make_rewards(job)),
-      optimizer_(make_optimizer(job, policy_, comm)),
+      optimizer_(make_optimizer(job, *policy_, comm)),
       sharded_(dynamic_cast<ShardedAdamW*>(optimizer_.get())),
       schedule_(schedule_config(job)),
       step_config_(train_step_config(job)) {
   TANDEM_CHECK(!data_.train.empty(), "the training split is empty ({})", job.where("data.source"));
   if (job.trainer.grpo.loss.kl_beta > 0) {
-    reference_ = std::make_unique<model::Weights>(policy_.config(), DType::f32);
-    reference_->copy_from(policy_);
+    reference_ = std::make_unique<model::Weights>(policy_->config(), DType::f32);
+    reference_->copy_from(*policy_);
   }
-  rollout_ = std::make_unique<RolloutGroup>(job, policy_, comm);
+  if (sharded_ != nullptr && sharded_->options().level == ShardLevel::parameters) {
+    // ZeRO-3: the optimizer holds this rank's pieces; the loaded whole weights go (their table
+    // stays for the config) and the rollout engines are filled from the pieces.
+    m_.weights = model::Weights::unbound(policy_->config(), DType::f32);
+    policy_ = nullptr;
+    rollout_ = std::make_unique<RolloutGroup>(job, m_.config(), sharded_->layout(),
+                                              sharded_->local_params(), comm);
+  } else {
+    rollout_ = std::make_unique<RolloutGroup>(job, *policy_, comm);
+  }
   const rollout::EngineOptions eo = engine_options(job, m_.config());
   rollout::check_engine_memory(
       rollout_->weights().config(), eo, memory_available(rollout_->weights().device()),
@@ -243,7 +244,7 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   state_.config = to_toml(job);
   resume();
   if (job.placement.mode == "disaggregated")
-    remote_ = std::make_unique<RemoteRollout>(job, m_, policy_,
+    remote_ = std::make_unique<RemoteRollout>(job, m_, rollout_->whole_policy(),
                                               static_cast<uint64_t>(state_.weight_version));
   check_canary(state_.step);  // the weights the job starts or resumes with
   if (role_ == Role::writer) {
@@ -380,7 +381,7 @@ PublishStats Job::publish() {
   const PublishStats st = rollout_->publish(version);
   if (hooks_.after_publish) hooks_.after_publish(rank_, version, rollout_->own_weights());
   engine_->set_weights(rollout_->weights(), version);
-  if (remote_) remote_->push(policy_, version);
+  if (remote_) remote_->push(rollout_->whole_policy(), version);
   return st;
 }
 

@@ -68,7 +68,9 @@ class Job {
   const Role role_;
   const Clock::time_point start_ = Clock::now();
   model::LoadedModel m_;
-  model::Weights& policy_;
+  // The loaded whole f32 weights the optimizer updates; null at trainer.shard = "parameters",
+  // where the optimizer keeps this rank's pieces only.
+  model::Weights* policy_;
   std::unique_ptr<model::Weights> reference_;  // frozen, for the KL term (kl_beta > 0)
   Dataset data_;
   PromptFormat format_;

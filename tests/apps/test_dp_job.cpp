@@ -118,6 +118,20 @@ TEST_CASE("tandem train deterministic on 2 and 4 ranks ends with the weights of 
   check_ranks_match("trainer.deterministic=true", {2, 4}, 1.0);
 }
 
+// The sharded levels (trainer.shard): gradients reduce-scattered as backward makes them, and the
+// f32 weights kept as pieces and gathered layer by layer, with the engines filled from the pieces.
+TEST_CASE("tandem train deterministic with gradients sharded on 2 and 4 ranks ends with the "
+          "weights of 1 rank",
+          "[multiproc]") {
+  check_ranks_match("trainer.deterministic=true trainer.shard=gradients", {2, 4}, 1.0);
+}
+
+TEST_CASE("tandem train deterministic with parameters sharded on 2 and 4 ranks ends with the "
+          "weights of 1 rank",
+          "[multiproc]") {
+  check_ranks_match("trainer.deterministic=true trainer.shard=parameters", {2, 4}, 1.0);
+}
+
 TEST_CASE("tandem train refuses a world the batch does not allow before writing anything",
           "[multiproc]") {
   const tandem::test::TempDir tmp("dp-refuse");
