@@ -30,17 +30,18 @@ std::string resolved(const std::vector<std::string>& overrides) {
 TEST_CASE("A resume counts the changes of what is trained and not of bookkeeping", "[unit]") {
   const std::string before = resolved({});
   CHECK(resume_config_differences(before, before).empty());
-  // Extending the run, logging, checkpointing, eval sizes and the publish's checks may change on
-  // resume.
-  CHECK(
-      resume_config_differences(
-          before, resolved({"trainer.steps=500", "logging.dir=/tmp/x", "logging.level=debug",
-                            "checkpoint.every=3", "checkpoint.resume=none",
-                            "checkpoint.allow_config_change=true", "eval.every=7", "eval.pass_k=2",
-                            "placement.release_memory=false", "placement.ranks=4",
-                            "distributed.timeout_s=60", "weight_sync.canary=true",
-                            "weight_sync.checksums=true", "weight_sync.bucket_mb=8"}))
-          .empty());
+  // Extending the run, logging, checkpointing, eval sizes, the publish's checks and how the ranks
+  // split the training state may change on resume.
+  CHECK(resume_config_differences(
+            before, resolved({"trainer.steps=500", "logging.dir=/tmp/x", "logging.level=debug",
+                              "checkpoint.every=3", "checkpoint.resume=none",
+                              "checkpoint.allow_config_change=true", "eval.every=7",
+                              "eval.pass_k=2", "placement.release_memory=false",
+                              "placement.ranks=4", "distributed.timeout_s=60",
+                              "weight_sync.canary=true", "weight_sync.checksums=true",
+                              "weight_sync.bucket_mb=8", "trainer.shard=parameters",
+                              "trainer.overlap_comm=false", "trainer.comm_bucket_mb=4"}))
+            .empty());
   const std::vector<std::string> d = resume_config_differences(
       before, resolved({"trainer.lr=0.5", "rollout.n=4", "eval.split_fraction=0.2"}));
   REQUIRE(d.size() == 3);
