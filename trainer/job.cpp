@@ -153,12 +153,13 @@ namespace {
 // The optimizer, chosen once: AdamW for one rank's non-deterministic job (whole state; any
 // device), else ShardedAdamW at trainer.shard's level (on one rank too when deterministic).
 std::unique_ptr<Optimizer> make_optimizer(const JobConfig& job, model::Weights& policy,
-                                          Communicator* comm) {
+                                          Communicator* comm, const JobHooks& hooks) {
   if (comm == nullptr && !job.trainer.step.deterministic)
     return std::make_unique<AdamW>(policy, job.trainer.optimizer);
   ShardOptions o = job.trainer.shard;
   o.deterministic = job.trainer.step.deterministic;
   o.bucket_bytes = job.trainer.comm_bucket_mb << 20;
+  if (hooks.before_gather) o.before_gather = &hooks.before_gather;
   return std::make_unique<ShardedAdamW>(policy, comm, job.trainer.optimizer, o);
 }
 
@@ -179,7 +180,7 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
       stream_(data_.train, static_cast<uint64_t>(job.data.seed), job.data.shuffle),
       rewards_(make_rewards(job)),
-      optimizer_(make_optimizer(job, *policy_, comm)),
+      optimizer_(make_optimizer(job, *policy_, comm, hooks)),
       sharded_(dynamic_cast<ShardedAdamW*>(optimizer_.get())),
       schedule_(schedule_config(job)),
       step_config_(train_step_config(job)) {

@@ -36,8 +36,12 @@ struct JobHooks {
   //   engine's and before the engine takes them, with the rank, the weight version and the
   //   engine's own weights (null when the engine reads the trainer's tensors: rollout.dtype f32
   //   at rollout_tp 1); e.g. to corrupt them as a bad shard would.
+  // - before_gather: at trainer.shard = "parameters", on every rank's communication thread before
+  //   each all-gather of a unit's weights, with the rank and the unit's index (ShardOptions::
+  //   before_gather); e.g. to kill a rank in the middle of a step's gathers.
   std::function<void(int rank, int64_t step, const std::string& stage)> on_checkpoint_stage;
   std::function<void(int rank, uint64_t version, model::Weights* engine_weights)> after_publish;
+  std::function<void(int rank, size_t unit)> before_gather;
 };
 
 // Runs the job to trainer.steps (resuming from checkpoint.resume), writing

@@ -405,6 +405,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
 
   // out (N S) = every rank's piece of unit u (src: this rank's S elements), in rank order.
   void gather_pieces(size_t u, const float* src, float* out) {
+    if (options.before_gather != nullptr) (*options.before_gather)(rank, u);
     const int64_t S = layout.units()[u].shard;
     float* st = stage.f32();
     for (int64_t k = 0; k < S; k += chunk) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -71,6 +72,10 @@ struct ShardOptions {
   int64_t bucket_bytes = int64_t{32} << 20;
   // The gradients summed in 2^-kFixedBits fixed point (TrainStepConfig::deterministic).
   bool deterministic = false;
+  // A test hook (JobHooks::before_gather; null: none; it outlives the optimizer): called on the
+  // communication thread before each all-gather of a unit's f32 weights at
+  // ShardLevel::parameters, with this rank and the unit's index.
+  const std::function<void(int rank, size_t unit)>* before_gather = nullptr;
 };
 
 // Communication of a ShardedAdamW since the last take_comm_stats(): time its collectives ran

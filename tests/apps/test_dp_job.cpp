@@ -13,10 +13,12 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "model/hf.h"
 #include "model/weights.h"
@@ -120,15 +122,17 @@ TEST_CASE("tandem train deterministic on 2 and 4 ranks ends with the weights of 
 
 // The sharded levels (trainer.shard): gradients reduce-scattered as backward makes them, and the
 // f32 weights kept as pieces and gathered layer by layer, with the engines filled from the pieces.
-TEST_CASE("tandem train deterministic with gradients sharded on 2 and 4 ranks ends with the "
-          "weights of 1 rank",
-          "[multiproc]") {
+TEST_CASE(
+    "tandem train deterministic with gradients sharded on 2 and 4 ranks ends with the "
+    "weights of 1 rank",
+    "[multiproc]") {
   check_ranks_match("trainer.deterministic=true trainer.shard=gradients", {2, 4}, 1.0);
 }
 
-TEST_CASE("tandem train deterministic with parameters sharded on 2 and 4 ranks ends with the "
-          "weights of 1 rank",
-          "[multiproc]") {
+TEST_CASE(
+    "tandem train deterministic with parameters sharded on 2 and 4 ranks ends with the "
+    "weights of 1 rank",
+    "[multiproc]") {
   check_ranks_match("trainer.deterministic=true trainer.shard=parameters", {2, 4}, 1.0);
 }
 
@@ -185,20 +189,23 @@ TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", 
   CHECK(std::stoi(r.out.substr(at + 8)) <= 12);  // within distributed.timeout_s
 }
 
-TEST_CASE(
-    "a checkpoint written by 2 ranks resumes on 1 and on 4 ranks bitwise as if it had run "
-    "alone",
-    "[multiproc]") {
-  const tandem::test::TempDir tmp("dp-resume");
+namespace {
+
+// A deterministic job saved at step 2 by 2 ranks with `first` and resumed for step 3 on 1 rank
+// with `on_one` and on 4 with `on_four` (trainer.shard levels) ends with the weights of 1 rank
+// that ran straight through, bitwise.
+void check_resume(const std::string& name, const std::string& first, const std::string& on_one,
+                  const std::string& on_four) {
+  const tandem::test::TempDir tmp(name);
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
   const std::string det = "trainer.deterministic=true";
   const auto straight = train(tmp, job, 1, "one", det);
   INFO(straight.out);
   REQUIRE(straight.status == 0);
-  const auto first = train(tmp, job, 2, "run", det + " trainer.steps=2");
-  INFO(first.out);
-  REQUIRE(first.status == 0);
+  const auto saved = train(tmp, job, 2, "run", det + " trainer.steps=2 " + first);
+  INFO(saved.out);
+  REQUIRE(saved.status == 0);
   // Each rank wrote its range of the optimizer state; rank 0 the marker naming both.
   const fs::path step2 = tmp.file("run/ckpt/step-2");
   REQUIRE(fs::exists(step2 / "COMMITTED"));
@@ -210,17 +217,79 @@ TEST_CASE(
   fs::copy(tmp.file("run"), tmp.file("run4"), fs::copy_options::recursive);
   // The same job (trainer.steps = 3) resumed on one rank and on four: each rank reads the pieces
   // of the two ranks' files that overlap its range; the prompt stream continues where it was.
-  for (const auto& [n, name] : {std::pair{1, "run"}, std::pair{4, "run4"}}) {
-    INFO(n << " ranks");
-    const auto rest = train(tmp, job, n, name, det);
+  for (const auto& [n, dir, level] :
+       {std::tuple{1, "run", on_one}, std::tuple{4, "run4", on_four}}) {
+    INFO(n << " ranks, " << level);
+    const auto rest = train(tmp, job, n, dir, det + " " + level);
     INFO(rest.out);
     REQUIRE(rest.status == 0);
-    CHECK(rest.out.find("resumed from " + tmp.file(std::string(name) + "/ckpt/step-2")) !=
+    CHECK(rest.out.find("resumed from " + tmp.file(std::string(dir) + "/ckpt/step-2")) !=
           std::string::npos);
-    const fs::path step3 = tmp.file(std::string(name) + "/ckpt/step-3");
+    const fs::path step3 = tmp.file(std::string(dir) + "/ckpt/step-3");
     CHECK(nlohmann::json::parse(read_bytes(step3 / "COMMITTED"))["world_size"] == n);
     CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), (step3 / "policy").string()) == 0);
   }
+}
+
+// The all-gather of a unit's weights before which rank 1 dies: one of the third step's (rank 0 has
+// finished two steps).
+constexpr int kGatherToDieIn = 40;
+
+}  // namespace
+
+TEST_CASE(
+    "a checkpoint written by 2 ranks resumes on 1 and on 4 ranks bitwise as if it had run "
+    "alone",
+    "[multiproc]") {
+  check_resume("dp-resume", "", "", "");
+}
+
+// The pieces of the f32 weights (parameters) are saved as one policy, which the other levels load
+// whole (optimizer) or cut into their own pieces (gradients keeps whole weights too).
+TEST_CASE(
+    "a checkpoint written by 2 ranks with parameters sharded resumes on 1 rank with the optimizer "
+    "sharded and on 4 with gradients sharded bitwise as if it had run alone",
+    "[multiproc]") {
+  check_resume("dp-resume-levels", "trainer.shard=parameters", "trainer.shard=optimizer",
+               "trainer.shard=gradients");
+}
+
+// Rank 1 dies on its communication thread just before one of its all-gathers of a unit's weights
+// (tandem_job_worker --kill-in-gather), while rank 0 takes part in that gather or the next.
+TEST_CASE(
+    "a rank killed in a parameter gather makes the other exit within the timeout with an error "
+    "naming it",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("dp-kill-gather");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const std::string command = fmt::format(
+      "{} {} trainer.steps=20 trainer.shard=parameters distributed.timeout_s=10 logging.dir={} "
+      "checkpoint.dir={} --kill-in-gather 1:{}",
+      job_worker_bin(), job, tmp.file("run"), tmp.file("run/ckpt"), kGatherToDieIn);
+  const std::string script = fmt::format(
+      "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={}; "
+      "RANK=1 LOCAL_RANK=1 {} >{} 2>&1 & p1=$!; "
+      "RANK=0 LOCAL_RANK=0 {} >{} 2>&1 & p0=$!; "
+      "wait $p1; s1=$?; start=$(date +%s); wait $p0; status=$?; "
+      "echo status $status $s1 seconds $(( $(date +%s) - start ))",
+      tandem::test::free_port(), command, tmp.file("rank1.log"), command, tmp.file("rank0.log"));
+  const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
+  const std::string out0 = read_bytes(tmp.file("rank0.log")),
+                    out1 = read_bytes(tmp.file("rank1.log"));
+  INFO(r.out << "\nrank 0:\n" << out0 << "\nrank 1:\n" << out1);
+  CHECK(out1.find(fmt::format("rank 1 dies before gather {}", kGatherToDieIn)) !=
+        std::string::npos);
+  CHECK(r.out.find(fmt::format(" {} seconds", 128 + SIGKILL)) != std::string::npos);
+  CHECK(out0.find("step 2/20") != std::string::npos);
+  CHECK(out0.find("step 3/20") == std::string::npos);
+  CHECK(r.out.find("status 0 ") == std::string::npos);
+  // The survivor's error names the collective, its group and the rank it lost.
+  CHECK_THAT(out0, Catch::Contains("error: all_gather on group 'world/shard") &&
+                       Catch::Contains("rank 1") && Catch::Contains("that rank died or gave up"));
+  const size_t at = r.out.find("seconds ");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stoi(r.out.substr(at + 8)) <= 12);  // within distributed.timeout_s
 }
 
 TEST_CASE(

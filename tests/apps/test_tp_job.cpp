@@ -1,7 +1,8 @@
 // The colocated job with a tensor-parallel rollout (placement.rollout_tp) over real processes
 // (tandem launch, Gloo on loopback): 2 ranks as one TP-2 engine train the batch of 1 rank, their
-// engine shards filled by weight_sync each step; a rollout_tp that does not divide the ranks or
-// the model's heads is refused at start-up, before anything is written.
+// engine shards filled by weight_sync each step (from each rank's whole weights, or at
+// trainer.shard = parameters from the ranks' pieces); a rollout_tp that does not divide the ranks
+// or the model's heads is refused at start-up, before anything is written.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -32,6 +33,34 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::s
   return tandem::test::dp_job::train(tmp, job, ranks, name, "rollout.seed=5 " + overrides);
 }
 
+// Checks the 3 step lines of a TP-2 run on 2 ranks (b) against the one-rank run's (a).
+void check_trains_batch_of_one_rank(const std::vector<nlohmann::json>& a,
+                                    const std::vector<nlohmann::json>& b) {
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    INFO("step " << i + 1);
+    CHECK(b[i]["distributed/ranks"] == 2);
+    CHECK(b[i]["distributed/rollout_tp"] == 2);
+    // The same groups in the same order, whichever rank of the engine trains each.
+    CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
+    CHECK(b[i]["response_tokens"] == a[i]["response_tokens"]);
+    CHECK(b[i]["reward/mean"].get<double>() == Approx(a[i]["reward/mean"].get<double>()));
+    // The engine's sums are split over its shards: its logprobs are not the trainer's bitwise,
+    // so the trainer recomputes them; they agree to rounding.
+    CHECK(b[i]["old_logp_recomputed"] == 1);
+    CHECK(b[i]["rollout_trainer_logp/max_abs"].get<double>() < 1e-3);
+    // Each rank's shard is filled from the trainer's f32 weights (its own whole ones, or the
+    // ranks' pieces): a copy, nothing shared or cast.
+    CHECK(a[i]["weight_sync/bytes"] == 0);
+    CHECK(b[i]["weight_sync/bytes"].get<int64_t>() > 0);
+    CHECK(b[i]["weight_sync/shared_tensors"] == 0);
+    CHECK(b[i]["weight_sync/cast_tensors"] == 0);
+    CHECK(b[i]["weight_sync/copied_tensors"].get<int64_t>() > 0);
+    CHECK(b[i]["loss"].get<double>() ==
+          Approx(a[i]["loss"].get<double>()).margin(1e-5).epsilon(1e-4));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("tandem train with a TP-2 rollout on 2 ranks trains the batch of 1 rank", "[multiproc]") {
@@ -47,28 +76,29 @@ TEST_CASE("tandem train with a TP-2 rollout on 2 ranks trains the batch of 1 ran
   const auto tp = train(tmp, job, 2, "tp2", "placement.rollout_tp=2");
   INFO(tp.out);
   REQUIRE(tp.status == 0);
-  const auto b = step_lines(tmp.file("tp2/metrics.jsonl"));
-  REQUIRE(b.size() == 3);
-  for (size_t i = 0; i < 3; ++i) {
-    INFO("step " << i + 1);
-    CHECK(b[i]["distributed/ranks"] == 2);
-    CHECK(b[i]["distributed/rollout_tp"] == 2);
-    // The same groups in the same order, whichever rank of the engine trains each.
-    CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
-    CHECK(b[i]["response_tokens"] == a[i]["response_tokens"]);
-    CHECK(b[i]["reward/mean"].get<double>() == Approx(a[i]["reward/mean"].get<double>()));
-    // The engine's sums are split over its shards: its logprobs are not the trainer's bitwise,
-    // so the trainer recomputes them; they agree to rounding.
-    CHECK(b[i]["old_logp_recomputed"] == 1);
-    CHECK(b[i]["rollout_trainer_logp/max_abs"].get<double>() < 1e-3);
-    // Each rank's shard is filled from its own full weights: a copy, nothing shared or cast.
-    CHECK(a[i]["weight_sync/bytes"] == 0);
-    CHECK(b[i]["weight_sync/bytes"].get<int64_t>() > 0);
-    CHECK(b[i]["weight_sync/shared_tensors"] == 0);
-    CHECK(b[i]["weight_sync/cast_tensors"] == 0);
-    CHECK(b[i]["weight_sync/copied_tensors"].get<int64_t>() > 0);
-    CHECK(b[i]["loss"].get<double>() ==
-          Approx(a[i]["loss"].get<double>()).margin(1e-5).epsilon(1e-4));
+  check_trains_batch_of_one_rank(a, step_lines(tmp.file("tp2/metrics.jsonl")));
+}
+
+// The trainer's gradients, then also its f32 weights, split over the 2 ranks (trainer.shard): at
+// parameters each engine shard is filled from both ranks' pieces, no rank holding whole weights.
+TEST_CASE(
+    "tandem train with a TP-2 rollout on 2 ranks with gradients or parameters sharded trains the "
+    "batch of 1 rank",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("tp-job-shard");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  const std::string job = write_job(tmp, tmp.file("model"));
+  const auto one = train(tmp, job, 1, "one");
+  INFO(one.out);
+  REQUIRE(one.status == 0);
+  const auto a = step_lines(tmp.file("one/metrics.jsonl"));
+  REQUIRE(a.size() == 3);
+  for (const std::string level : {"gradients", "parameters"}) {
+    INFO("trainer.shard = " << level);
+    const auto tp = train(tmp, job, 2, level, "placement.rollout_tp=2 trainer.shard=" + level);
+    INFO(tp.out);
+    REQUIRE(tp.status == 0);
+    check_trains_batch_of_one_rank(a, step_lines(tmp.file(level + "/metrics.jsonl")));
   }
 }
 

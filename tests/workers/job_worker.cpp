@@ -3,7 +3,7 @@
 // hand with the launchers' variables, or by `tandem launch --nproc N -- tandem_job_worker ...`.
 //
 //   tandem_job_worker JOB.toml [key=value ...] [--stall-checkpoint RANK:STAGE:STEP]
-//                     [--corrupt-engine-weights RANK:VERSION:PARAMETER]
+//                     [--corrupt-engine-weights RANK:VERSION:PARAMETER] [--kill-in-gather RANK:N]
 //
 // --stall-checkpoint: that rank stops at that stage of that step's checkpoint save, says so on
 //   stderr ("stalls at checkpoint stage") and sleeps, for the test to kill it there; not killed
@@ -13,12 +13,16 @@
 //   a corrupted shard would, and says so on stderr. The engine must have weights of its own
 //   (rollout.dtype = bf16 or rollout_tp > 1): otherwise it reads the trainer's tensors, and
 //   changing them is no corruption of a publish.
+// --kill-in-gather: at trainer.shard = "parameters", that rank, on its communication thread just
+//   before its Nth all-gather of a unit's weights (1: the first), says so on stderr ("dies before
+//   gather") and kills itself with SIGKILL, as a rank lost in the middle of a step would die.
 #include <fmt/format.h>
 
 #include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -88,13 +92,29 @@ void corrupt_engine_weights(trainer::JobHooks& hooks, const std::string& spec) {
   };
 }
 
+void kill_in_gather(trainer::JobHooks& hooks, const std::string& spec) {
+  const size_t colon = spec.find(':');
+  TANDEM_CHECK(colon != std::string::npos, "--kill-in-gather '{}': expected RANK:N", spec);
+  const int victim = std::stoi(spec.substr(0, colon));
+  const int64_t nth = std::stoll(spec.substr(colon + 1));
+  auto seen = std::make_shared<std::atomic<int64_t>>(0);
+  hooks.before_gather = [victim, nth, seen](int rank, size_t unit) {
+    if (rank != victim || ++*seen != nth) return;
+    std::fprintf(stderr, "tandem: rank %d dies before gather %lld (unit %zu)\n", rank,
+                 static_cast<long long>(nth), unit);
+    std::fflush(stderr);
+    std::raise(SIGKILL);
+  };
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: tandem_job_worker JOB.toml [key=value ...] [--stall-checkpoint "
-                 "RANK:STAGE:STEP] [--corrupt-engine-weights RANK:VERSION:PARAMETER]\n");
+                 "RANK:STAGE:STEP] [--corrupt-engine-weights RANK:VERSION:PARAMETER] "
+                 "[--kill-in-gather RANK:N]\n");
     return 2;
   }
   try {
@@ -103,12 +123,15 @@ int main(int argc, char** argv) {
     std::vector<std::string> overrides;
     for (int i = 2; i < argc; ++i) {
       const std::string arg = argv[i];
-      const bool valued = arg == "--stall-checkpoint" || arg == "--corrupt-engine-weights";
+      const bool valued = arg == "--stall-checkpoint" || arg == "--corrupt-engine-weights" ||
+                          arg == "--kill-in-gather";
       TANDEM_CHECK(!valued || i + 1 < argc, "{} needs a value", arg);
       if (arg == "--stall-checkpoint")
         stall_checkpoint(hooks, argv[++i]);
       else if (arg == "--corrupt-engine-weights")
         corrupt_engine_weights(hooks, argv[++i]);
+      else if (arg == "--kill-in-gather")
+        kill_in_gather(hooks, argv[++i]);
       else
         overrides.push_back(arg);
     }
