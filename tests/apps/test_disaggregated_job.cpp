@@ -1,6 +1,7 @@
 // The disaggregated job over real processes: two `tandem serve` workers on a tiny random model
-// generate the rollouts of `tandem train`; the steps train the batches of the colocated job, and
-// every step finishes with all its samples when one worker is killed mid-run; a stopped worker is
+// generate the rollouts of `tandem train`; the steps train the batches of the colocated job (with
+// the trainer's parameters sharded too), and every step finishes with all its samples when one
+// worker is killed mid-run; a stopped worker is
 // set aside without the steps waiting for it and caught up once it answers again; a push does not
 // wait for a worker that stops answering in it; start-up refusals; the weight_sync canary on every
 // worker.
@@ -257,6 +258,52 @@ TEST_CASE("a disaggregated job on two workers trains the colocated job's batches
     CHECK(w1->stop() == 128 + SIGKILL);
   }
   CHECK(w0->stop() == 0);
+}
+
+// The trainer at trainer.shard = parameters (deterministic: the sharded optimizer on one rank)
+// keeps its f32 weights as pieces, and with rollout.dtype = bf16 its own engine holds a bf16 copy:
+// the workers' f32 weights come from the whole copy the rollout group keeps for them.
+TEST_CASE(
+    "a disaggregated job with parameters sharded pushes every version to its workers and trains "
+    "the colocated job's batches",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-parameters");
+  TwoWorkers w(tmp);
+  const std::string det = "trainer.deterministic=true";
+  const auto colocated = train(tmp, w.job, "colocated", det);
+  INFO(colocated.out);
+  REQUIRE(colocated.status == 0);
+  const auto a = step_lines(tmp.file("colocated/metrics.jsonl"));
+  REQUIRE(a.size() == 3);
+  const auto remote = train(
+      tmp, w.job, "remote",
+      det + " trainer.shard=parameters rollout.dtype=bf16 " + disaggregated(w.port0, w.port1));
+  INFO(remote.out);
+  REQUIRE(remote.status == 0);
+  const auto b = step_lines(tmp.file("remote/metrics.jsonl"));
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    INFO("step " << i + 1 << ": " << b[i].dump());
+    CHECK(b[i]["disaggregated/workers"] == 2);
+    // Every step's version pushed, whole, to both workers.
+    CHECK(b[i]["disaggregated/workers_stale"] == 0);
+    CHECK(b[i]["disaggregated/push_bytes"].get<int64_t>() > 0);
+    if (i > 0)
+      CHECK(b[i]["disaggregated/weight_version"].get<int64_t>() ==
+            b[i - 1]["disaggregated/weight_version"].get<int64_t>() + 1);
+    // The workers sample from each step's weights as the colocated engine does: the same batch.
+    CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
+    CHECK(b[i]["response_tokens"] == a[i]["response_tokens"]);
+    CHECK(b[i]["reward/mean"].get<double>() == Approx(a[i]["reward/mean"].get<double>()));
+    CHECK(b[i]["rollout_trainer_logp/max_abs"].get<double>() < 1e-4);
+    CHECK(b[i]["loss"].get<double>() ==
+          Approx(a[i]["loss"].get<double>()).margin(1e-6).epsilon(1e-5));
+    // The trainer's own engine: a bf16 copy cast from the pieces.
+    CHECK(b[i]["weight_sync/cast_tensors"].get<int64_t>() > 0);
+    CHECK(b[i]["weight_sync/shared_tensors"] == 0);
+  }
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
 }
 
 TEST_CASE(
