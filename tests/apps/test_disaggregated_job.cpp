@@ -1,10 +1,9 @@
 // The disaggregated job over real processes: two `tandem serve` workers on a tiny random model
 // generate the rollouts of `tandem train`; the steps train the batches of the colocated job (with
 // the trainer's parameters sharded too), and every step finishes with all its samples when one
-// worker is killed mid-run; a stopped worker is
-// set aside without the steps waiting for it and caught up once it answers again; a push does not
-// wait for a worker that stops answering in it; start-up refusals; the weight_sync canary on every
-// worker.
+// worker is killed mid-run; a stopped worker is set aside without the steps waiting for it and
+// caught up once it answers again; a push does not wait for a worker that stops answering in it;
+// start-up refusals; the weight_sync canary on every worker.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
