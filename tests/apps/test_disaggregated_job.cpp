@@ -80,6 +80,17 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::s
                                   true, 180);
 }
 
+// The 3 step lines of a run that must succeed.
+std::vector<nlohmann::json> steps_of(const tandem::test::TempDir& tmp, const std::string& job,
+                                     const std::string& name, const std::string& overrides = "") {
+  const auto r = train(tmp, job, name, overrides);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  auto steps = step_lines(tmp.file(name + "/metrics.jsonl"));
+  REQUIRE(steps.size() == 3);
+  return steps;
+}
+
 std::string disaggregated(int port0, int port1) {
   return fmt::format(
       "placement.mode=disaggregated 'placement.workers=[\"127.0.0.1:{}\", \"127.0.0.1:{}\"]' "
@@ -199,21 +210,13 @@ TEST_CASE("a disaggregated job on two workers trains the colocated job's batches
   const tandem::test::TempDir tmp("disaggregated-job");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
-  const auto colocated = train(tmp, job, "colocated");
-  INFO(colocated.out);
-  REQUIRE(colocated.status == 0);
-  const auto a = step_lines(tmp.file("colocated/metrics.jsonl"));
-  REQUIRE(a.size() == 3);
+  const auto a = steps_of(tmp, job, "colocated");
 
   std::unique_ptr<tandem::test::Subprocess> w0, w1;
   const int port0 = start_worker(w0, tmp, tmp.file("model"));
   const int port1 = start_worker(w1, tmp, tmp.file("model"));
   {
-    const auto remote = train(tmp, job, "remote", disaggregated(port0, port1));
-    INFO(remote.out);
-    REQUIRE(remote.status == 0);
-    const auto b = step_lines(tmp.file("remote/metrics.jsonl"));
-    REQUIRE(b.size() == 3);
+    const auto b = steps_of(tmp, job, "remote", disaggregated(port0, port1));
     for (size_t i = 0; i < 3; ++i) {
       INFO("step " << i + 1 << ": " << b[i].dump());
       CHECK(b[i]["samples_trained"] == a[i]["samples_trained"]);
@@ -269,18 +272,10 @@ TEST_CASE(
   const tandem::test::TempDir tmp("disaggregated-parameters");
   TwoWorkers w(tmp);
   const std::string det = "trainer.deterministic=true";
-  const auto colocated = train(tmp, w.job, "colocated", det);
-  INFO(colocated.out);
-  REQUIRE(colocated.status == 0);
-  const auto a = step_lines(tmp.file("colocated/metrics.jsonl"));
-  REQUIRE(a.size() == 3);
-  const auto remote = train(
+  const auto a = steps_of(tmp, w.job, "colocated", det);
+  const auto b = steps_of(
       tmp, w.job, "remote",
       det + " trainer.shard=parameters rollout.dtype=bf16 " + disaggregated(w.port0, w.port1));
-  INFO(remote.out);
-  REQUIRE(remote.status == 0);
-  const auto b = step_lines(tmp.file("remote/metrics.jsonl"));
-  REQUIRE(b.size() == 3);
   for (size_t i = 0; i < 3; ++i) {
     INFO("step " << i + 1 << ": " << b[i].dump());
     CHECK(b[i]["disaggregated/workers"] == 2);

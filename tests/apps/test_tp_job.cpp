@@ -33,10 +33,21 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::s
   return tandem::test::dp_job::train(tmp, job, ranks, name, "rollout.seed=5 " + overrides);
 }
 
+// The 3 step lines of a run that must succeed.
+std::vector<nlohmann::json> steps_of(const tandem::test::TempDir& tmp, const std::string& job,
+                                     int ranks, const std::string& name,
+                                     const std::string& overrides = "") {
+  const auto r = train(tmp, job, ranks, name, overrides);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  auto steps = step_lines(tmp.file(name + "/metrics.jsonl"));
+  REQUIRE(steps.size() == 3);
+  return steps;
+}
+
 // Checks the 3 step lines of a TP-2 run on 2 ranks (b) against the one-rank run's (a).
 void check_trains_batch_of_one_rank(const std::vector<nlohmann::json>& a,
                                     const std::vector<nlohmann::json>& b) {
-  REQUIRE(b.size() == 3);
   for (size_t i = 0; i < 3; ++i) {
     INFO("step " << i + 1);
     CHECK(b[i]["distributed/ranks"] == 2);
@@ -67,16 +78,8 @@ TEST_CASE("tandem train with a TP-2 rollout on 2 ranks trains the batch of 1 ran
   const tandem::test::TempDir tmp("tp-job");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
-  const auto one = train(tmp, job, 1, "one");
-  INFO(one.out);
-  REQUIRE(one.status == 0);
-  const auto a = step_lines(tmp.file("one/metrics.jsonl"));
-  REQUIRE(a.size() == 3);
-
-  const auto tp = train(tmp, job, 2, "tp2", "placement.rollout_tp=2");
-  INFO(tp.out);
-  REQUIRE(tp.status == 0);
-  check_trains_batch_of_one_rank(a, step_lines(tmp.file("tp2/metrics.jsonl")));
+  check_trains_batch_of_one_rank(steps_of(tmp, job, 1, "one"),
+                                 steps_of(tmp, job, 2, "tp2", "placement.rollout_tp=2"));
 }
 
 // The trainer's gradients, then also its f32 weights, split over the 2 ranks (trainer.shard): at
@@ -88,17 +91,11 @@ TEST_CASE(
   const tandem::test::TempDir tmp("tp-job-shard");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   const std::string job = write_job(tmp, tmp.file("model"));
-  const auto one = train(tmp, job, 1, "one");
-  INFO(one.out);
-  REQUIRE(one.status == 0);
-  const auto a = step_lines(tmp.file("one/metrics.jsonl"));
-  REQUIRE(a.size() == 3);
+  const auto a = steps_of(tmp, job, 1, "one");
   for (const std::string level : {"gradients", "parameters"}) {
     INFO("trainer.shard = " << level);
-    const auto tp = train(tmp, job, 2, level, "placement.rollout_tp=2 trainer.shard=" + level);
-    INFO(tp.out);
-    REQUIRE(tp.status == 0);
-    check_trains_batch_of_one_rank(a, step_lines(tmp.file(level + "/metrics.jsonl")));
+    check_trains_batch_of_one_rank(
+        a, steps_of(tmp, job, 2, level, "placement.rollout_tp=2 trainer.shard=" + level));
   }
 }
 
