@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 
 #include "core/comm_thread.h"
@@ -389,10 +390,15 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   // CUDA: released units' weights kept until the compute queued before the release (which may
   // still read them) ran, oldest first.
   std::deque<std::pair<std::shared_ptr<Buffer>, ShardDevice::Mark>> retired;
+  // CUDA: the buffers of finished gathers and reductions kept for the next unit of their class
+  // and size, so that no cudaMalloc or cudaFree (which waits for the whole device) falls between
+  // the compute's units. Used by the training thread only.
+  std::multimap<std::pair<ArenaClass, int64_t>, std::shared_ptr<Buffer>> spare;
   std::vector<size_t> schedule;  // the units the current pass acquires, in order
   size_t next = 0;               // schedule position of the next acquire
   // Gradient buckets in flight (their reduce-scatters' tickets), oldest first.
-  std::deque<CommThread::Ticket> in_flight;
+  // On CUDA each with its bucket, which goes to `spare` once the reduction ran.
+  std::deque<std::pair<CommThread::Ticket, std::shared_ptr<Buffer>>> in_flight;
   std::vector<std::shared_ptr<Buffer>> open;  // per unit: the bucket backward adds to
 
   size_t units() const { return layout.units().size(); }
@@ -453,6 +459,33 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     const CommThread::Ticket t = issue(std::move(fn));
     if (!options.overlap) thread->wait(t);
     return t;
+  }
+
+  // A zeroed buffer of n f32 on the device: a spare one of this class and size, or a new one.
+  std::shared_ptr<Buffer> take(ArenaClass c, int64_t n) {
+    const auto it = spare.find({c, n});
+    if (it == spare.end()) return std::make_shared<Buffer>(c, n, DType::f32, &held, dev.device());
+    std::shared_ptr<Buffer> b = std::move(it->second);
+    spare.erase(it);
+    b->t.zero();
+    return b;
+  }
+
+  // A buffer no collective and no queued compute uses any more: kept for take() on CUDA.
+  void keep(std::shared_ptr<Buffer> b) {
+    if (b && !dev.is_cpu()) spare.emplace(std::make_pair(b->cls, b->t.numel()), std::move(b));
+  }
+
+  // Waits for every collective and for the compute that may read a released unit.
+  void drain() {
+    thread->wait_all();
+    for (auto& [ticket, bucket] : in_flight) keep(std::move(bucket));
+    in_flight.clear();
+    for (auto& [buf, mark] : retired) {
+      ShardDevice::wait(mark);
+      keep(std::move(buf));
+    }
+    retired.clear();
   }
 
   // --- Collectives of one unit (on the communication thread) ---
@@ -542,8 +575,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     Resident& r = resident[u];
     if (r.buf) return;
     const int64_t S = layout.units()[u].shard;
-    r.buf = std::make_shared<Buffer>(ArenaClass::parameters, world * S, DType::f32, &held,
-                                     dev.device());
+    r.buf = take(ArenaClass::parameters, world * S);
     const float* src = params_local.f32() + layout.units()[u].local;
     float* out = r.buf->f32();
     r.ticket = submit([this, u, src, out] { gather_pieces(u, src, out); });
@@ -577,6 +609,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       while (!retired.empty() &&
              (retired.size() > 2 || ShardDevice::done(retired.front().second))) {
         ShardDevice::wait(retired.front().second);
+        keep(std::move(retired.front().first));
         retired.pop_front();
       }
     }
@@ -587,12 +620,12 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     if (!sharded_grads()) return;
     // At most two buckets in flight: the gradients held stay bounded when communication lags.
     while (in_flight.size() >= 2) {
-      thread->wait(in_flight.front());
+      thread->wait(in_flight.front().first);
+      keep(std::move(in_flight.front().second));
       in_flight.pop_front();
     }
     const model::ShardUnit& unit = layout.units()[u];
-    open[u] = std::make_shared<Buffer>(ArenaClass::gradients, world * unit.shard, DType::f32, &held,
-                                       dev.device());
+    open[u] = take(ArenaClass::gradients, world * unit.shard);
     grads_table->bind(unit.first_tensor, unit.end_tensor, open[u]->t);
   }
 
@@ -601,7 +634,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     const model::ShardUnit& unit = layout.units()[u];
     grads_table->unbind(unit.first_tensor, unit.end_tensor);
     std::shared_ptr<Buffer> bucket = std::move(open[u]);
-    in_flight.push_back(submit([this, u, bucket] { reduce_piece(u, bucket->f32()); }));
+    in_flight.emplace_back(submit([this, u, bucket] { reduce_piece(u, bucket->f32()); }),
+                           dev.is_cpu() ? nullptr : bucket);
   }
 
   // The unit calls of one pass without a micro-batch.
@@ -753,10 +787,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   }
 
   void begin_step() {
-    thread->wait_all();
-    in_flight.clear();
-    for (const auto& r : retired) ShardDevice::wait(r.second);
-    retired.clear();
+    drain();
     finite = true;
     grad.t.zero();
     if (fixed_sum.arena) fixed_sum.t.zero();
@@ -800,8 +831,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       else
         reduce_whole(whole_grads.get(), {});
     } else {
-      thread->wait_all();
-      in_flight.clear();
+      drain();
       if (options.deterministic) {
         const int64_t* q = fixed_sum.i64();
         float* g = grad.f32();
