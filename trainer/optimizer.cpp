@@ -422,6 +422,9 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       std::vector<int> all(static_cast<size_t>(world));
       for (int r = 0; r < world; ++r) all[static_cast<size_t>(r)] = r;
       thread_comm = comm->split("shard", all);
+      // Every closure waits for the compute its inputs come from (issue()): on CUDA the
+      // collectives then need not wait for the rest of the compute stream.
+      thread_comm->set_cuda_inputs_ready(true);
     }
     thread = std::make_unique<CommThread>("shard");
     resident.resize(units());
