@@ -137,6 +137,10 @@ void Communicator::set_link(const EmulatedLink& link) {
   options_.link = link;
 }
 
+void Communicator::set_cuda_inputs_ready(bool ready) {
+  if (nccl_ != nullptr) nccl_->set_inputs_ready(ready);
+}
+
 void Communicator::hold_for_link(std::chrono::steady_clock::time_point start, double bytes,
                                  int steps) const {
   if (!options_.link.on() || size_ == 1) return;

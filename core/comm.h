@@ -84,6 +84,11 @@ class Communicator {
   // at the time of the split. Throws on a negative bandwidth or latency.
   const EmulatedLink& link() const { return options_.link; }
   void set_link(const EmulatedLink& link);
+  // A CUDA call first waits for the work queued on the device's default stream before it (where
+  // tandem computes the inputs). A caller that waits for its inputs' work itself before every call
+  // (an event, as the sharded optimizer's communication thread does) sets this: its calls then
+  // start at once and overlap the compute queued after the inputs. Not inherited by splits.
+  void set_cuda_inputs_ready(bool ready);
 
   // t = op over the ranks' t, in place.
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum);

@@ -42,6 +42,8 @@ class Backend {
   virtual void broadcast(void* data, size_t count, DType dtype, int root) = 0;
   virtual void send_recv(std::span<const P2POp> ops) = 0;
   virtual void barrier() = 0;
+  // Communicator::set_cuda_inputs_ready (NCCL only).
+  virtual void set_inputs_ready(bool) {}
 };
 
 // Gloo over TCP for CPU buffers. `device` holds the process's gloo TCP device (created on first use

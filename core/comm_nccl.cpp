@@ -1,6 +1,10 @@
 // The NCCL backend for CUDA buffers: a non-blocking communicator (ncclCommInitRankConfig with
 // blocking = 0) on its own stream; every call polls the stream and ncclCommGetAsyncError until it
-// completes, and aborts the communicator (ncclCommAbort) at the deadline, so nothing hangs.
+// completes, and aborts the communicator (ncclCommAbort) at the deadline, so nothing hangs. The
+// stream is a non-blocking one: a call waits (through an event) for the work queued on the
+// device's default stream before it, where the callers compute its inputs, but work queued there
+// after the call does not wait for the collective, so compute on other threads overlaps it. A
+// caller that orders the inputs itself (set_cuda_inputs_ready) skips the first wait.
 #include <fmt/format.h>
 #include <gloo/rendezvous/store.h>
 
@@ -53,7 +57,8 @@ class NcclBackend : public Backend {
                    group.name);
       std::memcpy(id.internal, bytes.data(), bytes.size());
     }
-    CUDA_CHECK(cudaStreamCreate(&stream_));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     const auto deadline = Clock::now() + group.timeout;
@@ -72,6 +77,7 @@ class NcclBackend : public Backend {
         ncclCommDestroy(comm_);
     }
     if (barrier_buf_ != nullptr) cudaFree(barrier_buf_);
+    if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -132,6 +138,8 @@ class NcclBackend : public Backend {
     });
   }
 
+  void set_inputs_ready(bool ready) override { caller_orders_inputs_ = ready; }
+
   void barrier() override {
     if (barrier_buf_ == nullptr) CUDA_CHECK(cudaMalloc(&barrier_buf_, sizeof(float)));
     run("barrier", 0, [&] {
@@ -144,6 +152,11 @@ class NcclBackend : public Backend {
   void run(const char* what, size_t bytes, Issue&& issue) {
     CUDA_CHECK(cudaSetDevice(device_));
     const auto deadline = Clock::now() + group_.timeout;
+    if (!caller_orders_inputs_) {
+      // The inputs: what the default (legacy) stream computed before this call.
+      CUDA_CHECK(cudaEventRecord(inputs_ready_, nullptr));
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, inputs_ready_, 0));
+    }
     const ncclResult_t r = issue();
     if (r != ncclSuccess && r != ncclInProgress) fail(what, bytes, ncclGetErrorString(r));
     settle(what, bytes, deadline);
@@ -197,6 +210,8 @@ class NcclBackend : public Backend {
   int device_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t inputs_ready_ = nullptr;
+  bool caller_orders_inputs_ = false;  // Communicator::set_cuda_inputs_ready
   void* barrier_buf_ = nullptr;
   bool aborted_ = false;
 };

@@ -1,4 +1,4 @@
-// cast, scale, random_uniform, sum_squares, global_norm: checks and dispatch.
+// cast, scale, add, random_uniform, sum_squares, global_norm: checks and dispatch.
 #include <cmath>
 
 #include "core/error.h"
@@ -29,6 +29,16 @@ void scale(const Tensor& x, float s, const Stream& stream) {
   check_dtype("scale", "x", x, {DType::f32});
   TANDEM_ON_CUDA(x.device(), scale, x.data_as<float>(), s, x.numel(), stream.handle);
   cpu::scale(x, s);
+}
+
+void add(const Tensor& x, const Tensor& out, const Stream& stream) {
+  check_dtype("add", "x", x, {DType::f32});
+  check_dtype("add", "out", out, {DType::f32});
+  TANDEM_CHECK(x.numel() == out.numel(), "add: x {} and out {} differ in size", x.str(), out.str());
+  check_device("add", x.device(), {&x, &out});
+  TANDEM_ON_CUDA(x.device(), add, x.data_as<float>(), out.data_as<float>(), x.numel(),
+                 stream.handle);
+  cpu::add(x, out);
 }
 
 void random_uniform(const Tensor& out, uint64_t seed, uint64_t stream_id, const Stream& stream) {

@@ -173,6 +173,8 @@ class PackedWeight {
 void cast(const Tensor& src, const Tensor& dst, const Stream& stream = {});
 // x *= s, in place. x: f32.
 void scale(const Tensor& x, float s, const Stream& stream = {});
+// out += x, elementwise. x, out: f32 of the same numel.
+void add(const Tensor& x, const Tensor& out, const Stream& stream = {});
 // out f32 = uniform [0, 1) values: out[i] = uniform_from_bits(philox_random(seed, stream_id,
 // i / 4).v[i % 4]), the same numbers on every device.
 void random_uniform(const Tensor& out, uint64_t seed, uint64_t stream_id,

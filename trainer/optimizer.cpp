@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 
 #include "core/comm_thread.h"
@@ -16,6 +17,7 @@
 #include "core/parallel.h"
 #include "kernels/op_timing.h"
 #include "kernels/ops.h"
+#include "trainer/sharded_device.h"
 
 namespace tandem::trainer {
 namespace {
@@ -228,6 +230,41 @@ const char* shard_level_name(ShardLevel level) {
   return "?";
 }
 
+void walk_unit_calls(const model::ModelConfig& config, bool backward, model::UnitHooks& hooks) {
+  const size_t L = static_cast<size_t>(config.num_layers), head = L + 1;
+  const bool tied = config.tie_word_embeddings;
+  hooks.acquire(0);
+  hooks.release(0);
+  for (size_t l = 1; l <= L; ++l) {
+    hooks.acquire(l);
+    hooks.release(l);
+  }
+  const auto head_in = [&] {
+    hooks.acquire(head);
+    if (tied) hooks.acquire(0);
+  };
+  const auto head_out = [&] {
+    if (tied) hooks.release(0);
+    hooks.release(head);
+  };
+  head_in();
+  head_out();
+  if (!backward) return;
+  hooks.begin_gradients(head);
+  if (tied) hooks.begin_gradients(0);
+  head_in();
+  head_out();
+  hooks.end_gradients(head);
+  for (size_t l = L; l >= 1; --l) {
+    hooks.acquire(l);
+    hooks.begin_gradients(l);
+    hooks.end_gradients(l);
+    hooks.release(l);
+  }
+  if (!tied) hooks.begin_gradients(0);
+  hooks.end_gradients(0);
+}
+
 namespace {
 
 // Bytes a ShardedAdamW holds by class now and at most since the last reset (weights,
@@ -246,8 +283,8 @@ struct Held {
   }
 };
 
-// A tensor in an arena of its own, so that the memory ledger counts it under its class (and the
-// optimizer's Held, when given).
+// A tensor in an arena of its own (on the optimizer's device), so that the memory ledger counts it
+// under its class (and the optimizer's Held, when given).
 struct Buffer {
   std::unique_ptr<Arena> arena;
   Tensor t;
@@ -255,9 +292,10 @@ struct Buffer {
   ArenaClass cls = ArenaClass::parameters;
   int64_t bytes = 0;
   Buffer() = default;
-  Buffer(ArenaClass c, int64_t n, DType dtype = DType::f32, Held* h = nullptr)
+  Buffer(ArenaClass c, int64_t n, DType dtype = DType::f32, Held* h = nullptr,
+         Device device = Device::cpu())
       : arena(std::make_unique<Arena>(
-            c, Device::cpu(), static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_size(dtype))),
+            c, device, static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_size(dtype))),
         held(h),
         cls(c),
         bytes(static_cast<int64_t>(arena->capacity())) {
@@ -314,7 +352,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
         config(config),
         options(options),
         layout(params, world),
-        model_config(params.config()) {}
+        model_config(params.config()),
+        dev(params.device()) {}
 
   model::Weights* full;  // whole f32 master weights (null at ShardLevel::parameters)
   Communicator* comm;
@@ -323,6 +362,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   ShardOptions options;
   model::ShardLayout layout;
   model::ModelConfig model_config;
+  ShardDevice dev;          // the device of every buffer below, and how collectives wait for it
   Held held;                // this optimizer's buffers by class
   std::vector<bool> decay;  // per storage tensor
   Buffer m, v, grad;        // local buffers: moments, the summed gradients of the pieces
@@ -347,10 +387,18 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     CommThread::Ticket ticket = 0;
   };
   std::vector<Resident> resident;
+  // CUDA: released units' weights kept until the compute queued before the release (which may
+  // still read them) ran, oldest first.
+  std::deque<std::pair<std::shared_ptr<Buffer>, ShardDevice::Mark>> retired;
+  // CUDA: the buffers of finished gathers and reductions kept for the next unit of their class
+  // and size, so that no cudaMalloc or cudaFree (which waits for the whole device) falls between
+  // the compute's units. Used by the training thread only.
+  std::multimap<std::pair<ArenaClass, int64_t>, std::shared_ptr<Buffer>> spare;
   std::vector<size_t> schedule;  // the units the current pass acquires, in order
   size_t next = 0;               // schedule position of the next acquire
   // Gradient buckets in flight (their reduce-scatters' tickets), oldest first.
-  std::deque<CommThread::Ticket> in_flight;
+  // On CUDA each with its bucket, which goes to `spare` once the reduction ran.
+  std::deque<std::pair<CommThread::Ticket, std::shared_ptr<Buffer>>> in_flight;
   std::vector<std::shared_ptr<Buffer>> open;  // per unit: the bucket backward adds to
 
   size_t units() const { return layout.units().size(); }
@@ -361,44 +409,86 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     for (const model::NamedTensor& s : full->storage())
       decay.push_back(AdamW::decays(config, s.name));
     const int64_t n = layout.local_size();
-    m = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held);
-    v = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held);
-    grad = Buffer(ArenaClass::gradients, n, DType::f32, &held);
+    const Device d = dev.device();
+    m = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held, d);
+    v = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held, d);
+    grad = Buffer(ArenaClass::gradients, n, DType::f32, &held, d);
     if (options.deterministic && sharded_grads())
       fixed_sum = Buffer(ArenaClass::gradients, n, DType::i64, &held);
     chunk = std::max<int64_t>(1024, options.bucket_bytes / 8 / world);  // i64 staging: 8 bytes
-    stage = Buffer(ArenaClass::gradients, world * chunk, DType::i64, &held);
-    stage_out = Buffer(ArenaClass::gradients, chunk, DType::i64, &held);
+    stage = Buffer(ArenaClass::gradients, world * chunk, DType::i64, &held, d);
+    stage_out = Buffer(ArenaClass::gradients, chunk, DType::i64, &held, d);
     if (comm != nullptr) {
       std::vector<int> all(static_cast<size_t>(world));
       for (int r = 0; r < world; ++r) all[static_cast<size_t>(r)] = r;
       thread_comm = comm->split("shard", all);
+      // Every closure waits for the compute its inputs come from (issue()): on CUDA the
+      // collectives then need not wait for the rest of the compute stream.
+      thread_comm->set_cuda_inputs_ready(true);
     }
     thread = std::make_unique<CommThread>("shard");
     resident.resize(units());
     open.resize(units());
-    if (sharded_grads()) grads_table = model::Weights::unbound(model_config, DType::f32);
+    if (sharded_grads())
+      grads_table = model::Weights::unbound(model_config, DType::f32, dev.device());
     if (!sharded_params()) held.add(ArenaClass::parameters, static_cast<int64_t>(full->nbytes()));
     if (sharded_params()) {
-      params_local = Buffer(ArenaClass::parameters, n, DType::f32, &held);
+      params_local = Buffer(ArenaClass::parameters, n, DType::f32, &held, d);
       for (size_t u = 0; u < units(); ++u) {
         const model::FlatRange r = layout.range(u, rank);
         float* dst = params_local.f32() + layout.units()[u].local;
         layout.for_each_piece(r.begin, r.end, [&](size_t t, int64_t off, int64_t at, int64_t k) {
-          std::memcpy(dst + at, full->storage()[t].tensor.data_as<float>() + off,
-                      static_cast<size_t>(k) * sizeof(float));
+          dev.copy(dst + at, full->storage()[t].tensor.data_as<float>() + off,
+                   k * int64_t{sizeof(float)});
         });
       }
       full = nullptr;
-      compute_table = model::Weights::unbound(model_config, DType::f32);
+      compute_table = model::Weights::unbound(model_config, DType::f32, dev.device());
     }
   }
 
-  // Runs fn on the communication thread; waits for it unless overlapping.
+  // Runs fn on the communication thread once the compute queued so far ran (on CUDA fn reads what
+  // it wrote: a gradient bucket, updated weights); the caller waits for the ticket before it reads
+  // what fn wrote.
+  CommThread::Ticket issue(std::function<void()> fn) {
+    return thread->submit([after = dev.mark(), fn = std::move(fn)] {
+      ShardDevice::wait(after);
+      fn();
+    });
+  }
+
+  // issue(fn), waited for unless overlapping.
   CommThread::Ticket submit(std::function<void()> fn) {
-    const CommThread::Ticket t = thread->submit(std::move(fn));
+    const CommThread::Ticket t = issue(std::move(fn));
     if (!options.overlap) thread->wait(t);
     return t;
+  }
+
+  // A zeroed buffer of n f32 on the device: a spare one of this class and size, or a new one.
+  std::shared_ptr<Buffer> take(ArenaClass c, int64_t n) {
+    const auto it = spare.find({c, n});
+    if (it == spare.end()) return std::make_shared<Buffer>(c, n, DType::f32, &held, dev.device());
+    std::shared_ptr<Buffer> b = std::move(it->second);
+    spare.erase(it);
+    b->t.zero();
+    return b;
+  }
+
+  // A buffer no collective and no queued compute uses any more: kept for take() on CUDA.
+  void keep(std::shared_ptr<Buffer> b) {
+    if (b && !dev.is_cpu()) spare.emplace(std::make_pair(b->cls, b->t.numel()), std::move(b));
+  }
+
+  // Waits for every collective and for the compute that may read a released unit.
+  void drain() {
+    thread->wait_all();
+    for (auto& [ticket, bucket] : in_flight) keep(std::move(bucket));
+    in_flight.clear();
+    for (auto& [buf, mark] : retired) {
+      ShardDevice::wait(mark);
+      keep(std::move(buf));
+    }
+    retired.clear();
   }
 
   // --- Collectives of one unit (on the communication thread) ---
@@ -414,9 +504,9 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
         thread_comm->all_gather(Tensor::wrap(const_cast<float*>(src) + k, {len}, DType::f32),
                                 Tensor::wrap(st, {world * len}, DType::f32));
       else
-        std::memcpy(st, src + k, static_cast<size_t>(len) * sizeof(float));
+        dev.copy(st, src + k, len * int64_t{sizeof(float)});
       for (int r = 0; r < world; ++r)
-        std::memcpy(out + r * S + k, st + r * len, static_cast<size_t>(len) * sizeof(float));
+        dev.copy(out + r * S + k, st + r * len, len * int64_t{sizeof(float)});
     }
   }
 
@@ -440,13 +530,14 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       } else {
         float* st = stage.f32();
         for (int r = 0; r < world; ++r) {
-          std::memcpy(st + r * len, in + r * S + k, static_cast<size_t>(len) * sizeof(float));
-          for (int64_t i = 0; i < len; ++i)
+          dev.copy(st + r * len, in + r * S + k, len * int64_t{sizeof(float)});
+          // (On CUDA a non-finite value makes the sum, and so the global norm, non-finite.)
+          for (int64_t i = 0; dev.is_cpu() && i < len; ++i)
             if (!std::isfinite(st[r * len + i])) finite = false;
         }
         const float* sum = reduce_staged<float>(len, DType::f32);
-        float* acc = grad.f32() + local + k;
-        for (int64_t i = 0; i < len; ++i) acc[i] += sum[i];
+        dev.add(Tensor::wrap(const_cast<float*>(sum), {len}, DType::f32, dev.device()),
+                grad.t.narrow(local + k, len));
       }
     }
   }
@@ -461,7 +552,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       thread_comm->reduce_scatter(Tensor::wrap(st, {world * len}, dtype),
                                   Tensor::wrap(sum, {len}, dtype));
     else
-      std::copy(st, st + len, sum);
+      dev.copy(sum, st, len * int64_t{sizeof(T)});
     return sum;
   }
 
@@ -488,7 +579,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     Resident& r = resident[u];
     if (r.buf) return;
     const int64_t S = layout.units()[u].shard;
-    r.buf = std::make_shared<Buffer>(ArenaClass::parameters, world * S, DType::f32, &held);
+    r.buf = take(ArenaClass::parameters, world * S);
     const float* src = params_local.f32() + layout.units()[u].local;
     float* out = r.buf->f32();
     r.ticket = submit([this, u, src, out] { gather_pieces(u, src, out); });
@@ -516,6 +607,16 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     const model::ShardUnit& unit = layout.units()[u];
     compute_table->unbind(unit.first_tensor, unit.end_tensor);
     thread->wait(resident[u].ticket);
+    if (!dev.is_cpu()) {
+      retired.emplace_back(std::move(resident[u].buf), dev.mark());
+      // At most two units wait: the gathered weights held stay bounded when the device lags.
+      while (!retired.empty() &&
+             (retired.size() > 2 || ShardDevice::done(retired.front().second))) {
+        ShardDevice::wait(retired.front().second);
+        keep(std::move(retired.front().first));
+        retired.pop_front();
+      }
+    }
     resident[u] = {};
   }
 
@@ -523,12 +624,12 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     if (!sharded_grads()) return;
     // At most two buckets in flight: the gradients held stay bounded when communication lags.
     while (in_flight.size() >= 2) {
-      thread->wait(in_flight.front());
+      thread->wait(in_flight.front().first);
+      keep(std::move(in_flight.front().second));
       in_flight.pop_front();
     }
     const model::ShardUnit& unit = layout.units()[u];
-    open[u] =
-        std::make_shared<Buffer>(ArenaClass::gradients, world * unit.shard, DType::f32, &held);
+    open[u] = take(ArenaClass::gradients, world * unit.shard);
     grads_table->bind(unit.first_tensor, unit.end_tensor, open[u]->t);
   }
 
@@ -537,44 +638,14 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     const model::ShardUnit& unit = layout.units()[u];
     grads_table->unbind(unit.first_tensor, unit.end_tensor);
     std::shared_ptr<Buffer> bucket = std::move(open[u]);
-    in_flight.push_back(submit([this, u, bucket] { reduce_piece(u, bucket->f32()); }));
+    in_flight.emplace_back(submit([this, u, bucket] { reduce_piece(u, bucket->f32()); }),
+                           dev.is_cpu() ? nullptr : bucket);
   }
 
-  // The unit calls of one pass without a micro-batch (the decoder's order, model/decoder.h).
+  // The unit calls of one pass without a micro-batch.
   void idle_pass(bool backward) {
     begin_pass(backward);
-    const size_t L = units() - 2, head = units() - 1;
-    const bool tied = model_config.tie_word_embeddings;
-    acquire(0);
-    release(0);
-    for (size_t l = 1; l <= L; ++l) {
-      acquire(l);
-      release(l);
-    }
-    const auto head_in = [&] {
-      acquire(head);
-      if (tied) acquire(0);
-    };
-    const auto head_out = [&] {
-      if (tied) release(0);
-      release(head);
-    };
-    head_in();
-    head_out();
-    if (!backward) return;
-    begin_gradients(head);
-    if (tied) begin_gradients(0);
-    head_in();
-    head_out();
-    end_gradients(head);
-    for (size_t l = L; l >= 1; --l) {
-      acquire(l);
-      begin_gradients(l);
-      end_gradients(l);
-      release(l);
-    }
-    if (!tied) begin_gradients(0);
-    end_gradients(0);
+    walk_unit_calls(model_config, backward, *this);
   }
 
   // --- The step ---
@@ -584,12 +655,18 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   float global_norm() {
     const int64_t local_blocks = layout.local_size() / kNormBlock;
     std::vector<double> sums(static_cast<size_t>(local_blocks), 0.0);
+    const float* g = grad.f32();
+    std::vector<float> host;  // on CUDA the pieces' copy the blocks are summed from
+    if (!dev.is_cpu()) {
+      host.resize(static_cast<size_t>(layout.local_size()));
+      copy_bytes(host.data(), Device::cpu(), g, dev.device(), host.size() * sizeof(float));
+      g = host.data();
+    }
     for (size_t u = 0; u < units(); ++u) {
       const model::ShardUnit& unit = layout.units()[u];
       const int64_t n = layout.range(u, rank).size();
       const int64_t b0 = unit.local / kNormBlock;
-      const std::vector<double> part =
-          block_sums(grad.f32() + unit.local, n, unit.shard / kNormBlock);
+      const std::vector<double> part = block_sums(g + unit.local, n, unit.shard / kNormBlock);
       std::copy(part.begin(), part.end(), sums.begin() + b0);
     }
     if (!finite) std::fill(sums.begin(), sums.end(), std::numeric_limits<double>::quiet_NaN());
@@ -612,7 +689,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   // Level optimizer: this rank's pieces of the sum over ranks of the whole gradients (f32 or, when
   // fixed is not empty, fixed point) into grad. On the communication thread, waited for.
   void reduce_whole(const model::Weights* g, std::span<const int64_t> fixed) {
-    thread->wait(thread->submit([&] {
+    thread->wait(issue([&] {
       for (size_t u = 0; u < units(); ++u) {
         const model::ShardUnit& unit = layout.units()[u];
         const int64_t S = unit.shard;
@@ -637,19 +714,19 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
               out[i] = static_cast<float>(std::ldexp(static_cast<double>(sum[i]), -kFixedBits));
           } else {
             float* st = stage.f32();
-            std::fill(st, st + world * len, 0.0f);
+            dev.zero(st, world * len * int64_t{sizeof(float)});
             for (int r = 0; r < world; ++r) {
               const int64_t lo = unit.flat.begin + r * S + k;
               layout.for_each_piece(std::min(lo, unit.flat.end), std::min(lo + len, unit.flat.end),
                                     [&](size_t t, int64_t off, int64_t at, int64_t count) {
-                                      std::memcpy(st + r * len + at,
-                                                  g->storage()[t].tensor.data_as<float>() + off,
-                                                  static_cast<size_t>(count) * sizeof(float));
+                                      dev.copy(st + r * len + at,
+                                               g->storage()[t].tensor.data_as<float>() + off,
+                                               count * int64_t{sizeof(float)});
                                     });
             }
             const float* sum = reduce_staged<float>(len, DType::f32);
-            std::memcpy(out, sum, static_cast<size_t>(len) * sizeof(float));
-            for (int64_t i = 0; i < len; ++i)
+            dev.copy(out, sum, len * int64_t{sizeof(float)});
+            for (int64_t i = 0; dev.is_cpu() && i < len; ++i)
               if (!std::isfinite(out[i])) finite = false;
           }
         }
@@ -676,17 +753,17 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
           });
     }
     if (full != nullptr && comm != nullptr) {
-      thread->wait(thread->submit([&] {
+      thread->wait(issue([&] {
         for (size_t u = 0; u < units(); ++u) {
           const model::ShardUnit& unit = layout.units()[u];
           // This rank's updated piece (into grad, spent), then every rank's.
           float* mine = grad.f32() + unit.local;
-          std::fill(mine, mine + unit.shard, 0.0f);
+          dev.zero(mine, unit.shard * int64_t{sizeof(float)});
           const model::FlatRange own = layout.range(u, rank);
           layout.for_each_piece(
               own.begin, own.end, [&](size_t t, int64_t off, int64_t at, int64_t k) {
-                std::memcpy(mine + at, full->storage()[t].tensor.data_as<float>() + off,
-                            static_cast<size_t>(k) * sizeof(float));
+                dev.copy(mine + at, full->storage()[t].tensor.data_as<float>() + off,
+                         k * int64_t{sizeof(float)});
               });
           const int64_t S = unit.shard;
           float* st = stage.f32();
@@ -699,9 +776,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
               const int64_t lo = std::min(unit.flat.end, unit.flat.begin + q * S + k);
               layout.for_each_piece(lo, std::min(unit.flat.end, lo + len),
                                     [&](size_t t, int64_t off, int64_t at, int64_t count) {
-                                      std::memcpy(full->storage()[t].tensor.data_as<float>() + off,
-                                                  st + q * len + at,
-                                                  static_cast<size_t>(count) * sizeof(float));
+                                      dev.copy(full->storage()[t].tensor.data_as<float>() + off,
+                                               st + q * len + at, count * int64_t{sizeof(float)});
                                     });
             }
           }
@@ -715,14 +791,13 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   }
 
   void begin_step() {
-    thread->wait_all();
-    in_flight.clear();
+    drain();
     finite = true;
     grad.t.zero();
     if (fixed_sum.arena) fixed_sum.t.zero();
     if (!sharded_grads()) {
       if (!whole_grads) {
-        whole_grads = std::make_unique<model::Weights>(model_config, DType::f32, Device::cpu(),
+        whole_grads = std::make_unique<model::Weights>(model_config, DType::f32, dev.device(),
                                                        ArenaClass::gradients);
         held.add(ArenaClass::gradients, static_cast<int64_t>(whole_grads->nbytes()));
       }
@@ -760,8 +835,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       else
         reduce_whole(whole_grads.get(), {});
     } else {
-      thread->wait_all();
-      in_flight.clear();
+      drain();
       if (options.deterministic) {
         const int64_t* q = fixed_sum.i64();
         float* g = grad.f32();
@@ -777,9 +851,14 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
                            const ShardOptions& options)
     : comm_(comm) {
   config.validate();
-  TANDEM_CHECK(params.dtype() == DType::f32 && params.device().is_cpu(),
-               "optimizer: sharded AdamW needs f32 master weights on the CPU, got {} on {}",
-               params.dtype(), params.device().str());
+  TANDEM_CHECK(params.dtype() == DType::f32,
+               "optimizer: sharded AdamW needs f32 master weights, got {} on {}", params.dtype(),
+               params.device().str());
+  TANDEM_CHECK(params.device().is_cpu() || !options.deterministic,
+               "optimizer: the deterministic (fixed-point) gradient sums of the sharded optimizer "
+               "run on the CPU only, and the master weights are on {}: set "
+               "trainer.deterministic = false, or train on the CPU",
+               params.device().str());
   TANDEM_CHECK(options.bucket_bytes > 0, "optimizer: bucket of {} bytes", options.bucket_bytes);
   impl_ = std::make_unique<Impl>(params, comm, config, options);
   impl_->init();
@@ -827,6 +906,8 @@ ShardedAdamW::Memory ShardedAdamW::memory(bool reset_peaks) {
   return m;
 }
 
+int64_t ShardedAdamW::device_marks() const { return impl_->dev.marks(); }
+
 CommStats ShardedAdamW::take_comm_stats() {
   const CommThread::Stats s = impl_->thread->take_stats();
   return {s.busy_s, s.waited_s, s.closures};
@@ -838,6 +919,9 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
   TANDEM_CHECK(grads.dtype() == DType::f32 &&
                    grads.storage().size() + 1 == impl_->layout.tensor_starts().size(),
                "optimizer: the gradients belong to another model");
+  TANDEM_CHECK(grads.device() == impl_->dev.device(),
+               "optimizer: the gradients are on {}, the optimizer's weights on {}",
+               grads.device().str(), impl_->dev.device().str());
   impl_->thread->wait_all();
   impl_->finite = true;
   impl_->reduce_whole(&grads, {});
@@ -876,13 +960,15 @@ void ShardedAdamW::gather_unit(size_t unit, const Tensor& out) {
                "optimizer: gather_unit needs trainer.shard = \"parameters\" and a unit below {}",
                m.units());
   const model::ShardUnit& u = m.layout.units()[unit];
-  TANDEM_CHECK(out.dtype() == DType::f32 && out.numel() == u.flat.size() && out.device().is_cpu(),
-               "optimizer: gather_unit of {} needs f32({}) on the CPU, got {}", u.name,
-               u.flat.size(), out.str());
-  Buffer all(ArenaClass::parameters, m.world * u.shard);
+  TANDEM_CHECK(out.dtype() == DType::f32 && out.numel() == u.flat.size() &&
+                   (out.device().is_cpu() || out.device() == m.dev.device()),
+               "optimizer: gather_unit of {} needs f32({}) on the CPU or {}, got {}", u.name,
+               u.flat.size(), m.dev.device().str(), out.str());
+  Buffer all(ArenaClass::parameters, m.world * u.shard, DType::f32, nullptr, m.dev.device());
   m.thread->wait(
-      m.thread->submit([&] { m.gather_pieces(unit, m.params_local.f32() + u.local, all.f32()); }));
-  std::memcpy(out.data(), all.f32(), static_cast<size_t>(u.flat.size()) * sizeof(float));
+      m.issue([&] { m.gather_pieces(unit, m.params_local.f32() + u.local, all.f32()); }));
+  copy_bytes(out.data(), out.device(), all.f32(), m.dev.device(),
+             static_cast<size_t>(u.flat.size()) * sizeof(float));
 }
 
 void AdamW::begin_step() {

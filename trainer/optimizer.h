@@ -86,10 +86,10 @@ struct CommStats {
 };
 
 // The optimizer a PolicyTrainer drives, chosen once at start: AdamW (one rank, the whole state,
-// any device) or ShardedAdamW (any number of ranks, a ShardLevel, the CPU). One optimizer step's
-// gradients flow through it: begin_step() zeroes them; each micro-batch's backward accumulates
-// into gradients() (the decoder calling unit_hooks() as it goes) and end_micro_batch() follows;
-// step() applies the update. The decoders compute with compute_weights() and unit_hooks().
+// any device) or ShardedAdamW (any number of ranks, a ShardLevel, the CPU or CUDA). One optimizer
+// step's gradients flow through it: begin_step() zeroes them; each micro-batch's backward
+// accumulates into gradients() (the decoder calling unit_hooks() as it goes) and end_micro_batch()
+// follows; step() applies the update. The decoders compute with compute_weights() and unit_hooks().
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -177,6 +177,11 @@ class AdamW final : public Optimizer {
 // rank then sums or compares in that order, identically on every rank. Collective.
 std::vector<double> gather_doubles(Communicator& comm, std::span<const double> mine);
 
+// The unit calls a decoder makes in one training pass (forward, and backward when `backward`), in
+// its order (model/decoder.h), computing nothing: a rank's part of a pass it has no micro-batch
+// for (ShardedAdamW::idle_pass), and tests that stand in for the decoder.
+void walk_unit_calls(const model::ModelConfig& config, bool backward, model::UnitHooks& hooks);
+
 inline constexpr int64_t kFixedInvalid = INT64_MIN;
 
 // ShardedAdamW: AdamW sharded over the ranks of `comm` at a ShardLevel, over model::ShardLayout's
@@ -188,9 +193,11 @@ class ShardedAdamW final : public Optimizer {
  public:
   static constexpr int kFixedBits = 40;  // gradients in units of 2^-40
   static constexpr int64_t kNormBlock = model::ShardLayout::kBlock;
-  // params: the whole f32 master weights on the CPU, as loaded. At ShardLevel::parameters the
-  // optimizer copies this rank's pieces out of them at construction; the caller may then free
-  // them (params() is not valid any more). comm: null for one rank.
+  // params: the whole f32 master weights, as loaded, on the CPU or a CUDA device (every buffer of
+  // the optimizer lives there; comm then carries CUDA tensors over NCCL, and
+  // ShardOptions::deterministic is refused). At ShardLevel::parameters the optimizer copies this
+  // rank's pieces out of them at construction; the caller may then free them (params() is not
+  // valid any more). comm: null for one rank.
   ShardedAdamW(model::Weights& params, Communicator* comm, const AdamWConfig& config = {},
                const ShardOptions& options = {});
   ~ShardedAdamW() override;
@@ -234,8 +241,8 @@ class ShardedAdamW final : public Optimizer {
   // The whole f32 master weights below ShardLevel::parameters (every rank's, the same after each
   // step); throws at ShardLevel::parameters.
   model::Weights& params();
-  // ShardLevel::parameters: unit u's f32 master weights (its flat elements) into out on every
-  // rank. Collective.
+  // ShardLevel::parameters: unit u's f32 master weights (its flat elements) into out (on the CPU
+  // or the optimizer's device) on every rank. Collective.
   void gather_unit(size_t unit, const Tensor& out);
   int64_t step_count() const { return counters_.step; }
   // The training state this rank held at most (bytes) since the last reset: f32 weights (whole or
@@ -246,6 +253,9 @@ class ShardedAdamW final : public Optimizer {
     int64_t total() const { return weights + gradients + optimizer; }
   };
   Memory memory(bool reset_peaks = false);
+  // CUDA: the marks (events on the compute stream) the communication thread waited for before its
+  // collectives so far; 0 on the CPU.
+  int64_t device_marks() const;
 
  private:
   struct Impl;

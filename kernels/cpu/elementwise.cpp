@@ -1,4 +1,4 @@
-// CPU cast, scale, random_uniform and sum_squares.
+// CPU cast, scale, add, random_uniform and sum_squares.
 #include "kernels/cpu/elementwise.h"
 
 #include <algorithm>
@@ -89,6 +89,17 @@ void scale(const Tensor& x, float s) {
       x.numel(),
       [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) p[i] *= s;
+      },
+      1 << 14);
+}
+
+void add(const Tensor& x, const Tensor& out) {
+  const float* a = x.data_as<float>();
+  float* p = out.data_as<float>();
+  parallel_for(
+      x.numel(),
+      [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) p[i] += a[i];
       },
       1 << 14);
 }

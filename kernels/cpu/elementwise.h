@@ -1,4 +1,5 @@
-// CPU implementations of cast, scale, random_uniform and sum_squares (arguments already checked).
+// CPU implementations of cast, scale, add, random_uniform and sum_squares (arguments already
+// checked).
 #pragma once
 
 #include "core/device.h"
@@ -8,6 +9,7 @@ namespace tandem::ops::cpu {
 
 void cast(const Tensor& src, const Tensor& dst);
 void scale(const Tensor& x, float s);
+void add(const Tensor& x, const Tensor& out);
 void random_uniform(const Tensor& out, uint64_t seed, uint64_t stream_id);
 void sum_squares(const Tensor& x, const Tensor& out, bool accumulate);
 // The sum of squares of x[0, n) in f64, in an order that depends on n alone: what sum_squares adds

@@ -1,4 +1,4 @@
-// CUDA cast, scale, random_uniform and sum_squares.
+// CUDA cast, scale, add, random_uniform and sum_squares.
 #include "core/philox.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/elementwise.h"
@@ -35,6 +35,12 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
     x[i] *= s;
+}
+
+__global__ void add_kernel(const float* x, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] += x[i];
 }
 
 __global__ void random_uniform_kernel(float* out, int64_t n, uint64_t seed, uint64_t stream_id) {
@@ -80,6 +86,12 @@ void cast(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,
 void scale(float* x, float s, int64_t n, void* stream) {
   if (n == 0) return;
   scale_kernel<<<blocks_for(n, kThreads), kThreads, 0, native(stream)>>>(x, s, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void add(const float* x, float* out, int64_t n, void* stream) {
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n, kThreads), kThreads, 0, native(stream)>>>(x, out, n);
   CUDA_CHECK_LAUNCH();
 }
 

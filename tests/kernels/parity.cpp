@@ -61,6 +61,7 @@ const std::vector<std::string>& ops_with_parity() {
                                                "matmul_backward_weight",
                                                "cast",
                                                "scale",
+                                               "add",
                                                "random_uniform",
                                                "sum_squares",
                                                "embedding",

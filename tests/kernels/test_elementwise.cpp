@@ -1,4 +1,5 @@
-// cast, scale, random_uniform and sum_squares: against plain references, and their parity cases.
+// cast, scale, add, random_uniform and sum_squares: against plain references, and their parity
+// cases.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -70,6 +71,18 @@ TEST_CASE("random_uniform fills the philox stream and scale multiplies in place"
     REQUIRE(p[i] == static_cast<float>(before[static_cast<size_t>(i)] * -0.5));
 }
 
+TEST_CASE("add adds x into out elementwise and refuses a size mismatch", "[unit]") {
+  const Tensor x = random_tensor({100003}, DType::f32, 21, -3.0, 3.0);
+  Tensor out = random_tensor({100003}, DType::f32, 22, -3.0, 3.0);
+  const std::vector<double> before = to_f64(out);
+  ops::add(x, out);
+  const float* a = x.data_as<float>();
+  const float* p = out.data_as<float>();
+  for (int64_t i = 0; i < x.numel(); ++i)
+    REQUIRE(p[i] == static_cast<float>(before[static_cast<size_t>(i)]) + a[i]);
+  CHECK_THROWS_WITH(ops::add(x.narrow(0, 5), out), Catch::Contains("differ in size"));
+}
+
 TANDEM_PARITY_CASES(elementwise) {
   for (DType from : {DType::f32, DType::bf16, DType::f16}) {
     for (DType to : {DType::f32, DType::bf16, DType::f16}) {
@@ -102,6 +115,21 @@ TANDEM_PARITY_CASES(elementwise) {
       .run = [](const std::vector<Tensor>&,
                 const std::vector<Tensor>& out) { ops::scale(out[0], -1.7f); },
       .max_nmse = 0.0,
+  });
+  add_parity_case({
+      .name = "add (1000003)",
+      .inputs =
+          [](uint64_t seed) {
+            return std::vector<Tensor>{random_tensor({1000003}, DType::f32, seed),
+                                       random_tensor({1000003}, DType::f32, seed + 1)};
+          },
+      .outputs =
+          [](const std::vector<Tensor>& in) {
+            return std::vector<Tensor>{in[1].to(Device::cpu())};
+          },
+      .run = [](const std::vector<Tensor>& in,
+                const std::vector<Tensor>& out) { ops::add(in[0], out[0]); },
+      .max_nmse = 0.0,  // one f32 addition per element: bitwise the same
   });
   add_parity_case({
       .name = "random_uniform (100001) seed 5",
