@@ -48,6 +48,8 @@ struct ScoreArgs {
 
 struct ConvertArgs {
   std::string model, out, dtype = "f32";
+  std::string random_init;  // a config.json: random weights of its shape, --model's tokenizer
+  uint64_t seed = 0;
   bool overwrite = false;
 } convert;
 
@@ -355,11 +357,26 @@ int run_convert() {
   model::SaveOptions opt;
   opt.dtype = parse_dtype(convert.dtype);
   if (m.tokenizer) opt.extra_files = model::hf_tokenizer_files(m.tokenizer->data());
-  model::save_hf(*m.weights, out.string(), opt);
   nlohmann::json marker = {{"written_by", "tandem convert"},
                            {"model", convert.model},
                            {"dtype", convert.dtype},
                            {"files", nlohmann::json::object()}};
+  if (!convert.random_init.empty()) {
+    const model::ModelConfig config = model::config_from_hf_file(convert.random_init);
+    const int32_t tokens = m.tokenizer ? m.tokenizer->vocab_size() : 0;
+    TANDEM_CHECK(m.tokenizer && tokens <= config.vocab_size,
+                 "--random-init '{}': vocab_size {} cannot hold the {} tokens of --model '{}'s "
+                 "tokenizer{}",
+                 convert.random_init, config.vocab_size, tokens, convert.model,
+                 m.tokenizer ? "" : " (it has none)");
+    m.weights = std::make_unique<model::Weights>(config, DType::f32);
+    model::init_random(*m.weights, convert.seed);
+    marker["random_init"] = {{"config", convert.random_init}, {"seed", convert.seed}};
+    std::fprintf(stderr, "tandem: %lld random parameters of %s's shape (seed %llu)\n",
+                 static_cast<long long>(m.weights->num_parameters()), convert.random_init.c_str(),
+                 static_cast<unsigned long long>(convert.seed));
+  }
+  model::save_hf(*m.weights, out.string(), opt);
   for (const fs::directory_entry& e : fs::directory_iterator(out)) {
     const std::string name = e.path().filename().string();
     // A file of a name convert_writes does not know could never be replaced by --overwrite.
@@ -430,6 +447,11 @@ void add_model_commands(CLI::App& app) {
                         "the sizes recorded there)");
   convert_cmd->add_option("--dtype", convert.dtype, "f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  convert_cmd->add_option("--random-init", convert.random_init,
+                          "a Hugging Face config.json: write random weights of its shape (norms "
+                          "near 1, matrices scaled by 1/sqrt(fan-in)) with --model's tokenizer, "
+                          "for memory and speed runs of a model whose weights you do not have");
+  convert_cmd->add_option("--seed", convert.seed, "the --random-init seed");
 }
 
 int run_model_commands() {

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/parallel.h"
+#include "core/philox.h"
 #include "kernels/ops.h"
 
 namespace tandem::model {
@@ -199,6 +201,36 @@ int64_t Weights::num_parameters() const {
   int64_t n = 0;
   for (const NamedTensor& s : storage_) n += s.tensor.numel();
   return n;
+}
+
+void init_random(Weights& w, uint64_t seed) {
+  TANDEM_CHECK(w.dtype() == DType::f32 && w.device().is_cpu(),
+               "init_random fills f32 CPU weights, not {} on {}", w.dtype(), w.device());
+  const std::span<const NamedTensor> storage = w.storage();
+  for (size_t t = 0; t < storage.size(); ++t) {
+    const NamedTensor& s = storage[t];
+    float lo = -1.0f, hi = 1.0f;
+    if (s.name.find("norm") != std::string::npos) {
+      lo = 0.7f, hi = 1.3f;
+    } else if (s.name.find("bias") != std::string::npos) {
+      lo = -0.3f, hi = 0.3f;
+    } else if (s.name.find("embed") == std::string::npos) {
+      const float a = 1.7f / std::sqrt(static_cast<float>(s.tensor.size(1)));
+      lo = -a, hi = a;
+    }
+    float* p = s.tensor.data_as<float>();
+    const int64_t n = s.tensor.numel();
+    parallel_for(
+        (n + 3) / 4,
+        [&](int64_t b, int64_t e) {
+          for (int64_t q = b; q < e; ++q) {
+            const Philox4x32 r = philox_random(seed, t, static_cast<uint64_t>(q));
+            for (int64_t k = 0; k < 4 && 4 * q + k < n; ++k)
+              p[4 * q + k] = lo + (hi - lo) * uniform_from_bits(r.v[k]);
+          }
+        },
+        1 << 14);
+  }
 }
 
 }  // namespace tandem::model

@@ -104,4 +104,11 @@ class Weights {
   std::vector<Shape> shapes_;  // of storage_
 };
 
+// Fills f32 CPU weights with a seeded random initialisation that keeps activations O(1) through
+// any depth: norm weights uniform in [0.7, 1.3], biases in [-0.3, 0.3], matrices in
+// ±1.7/sqrt(fan-in), embeddings in [-1, 1). The same seed gives the same weights on any machine
+// (Philox: element i of storage tensor t is word i%4 of philox_random(seed, t, i/4)). For a
+// published shape without its trained weights: memory and speed work, never quality.
+void init_random(Weights& w, uint64_t seed);
+
 }  // namespace tandem::model

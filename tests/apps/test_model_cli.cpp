@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -139,6 +140,60 @@ TEST_CASE("tandem convert writes an HF directory with the same weights and a tok
   for (const char* f : {"config.json", "generation_config.json", "model.safetensors",
                         "tokenizer.json", "tokenizer_config.json"})
     CHECK(fs::exists(smol / f));
+}
+
+TEST_CASE("tandem convert --random-init writes seeded random weights of a config's shape",
+          "[e2e]") {
+  const tandem::test::TempDir tmp("cli-convert-random");
+  const std::string small = tmp.write("small.json", R"({
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
+    "bos_token_id": 1, "eos_token_id": 2})");
+  auto convert = [&](const std::string& out, const std::string& flags) {
+    return run("convert --model " + kSmol + " --out " + tmp.file(out) + " " + flags);
+  };
+  Run r = convert("a", "--random-init " + small + " --seed 3");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(fs::exists(fs::path(tmp.file("a")) / "tokenizer.json"));
+  REQUIRE(convert("b", "--random-init " + small + " --seed 3").status == 0);
+  REQUIRE(convert("c", "--random-init " + small + " --seed 4").status == 0);
+  auto a = tandem::model::load_hf(tmp.file("a"));
+  auto b = tandem::model::load_hf(tmp.file("b"));
+  auto c = tandem::model::load_hf(tmp.file("c"));
+  CHECK(a->config().hidden_size == 32);
+  CHECK(a->config().num_layers == 2);
+  CHECK(a->config().num_kv_heads == 2);
+  for (size_t i = 0; i < a->storage().size(); ++i) {
+    const tandem::Tensor& x = a->storage()[i].tensor;
+    const std::string& name = a->storage()[i].name;
+    INFO(name);
+    CHECK(tandem::test::bitwise_equal(x, b->storage()[i].tensor));  // the seed decides
+    CHECK_FALSE(tandem::test::bitwise_equal(x, c->storage()[i].tensor));
+    // The ranges that keep activations O(1): norms near 1, matrices by 1/sqrt(fan-in).
+    const std::vector<double> v = tandem::test::to_f64(x);
+    const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+    const double bound = name.find("norm") != std::string::npos    ? 1.3
+                         : name.find("embed") != std::string::npos ? 1.0
+                                                                   : 1.7 / std::sqrt(x.size(1));
+    CHECK(*hi <= bound);
+    CHECK(*lo >= (name.find("norm") != std::string::npos ? 0.7 : -bound));
+    CHECK(*hi - *lo > 0.5 * (name.find("norm") != std::string::npos ? 0.6 : 2 * bound));
+  }
+
+  // The published shape the docs train across ranks parses; a vocabulary smaller than the
+  // tokenizer's is refused naming the file.
+  CHECK(tandem::model::config_from_hf_file((kRepo / "configs/models/smollm2-360m.json").string())
+            .num_layers == 32);
+  const std::string tiny_vocab = tmp.write("tiny-vocab.json", R"({
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5})");
+  r = convert("d", "--random-init " + tiny_vocab);
+  CHECK(r.status != 0);
+  CHECK(r.out.find("tiny-vocab.json': vocab_size 100 cannot hold the 49152 tokens") !=
+        std::string::npos);
 }
 
 TEST_CASE("tandem generate --prompts -n prints a group of samples per prompt", "[e2e]") {
