@@ -64,4 +64,42 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
                                accumulate);
 }
 
+void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                         const Tensor& stats, float temperature, const Stream& stream) {
+  const OpTimer timer("logprob_shard_stats");
+  constexpr const char* op = "logprob_shard_stats";
+  const auto [T, V] = check_logits(op, logits);
+  check_tensor(op, "targets", targets, DType::i32, {T});
+  check_f32(op, "stats", stats, {T, 4});
+  check_temperature(op, temperature);
+  TANDEM_CHECK(vocab_begin >= 0, "{}: vocab_begin {} is negative", op, vocab_begin);
+  check_placement(op, logits.device(), {&logits, &targets, &stats}, stream);
+  TANDEM_CHECK(logits.device().is_cpu(), "{}: a vocabulary-parallel head runs on the CPU only", op);
+  cpu::logprob_shard_stats(logits, targets, vocab_begin, stats, temperature);
+}
+
+void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
+                            const Tensor& targets, int64_t vocab_begin, const Tensor& lse,
+                            const Tensor& entropy, const Tensor& dlogits, float temperature,
+                            bool accumulate, const Stream& stream) {
+  const OpTimer timer("logprob_shard_backward");
+  constexpr const char* op = "logprob_shard_backward";
+  const auto [T, V] = check_logits(op, logits);
+  check_f32(op, "dlogprob", dlogprob, {T});
+  check_tensor(op, "targets", targets, DType::i32, {T});
+  check_f32(op, "lse", lse, {T});
+  if (dentropy.defined()) {
+    check_f32(op, "dentropy", dentropy, {T});
+    check_f32(op, "entropy", entropy, {T});
+  }
+  check_f32(op, "dlogits", dlogits, {T, V});
+  check_temperature(op, temperature);
+  TANDEM_CHECK(vocab_begin >= 0, "{}: vocab_begin {} is negative", op, vocab_begin);
+  check_placement(op, logits.device(),
+                  {&dlogprob, &dentropy, &logits, &targets, &lse, &entropy, &dlogits}, stream);
+  TANDEM_CHECK(logits.device().is_cpu(), "{}: a vocabulary-parallel head runs on the CPU only", op);
+  cpu::logprob_shard_backward(dlogprob, dentropy, logits, targets, vocab_begin, lse, entropy,
+                              dlogits, temperature, accumulate);
+}
+
 }  // namespace tandem::ops

@@ -312,6 +312,21 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
                              float temperature = 1.0f, bool accumulate = false,
                              const Stream& stream = {});
 
+// Vocabulary-parallel forms, for a head whose vocabulary is split over tensor-parallel ranks
+// (model/vocab_parallel.h combines them across the ranks, never gathering the logits): logits
+// (T, Vs) f32 are columns [vocab_begin, vocab_begin + Vs) of the vocabulary; targets (T) i32 are
+// ids of the whole vocabulary. CPU only for now.
+// stats (T, 4) f32, per row of z = logits / temperature: the shard's max z, sum exp(z - max),
+// sum exp(z - max) (z - max), and the target's z where the shard holds it, else 0.
+void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                         const Tensor& stats, float temperature = 1.0f, const Stream& stream = {});
+// dlogits (T, Vs) [+]= the shard's columns of d(sum dlogprob * logprob + dentropy *
+// entropy)/dlogits, given the whole vocabulary's lse (T) and, with dentropy, entropy (T).
+void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
+                            const Tensor& targets, int64_t vocab_begin, const Tensor& lse,
+                            const Tensor& entropy, const Tensor& dlogits, float temperature = 1.0f,
+                            bool accumulate = false, const Stream& stream = {});
+
 // ---------------------------------------------------------------------------------------------
 // AdamW (decoupled weight decay, Loshchilov & Hutter), on f32 master weights and moments.
 struct AdamWParams {

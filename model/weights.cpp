@@ -220,16 +220,15 @@ void init_random(Weights& w, uint64_t seed) {
     }
     float* p = s.tensor.data_as<float>();
     const int64_t n = s.tensor.numel();
-    parallel_for(
-        (n + 3) / 4,
-        [&](int64_t b, int64_t e) {
-          for (int64_t q = b; q < e; ++q) {
-            const Philox4x32 r = philox_random(seed, t, static_cast<uint64_t>(q));
-            for (int64_t k = 0; k < 4 && 4 * q + k < n; ++k)
-              p[4 * q + k] = lo + (hi - lo) * uniform_from_bits(r.v[k]);
-          }
-        },
-        1 << 14);
+    parallel_for((n + 3) / 4,
+                 [&](int64_t b, int64_t e) {
+                   for (int64_t q = b; q < e; ++q) {
+                     const Philox4x32 r = philox_random(seed, t, static_cast<uint64_t>(q));
+                     for (int64_t k = 0; k < 4 && 4 * q + k < n; ++k)
+                       p[4 * q + k] = lo + (hi - lo) * uniform_from_bits(r.v[k]);
+                   }
+                 },
+                 1 << 14);
   }
 }
 

@@ -62,7 +62,10 @@ template <bool kEntropy, bool kUnit>
   r.sum = lane_tree(s, sum_op);
   const float log_sum = std::log(r.sum);
   r.lse = m + log_sum;
-  if constexpr (kEntropy) r.entropy = log_sum - lane_tree(ey, sum_op) / r.sum;
+  if constexpr (kEntropy) {
+    r.ey = lane_tree(ey, sum_op);
+    r.entropy = log_sum - r.ey / r.sum;
+  }
   return r;
 }
 
@@ -89,11 +92,13 @@ template <bool kUnit>
 
 // d/dz_v of a*logprob + b*entropy, divided by the temperature:
 //   d logprob / dz_v = 1[v = target] - p_v,  d entropy / dz_v = -p_v (log p_v + H).
+// A target outside [0, V) (a vocabulary shard without it) adds no 1. h: the row's entropy H when
+// the row is a shard of the vocabulary (null: computed from this row).
 template <bool kEntropy, bool kAccumulate, bool kUnit>
 [[gnu::always_inline]] inline void backward_row(const float* x, int64_t V, int32_t target,
                                                 float temperature, float lse, float a, float b,
-                                                float* g) {
-  const float H = kEntropy ? row_entropy<kUnit>(x, V, temperature, lse) : 0.0f;
+                                                const float* h, float* g) {
+  const float H = !kEntropy ? 0.0f : h ? *h : row_entropy<kUnit>(x, V, temperature, lse);
   for (int64_t v = 0; v < V; ++v) {
     const float logp = z_of<kUnit>(x[v], temperature) - lse;
     const float p = softmax_exp(logp);
@@ -106,21 +111,21 @@ template <bool kEntropy, bool kAccumulate, bool kUnit>
 
 TANDEM_CPU_CLONES void backward_row_any(const float* x, int64_t V, int32_t target,
                                         float temperature, float lse, float a, const float* b,
-                                        bool accumulate, float* g) {
+                                        const float* h, bool accumulate, float* g) {
   const float bv = b ? *b : 0.0f;
   const bool unit = temperature == 1.0f;
   if (b && accumulate) {
-    unit ? backward_row<true, true, true>(x, V, target, temperature, lse, a, bv, g)
-         : backward_row<true, true, false>(x, V, target, temperature, lse, a, bv, g);
+    unit ? backward_row<true, true, true>(x, V, target, temperature, lse, a, bv, h, g)
+         : backward_row<true, true, false>(x, V, target, temperature, lse, a, bv, h, g);
   } else if (b) {
-    unit ? backward_row<true, false, true>(x, V, target, temperature, lse, a, bv, g)
-         : backward_row<true, false, false>(x, V, target, temperature, lse, a, bv, g);
+    unit ? backward_row<true, false, true>(x, V, target, temperature, lse, a, bv, h, g)
+         : backward_row<true, false, false>(x, V, target, temperature, lse, a, bv, h, g);
   } else if (accumulate) {
-    unit ? backward_row<false, true, true>(x, V, target, temperature, lse, a, bv, g)
-         : backward_row<false, true, false>(x, V, target, temperature, lse, a, bv, g);
+    unit ? backward_row<false, true, true>(x, V, target, temperature, lse, a, bv, h, g)
+         : backward_row<false, true, false>(x, V, target, temperature, lse, a, bv, h, g);
   } else {
-    unit ? backward_row<false, false, true>(x, V, target, temperature, lse, a, bv, g)
-         : backward_row<false, false, false>(x, V, target, temperature, lse, a, bv, g);
+    unit ? backward_row<false, false, true>(x, V, target, temperature, lse, a, bv, h, g)
+         : backward_row<false, false, false>(x, V, target, temperature, lse, a, bv, h, g);
   }
 }
 
@@ -177,7 +182,50 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
   parallel_for(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       backward_row_any(x + t * V, V, tg[t], temperature, ls[t], dlp[t], dent ? dent + t : nullptr,
-                       accumulate, dx + t * V);
+                       nullptr, accumulate, dx + t * V);
+    }
+  });
+}
+
+void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                         const Tensor& stats, float temperature) {
+  const int64_t T = logits.size(0), V = logits.size(1);
+  const float* x = logits.data_as<float>();
+  const int32_t* tg = targets.data_as<int32_t>();
+  float* st = stats.data_as<float>();
+  parallel_for(T, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = x + t * V;
+      const RowSoftmax r = row_softmax(row, V, temperature, true);
+      const int64_t local = tg[t] - vocab_begin;
+      float* o = st + t * 4;
+      o[0] = r.max;
+      o[1] = r.sum;
+      o[2] = r.ey;
+      o[3] = local >= 0 && local < V ? scaled_logit(row[local], temperature) : 0.0f;
+    }
+  });
+}
+
+void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
+                            const Tensor& targets, int64_t vocab_begin, const Tensor& lse,
+                            const Tensor& entropy, const Tensor& dlogits, float temperature,
+                            bool accumulate) {
+  const int64_t T = logits.size(0), V = logits.size(1);
+  const float* x = logits.data_as<float>();
+  const int32_t* tg = targets.data_as<int32_t>();
+  const float* dlp = dlogprob.data_as<float>();
+  const float* dent = dentropy.defined() ? dentropy.data_as<float>() : nullptr;
+  const float* ent = dent ? entropy.data_as<float>() : nullptr;
+  const float* ls = lse.data_as<float>();
+  float* dx = dlogits.data_as<float>();
+  parallel_for(T, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      // Outside the shard the local target is past the row's end (or negative): no 1 to add.
+      const int64_t local = tg[t] - vocab_begin;
+      const int32_t target = local >= 0 && local < V ? static_cast<int32_t>(local) : -1;
+      backward_row_any(x + t * V, V, target, temperature, ls[t], dlp[t], dent ? dent + t : nullptr,
+                       ent ? ent + t : nullptr, accumulate, dx + t * V);
     }
   });
 }

@@ -18,6 +18,7 @@ struct RowSoftmax {
   float sum = 0;      // sum of exp(z - max)
   float lse = 0;      // max + log(sum)
   float entropy = 0;  // -sum p log p (when asked for)
+  float ey = 0;       // sum exp(z - max) (z - max) (when asked for; the CPU's only)
 };
 
 // The logprob of token value x under a row with log-sum-exp lse: sample and logprob_gather both
