@@ -203,21 +203,22 @@ int64_t Weights::num_parameters() const {
   return n;
 }
 
+InitRange init_range(std::string_view name, int64_t fan_in) {
+  if (name.find("norm") != std::string_view::npos) return {0.7, 1.3};
+  if (name.find("bias") != std::string_view::npos) return {-0.3, 0.3};
+  if (name.find("embed") != std::string_view::npos) return {-1.0, 1.0};
+  const double a = 1.7 / std::sqrt(static_cast<double>(fan_in));
+  return {-a, a};
+}
+
 void init_random(Weights& w, uint64_t seed) {
   TANDEM_CHECK(w.dtype() == DType::f32 && w.device().is_cpu(),
                "init_random fills f32 CPU weights, not {} on {}", w.dtype(), w.device());
   const std::span<const NamedTensor> storage = w.storage();
   for (size_t t = 0; t < storage.size(); ++t) {
     const NamedTensor& s = storage[t];
-    float lo = -1.0f, hi = 1.0f;
-    if (s.name.find("norm") != std::string::npos) {
-      lo = 0.7f, hi = 1.3f;
-    } else if (s.name.find("bias") != std::string::npos) {
-      lo = -0.3f, hi = 0.3f;
-    } else if (s.name.find("embed") == std::string::npos) {
-      const float a = 1.7f / std::sqrt(static_cast<float>(s.tensor.size(1)));
-      lo = -a, hi = a;
-    }
+    const InitRange r = init_range(s.name, s.tensor.ndim() > 1 ? s.tensor.size(1) : 1);
+    const float lo = static_cast<float>(r.lo), hi = static_cast<float>(r.hi);
     float* p = s.tensor.data_as<float>();
     const int64_t n = s.tensor.numel();
     parallel_for((n + 3) / 4,

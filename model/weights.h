@@ -104,6 +104,12 @@ class Weights {
   std::vector<Shape> shapes_;  // of storage_
 };
 
+// The uniform range init_random draws storage tensor `name` from (fan_in: a matrix's row length).
+struct InitRange {
+  double lo, hi;
+};
+InitRange init_range(std::string_view name, int64_t fan_in);
+
 // Fills f32 CPU weights with a seeded random initialisation that keeps activations O(1) through
 // any depth: norm weights uniform in [0.7, 1.3], biases in [-0.3, 0.3], matrices in
 // ±1.7/sqrt(fan-in), embeddings in [-1, 1). The same seed gives the same weights on any machine

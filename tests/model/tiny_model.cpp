@@ -85,17 +85,10 @@ model::ModelConfig micro_model_config(bool qwen3) {
 void fill_random_weights(model::Weights& w, uint64_t seed) {
   for (const model::NamedTensor& s : w.storage()) {
     ++seed;
-    double lo = -1.0, hi = 1.0;
-    if (s.name.find("norm") != std::string::npos) {
-      lo = 0.7, hi = 1.3;
-    } else if (s.name.find("bias") != std::string::npos) {
-      lo = -0.3, hi = 0.3;
-    } else if (s.name.find("embed") == std::string::npos) {
-      const double a = 1.7 / std::sqrt(static_cast<double>(s.tensor.size(1)));
-      lo = -a, hi = a;
-    }
+    const model::InitRange r =
+        model::init_range(s.name, s.tensor.ndim() > 1 ? s.tensor.size(1) : 1);
     Tensor t = s.tensor;
-    t.copy_from(random_tensor(s.tensor.shape(), s.tensor.dtype(), seed, lo, hi));
+    t.copy_from(random_tensor(s.tensor.shape(), s.tensor.dtype(), seed, r.lo, r.hi));
   }
 }
 
