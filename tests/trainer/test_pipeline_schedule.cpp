@@ -1,12 +1,12 @@
-// Pipeline schedules (trainer/pipeline_schedule.h): 1F1B's order per stage, its bubble equal to
-// (P - 1) / (m + P - 1) and its in-flight micro-batches at most P - s (GPipe's: m), and the
-// simulator's refusal of a schedule that deadlocks or skips a pass.
+// Pipeline schedules (trainer/parallel/pipeline_schedule.h): 1F1B's order per stage, its bubble
+// equal to (P - 1) / (m + P - 1) and its in-flight micro-batches at most P - s (GPipe's: m), and
+// the simulator's refusal of a schedule that deadlocks or skips a pass.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <vector>
 
-#include "trainer/pipeline_schedule.h"
+#include "trainer/parallel/pipeline_schedule.h"
 
 using namespace tandem::trainer;
 

@@ -1,4 +1,4 @@
-#include "trainer/parallel_grid.h"
+#include "trainer/parallel/grid.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-// The data x tensor x pipeline grid of trainer ranks (trainer/parallel_grid.h): Megatron's order
+// The data x tensor x pipeline grid of trainer ranks (trainer/parallel/grid.h): Megatron's order
 // (tensor fastest, pipeline slowest), groups that partition the world, the start-up table, the
 // layers of each stage, and the refusals naming the keys.
 #include <catch2/catch.hpp>
@@ -7,7 +7,7 @@
 #include <set>
 #include <vector>
 
-#include "trainer/parallel_grid.h"
+#include "trainer/parallel/grid.h"
 
 using namespace tandem::trainer;
 

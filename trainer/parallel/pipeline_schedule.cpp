@@ -1,4 +1,4 @@
-#include "trainer/pipeline_schedule.h"
+#include "trainer/parallel/pipeline_schedule.h"
 
 #include <algorithm>
 
