@@ -365,10 +365,13 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   ShardDevice dev;          // the device of every buffer below, and how collectives wait for it
   Held held;                // this optimizer's buffers by class
   std::vector<bool> decay;  // per storage tensor
-  Buffer m, v, grad;        // local buffers: moments, the summed gradients of the pieces
-  Buffer fixed_sum;         // deterministic, gradients/parameters: the pieces' sums in fixed point
-  Buffer params_local;      // parameters: the f32 master pieces
-  bool finite = true;       // this rank saw no non-finite gradient since begin_step
+  std::vector<bool> norm_excluded;  // per storage tensor: ShardOptions::norm_excluded
+  // ShardOptions::shared: the unit of each tensor, with its group.
+  std::vector<std::pair<size_t, Communicator*>> shared_units;
+  Buffer m, v, grad;    // local buffers: moments, the summed gradients of the pieces
+  Buffer fixed_sum;     // deterministic, gradients/parameters: the pieces' sums in fixed point
+  Buffer params_local;  // parameters: the f32 master pieces
+  bool finite = true;   // this rank saw no non-finite gradient since begin_step
   // Level optimizer: whole gradients; deterministic, their running sum in fixed point (P).
   std::unique_ptr<model::Weights> whole_grads;
   std::vector<int64_t> whole_fixed;
@@ -408,6 +411,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   void init() {
     for (const model::NamedTensor& s : full->storage())
       decay.push_back(AdamW::decays(config, s.name));
+    find_model_parallel_tensors(full->storage());
     const int64_t n = layout.local_size();
     const Device d = dev.device();
     m = Buffer(ArenaClass::optimizer_states, n, DType::f32, &held, d);
@@ -648,6 +652,45 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     walk_unit_calls(model_config, backward, *this);
   }
 
+  // ShardOptions::norm_excluded and ::shared by storage index and unit; throws naming a tensor the
+  // weights lack or a shared one that is not a unit of its own.
+  void find_model_parallel_tensors(std::span<const model::NamedTensor> storage) {
+    const auto index_of = [&](const std::string& name, const char* what) {
+      for (size_t i = 0; i < storage.size(); ++i)
+        if (storage[i].name == name) return i;
+      TANDEM_FAIL(
+          "optimizer: {} names '{}', which is not a storage tensor of these weights ({} "
+          "layers)",
+          what, name, model_config.num_layers);
+    };
+    norm_excluded.assign(storage.size(), false);
+    for (const std::string& name : options.norm_excluded)
+      norm_excluded[index_of(name, "ShardOptions::norm_excluded")] = true;
+    TANDEM_CHECK(options.norm_excluded.empty() || options.model_parallel != nullptr,
+                 "optimizer: tensors left out of the global norm need the model-parallel group "
+                 "that counts them (ShardOptions::model_parallel)");
+    for (const ShardOptions::SharedGradient& sg : options.shared) {
+      const size_t t = index_of(sg.tensor, "ShardOptions::shared");
+      const size_t u = layout.unit_of_tensor(t);
+      const model::ShardUnit& unit = layout.units()[u];
+      TANDEM_CHECK(sg.group != nullptr && unit.flat.size() == storage[t].tensor.numel(),
+                   "optimizer: the shared gradient of '{}' needs a group and a unit of its own "
+                   "(its unit '{}' holds {} elements, the tensor {})",
+                   sg.tensor, unit.name, unit.flat.size(), storage[t].tensor.numel());
+      shared_units.emplace_back(u, sg.group);
+    }
+  }
+
+  // ShardOptions::shared: this rank's piece of each shared unit's summed gradient, summed over the
+  // ranks holding a copy (all-reduce of the piece, f32).
+  void reduce_shared() {
+    for (const auto& [u, group] : shared_units) {
+      const model::ShardUnit& unit = layout.units()[u];
+      const int64_t n = layout.range(u, rank).size();
+      if (n > 0) group->all_reduce(grad.t.narrow(unit.local, n));
+    }
+  }
+
   // --- The step ---
 
   // The global norm from this rank's pieces of the summed gradients (grad), the same bits on
@@ -666,7 +709,17 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
       const model::ShardUnit& unit = layout.units()[u];
       const int64_t n = layout.range(u, rank).size();
       const int64_t b0 = unit.local / kNormBlock;
-      const std::vector<double> part = block_sums(g + unit.local, n, unit.shard / kNormBlock);
+      const float* x = g + unit.local;
+      std::vector<float> masked;  // the piece with the tensors left out of the norm zeroed
+      const model::FlatRange piece = layout.range(u, rank);
+      layout.for_each_piece(piece.begin, piece.end,
+                            [&](size_t tensor, int64_t, int64_t offset, int64_t count) {
+                              if (!norm_excluded[tensor]) return;
+                              if (masked.empty()) masked.assign(x, x + n);
+                              std::fill_n(masked.begin() + offset, count, 0.0f);
+                            });
+      if (!masked.empty()) x = masked.data();
+      const std::vector<double> part = block_sums(x, n, unit.shard / kNormBlock);
       std::copy(part.begin(), part.end(), sums.begin() + b0);
     }
     if (!finite) std::fill(sums.begin(), sums.end(), std::numeric_limits<double>::quiet_NaN());
@@ -683,7 +736,26 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
               all[static_cast<size_t>(r * local_blocks + unit.local / kNormBlock + j)];
         }
       }
+    if (options.model_parallel != nullptr) ordered = model_parallel_sums(ordered);
     return norm_of_sums(ordered);
+  }
+
+  // Every rank of the model-parallel group's block sums, concatenated in its rank order (each
+  // rank's list padded to the longest for the gather).
+  std::vector<double> model_parallel_sums(const std::vector<double>& mine) {
+    Communicator& mp = *options.model_parallel;
+    const double count = static_cast<double>(mine.size());
+    const std::vector<double> counts = gather_doubles(mp, std::span(&count, 1));
+    const auto most = static_cast<size_t>(*std::max_element(counts.begin(), counts.end()));
+    std::vector<double> padded = mine;
+    padded.resize(most, 0.0);
+    const std::vector<double> all = gather_doubles(mp, padded);
+    std::vector<double> out;
+    for (size_t r = 0; r < counts.size(); ++r)
+      out.insert(
+          out.end(), all.begin() + static_cast<std::ptrdiff_t>(r * most),
+          all.begin() + static_cast<std::ptrdiff_t>(r * most + static_cast<size_t>(counts[r])));
+    return out;
   }
 
   // Level optimizer: this rank's pieces of the sum over ranks of the whole gradients (f32 or, when
@@ -843,6 +915,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
           g[i] = static_cast<float>(std::ldexp(static_cast<double>(q[i]), -kFixedBits));
       }
     }
+    reduce_shared();
     return update(global_norm(), lr, counters);
   }
 };
@@ -925,6 +998,7 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
   impl_->thread->wait_all();
   impl_->finite = true;
   impl_->reduce_whole(&grads, {});
+  impl_->reduce_shared();
   return impl_->update(impl_->global_norm(), lr, counters_);
 }
 
@@ -934,6 +1008,7 @@ StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
   impl_->thread->wait_all();
   impl_->finite = true;
   impl_->reduce_whole(nullptr, fixed);
+  impl_->reduce_shared();
   return impl_->update(impl_->global_norm(), lr, counters_);
 }
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -76,6 +77,27 @@ struct ShardOptions {
   // communication thread before each all-gather of a unit's f32 weights at
   // ShardLevel::parameters, with this rank and the unit's index.
   const std::function<void(int rank, size_t unit)>* before_gather = nullptr;
+
+  // A trainer laid out as DP x TP x PP (trainer/parallel/grid.h): the optimizer's ranks (comm) are
+  // one data-parallel group, and the ranks of `model_parallel` (this data-parallel index's ranks,
+  // one per tensor-parallel rank and pipeline stage, in the grid's rank order) hold the other
+  // parts of the model. The global norm then adds every part's blocks, rank after rank (a
+  // pipeline's stages in layer order: the same sum as one rank's). Null: the weights are the whole
+  // model.
+  Communicator* model_parallel = nullptr;
+  // Storage tensors (model::Weights::storage() names) this rank leaves out of the global norm
+  // because another rank of model_parallel counts the same values: the norms a tensor-parallel
+  // rank other than 0 holds as replicas, the last stage's copy of a tied embedding.
+  std::vector<std::string> norm_excluded;
+  // A parameter several ranks of the grid hold as copies (a tied embedding on the first and the
+  // last stage): after the data-parallel sum, this rank's piece of its gradient is summed over
+  // `group` (an all-reduce of the piece's f32), so every copy takes the same update. The tensor
+  // must be a unit of its own (model::ShardLayout), the same size on every member.
+  struct SharedGradient {
+    std::string tensor;
+    Communicator* group = nullptr;
+  };
+  std::vector<SharedGradient> shared;
 };
 
 // Communication of a ShardedAdamW since the last take_comm_stats(): time its collectives ran

@@ -153,24 +153,30 @@ void TrainStepConfig::validate() const {
 
 namespace {
 
-model::DecoderOptions policy_decoder_options(Optimizer& optimizer, int64_t max_tokens) {
+// The decoder of `weights` under this rank's tensor parallelism; the policy's also with the
+// optimizer's unit hooks.
+model::DecoderOptions decoder_options(int64_t max_tokens, const ModelParallel& parallel,
+                                      Optimizer* optimizer = nullptr) {
   model::DecoderOptions o;
   o.max_tokens = max_tokens;
-  o.unit_hooks = optimizer.unit_hooks();
+  o.tp_group = parallel.tp;
+  if (optimizer != nullptr) o.unit_hooks = optimizer->unit_hooks();
   return o;
 }
 
 }  // namespace
 
 PolicyTrainer::PolicyTrainer(Optimizer& optimizer, const model::Weights* reference,
-                             const LrSchedule& schedule, const TrainStepConfig& config)
+                             const LrSchedule& schedule, const TrainStepConfig& config,
+                             const ModelParallel& parallel)
     : optimizer_(optimizer),
       policy_(optimizer.compute_weights()),
       reference_(reference),
       schedule_(schedule),
       config_(config),
+      parallel_(parallel),
       decoder_(std::make_unique<model::Decoder>(
-          policy_, policy_decoder_options(optimizer, config.micro_batch_tokens))),
+          policy_, decoder_options(config.micro_batch_tokens, parallel, &optimizer))),
       comm_(optimizer.comm()) {
   config_.validate();
   auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer);
@@ -182,7 +188,7 @@ PolicyTrainer::PolicyTrainer(Optimizer& optimizer, const model::Weights* referen
                "trainer: kl_beta {} needs reference weights", config_.loss.kl_beta);
   if (reference_ != nullptr) {
     ref_decoder_ = std::make_unique<model::Decoder>(
-        *reference_, model::DecoderOptions{.max_tokens = config_.micro_batch_tokens});
+        *reference_, decoder_options(config_.micro_batch_tokens, parallel_));
   }
 }
 
@@ -202,7 +208,7 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
   model::Decoder* dec = &weights == &policy_ ? decoder_.get() : ref_decoder_.get();
   if (&weights != &policy_ && &weights != reference_) {
     other = std::make_unique<model::Decoder>(
-        weights, model::DecoderOptions{.max_tokens = config_.micro_batch_tokens});
+        weights, decoder_options(config_.micro_batch_tokens, parallel_));
     dec = other.get();
   }
   std::vector<float> out;

@@ -75,6 +75,15 @@ struct BatchShard {
   std::vector<int64_t> lengths;
 };
 
+// A trainer rank's place in a DP x TP x PP grid (trainer/parallel/grid.h) beyond its
+// data-parallel group, which is the optimizer's: the tensor-parallel group its decoders split the
+// heads, the MLP and the vocabulary over (model/tensor_parallel.h; the policy and the reference
+// are then this rank's shards, and the optimizer's global norm sums over the group:
+// ShardOptions::model_parallel). Null: whole layers.
+struct ModelParallel {
+  Communicator* tp = nullptr;
+};
+
 class PolicyTrainer {
  public:
   // optimizer: its compute_weights() are the policy the decoders run (the f32 master weights, or
@@ -82,7 +91,7 @@ class PolicyTrainer {
   // ranks each trains its share of every batch (optimizer.comm()). reference: frozen weights for
   // the KL term (may be null when loss.kl_beta == 0). Both outlive the trainer.
   PolicyTrainer(Optimizer& optimizer, const model::Weights* reference, const LrSchedule& schedule,
-                const TrainStepConfig& config);
+                const TrainStepConfig& config, const ModelParallel& parallel = {});
   ~PolicyTrainer();
 
   // One training step (mu * minibatches optimizer steps) on these samples. On several ranks
@@ -119,6 +128,7 @@ class PolicyTrainer {
   const model::Weights* reference_;
   const LrSchedule& schedule_;
   TrainStepConfig config_;
+  ModelParallel parallel_;
   std::unique_ptr<model::Decoder> decoder_;
   std::unique_ptr<model::Decoder> ref_decoder_;  // planned once when there is a reference
   int64_t optimizer_steps_ = 0;
