@@ -375,4 +375,27 @@ TEST_CASE("a pipeline stage that hangs makes its neighbours fail within the time
   CHECK_THAT(errors[0], Catch::Contains("sent no gradient of micro-batch 1"));
 }
 
+TEST_CASE("a pipeline stage whose output has another shape than the plan's fails naming it",
+          "[unit]") {
+  const test::TempDir tmp("pipeline-runner-shape");
+  const std::vector<std::string> errors = test::on_ranks(
+      2, tmp.file("store"),
+      [&](int s, Communicator& pipe) {
+        const ToyModel model(2, 2);
+        ToyStage stage(model, s, 2);
+        PipeStage callbacks = stage.callbacks();
+        if (s == 0)
+          callbacks.forward = [&](int i, const Tensor& input) {
+            const Tensor out = stage.callbacks().forward(i, input);
+            return i == 1 ? out.view({kLengths[i] * kC}) : out;
+          };
+        run_pipeline(pipe, PipeSchedule::one_f_one_b, 2, callbacks);
+      },
+      /*expect_errors=*/true, /*timeout_s=*/2);
+  CHECK_THAT(errors[0], Catch::Contains("pipeline stage 0 (world rank 0): its forward of "
+                                        "micro-batch 1 returned f32(30)@cpu") &&
+                            Catch::Contains("activation shape (5, 6)"));
+  CHECK_THAT(errors[1], Catch::Contains("pipeline stage 0 (world rank 0)"));
+}
+
 }  // namespace tandem::trainer

@@ -130,6 +130,9 @@ double PipeStageReport::pipeline_bubble_fraction() const {
 PipeStageReport run_pipeline(Communicator& pipe, PipeSchedule schedule, int micro_batches,
                              const PipeStage& stage) {
   const int s = pipe.rank(), P = pipe.size();
+  TANDEM_CHECK(stage.activation_shape && stage.forward && stage.backward,
+               "pipeline {}: run_pipeline needs the stage's activation_shape, forward and backward",
+               stage_name(pipe, s));
   const std::vector<PipeStep> plan = pipe_plan(schedule, s, P, micro_batches);
   PipeStageReport report;
   report.stage = s;
