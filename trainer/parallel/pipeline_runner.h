@@ -16,7 +16,7 @@
 //
 // Time. The stages leave a barrier together; each then measures its passes' compute seconds and
 // the seconds spent in the send_recv before each, and the step's wall is the longest stage's
-// (barrier to its last send; an all-reduce of the pipeline group). The bubble of stage s is
+// (barrier to its last send; an all_gather over the pipeline group). The bubble of stage s is
 // 1 - busy_s / step wall; the pipeline's is 1 - sum_s busy_s / (P * step wall), the share of the
 // stages' time not spent computing, as simulate_pipeline defines it. With every stage's forward
 // taking f and backward b and free transfers both are (P - 1) / (m + P - 1) for 1F1B and GPipe
@@ -102,7 +102,7 @@ struct PipeStageReport {
 
 // Runs this rank's stage (pipe.rank()) of `schedule` with `micro_batches` micro-batches over the
 // pipeline group `pipe`: every stage of the group calls it with the same schedule and
-// micro-batch plan. Collective over `pipe` (a barrier, the transfers, one all-reduce). Every
+// micro-batch plan. Collective over `pipe` (a barrier, the transfers, one all_gather). Every
 // receive is bounded by the group's timeout; a stage that fails, hangs or dies makes its
 // neighbours throw naming it, its world rank and the micro-batch they waited for. A pass that
 // throws is rethrown naming the stage and the pass.
