@@ -59,11 +59,12 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "measure tandem (and peers side by side)");
   std::string bench_model;
   bench
-      ->add_option("what", bench_what,
-                   "what to measure: kernels, generate, rollout, train, step, comm, sync, serve")
+      ->add_option(
+          "what", bench_what,
+          "what to measure: kernels, generate, rollout, train, step, comm, sync, serve, pipeline")
       ->required()
-      ->check(CLI::IsMember(
-          {"kernels", "generate", "rollout", "train", "step", "comm", "sync", "serve"}));
+      ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm", "sync",
+                             "serve", "pipeline"}));
   bench->add_option("--model", bench_model,
                     "generate, rollout, train, step, serve: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
@@ -135,6 +136,7 @@ int main(int argc, char** argv) {
            bench_opt.cpu_matmul_kernel, bench_opt.cpu_matmul_backward});
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "sync") return tandem::bench::run_sync_bench(bench_opt);
+      if (bench_what == "pipeline") return tandem::bench::run_pipeline_bench(bench_opt);
       if (bench_what == "serve") return tandem::bench::run_serve_bench(bench_opt, bench_model);
       if (bench_what == "train" && bench_opt.ranks > 0)
         return tandem::bench::run_sharded_train_bench(bench_opt, bench_model);

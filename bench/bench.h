@@ -160,6 +160,9 @@ int run_sharded_train_bench(const Options& opt, const std::string& model_path);
 // TP-2 x 2 over Gloo beside a raw all-gather of the same bytes, the bucket size swept; returns
 // the exit code.
 int run_sync_bench(const Options& opt);
+// `tandem bench pipeline`: the pipeline runner's bubble on 2 stages (processes) under 1F1B and
+// GPipe beside the theory (P - 1) / (m + P - 1); returns the exit code.
+int run_pipeline_bench(const Options& opt);
 
 // The model shapes the kernel benchmarks use.
 struct ModelShape {

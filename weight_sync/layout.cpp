@@ -97,6 +97,7 @@ constexpr std::string_view kGate = "model.layers.0.mlp.gate_proj.weight";
 constexpr std::string_view kUp = "model.layers.0.mlp.up_proj.weight";
 constexpr std::string_view kDown = "model.layers.0.mlp.down_proj.weight";
 constexpr std::string_view kEmbed = "model.embed_tokens.weight";
+constexpr std::string_view kLmHead = "lm_head.weight";
 
 // Checks p's shape against the dimensions and tp against the dimensions p is split along (naming
 // p), and says how p is cut.
@@ -174,6 +175,71 @@ Shard shard_of(const model::ModelConfig& model, const model::TpSplit& split, con
   return s;
 }
 
+// Every tensor-parallel rank's shard of every parameter, [t][p]: the one split that engines and
+// the trainer's grid share. Every parameter is checked (naming it) before the model's split of
+// any rank.
+std::vector<std::vector<Shard>> tp_shards(const TpDims& dims, const std::vector<ParamSpec>& params,
+                                          int tp) {
+  TANDEM_CHECK(tp >= 1, "weight_sync: tensor parallel needs tp >= 1, got {}", tp);
+  TANDEM_CHECK(dims.heads > 0 && dims.kv_heads > 0 && dims.head_dim > 0 && dims.intermediate > 0 &&
+                   dims.vocab > 0,
+               "weight_sync: tensor parallel needs the model's heads, key/value heads, head size, "
+               "intermediate size and vocabulary, got {}, {}, {}, {}, {}",
+               dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate, dims.vocab);
+  std::vector<Cut> cuts;
+  for (const ParamSpec& p : params) cuts.push_back(cut_of(dims, p, tp));
+  const model::ModelConfig model = config_of(dims);
+  std::vector<std::vector<Shard>> shards(static_cast<size_t>(tp));
+  for (int t = 0; t < tp; ++t) {
+    const model::TpSplit split = model::tp_split(model, t, tp);
+    for (size_t p = 0; p < params.size(); ++p)
+      shards[static_cast<size_t>(t)].push_back(shard_of(model, split, params[p], cuts[p]));
+  }
+  return shards;
+}
+
+// The layer of "model.layers.<i>.*", or -1 for a parameter outside the layers.
+int64_t layer_of(std::string_view name) {
+  constexpr std::string_view kLayers = "model.layers.";
+  if (name.substr(0, kLayers.size()) != kLayers) return -1;
+  int64_t layer = 0;
+  size_t i = kLayers.size();
+  for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i)
+    layer = layer * 10 + (name[i] - '0');
+  return i > kLayers.size() && i < name.size() && name[i] == '.' ? layer : -1;
+}
+
+// The pipeline stage holding each parameter: its layer's, the first for the embedding, the last
+// for the rest (the final norm, lm_head). Throws naming the stage or parameter when the stages do
+// not cut the parameters' layers [0, L) into contiguous non-empty ranges.
+std::vector<int> stage_of_params(const std::vector<ParamSpec>& params,
+                                 std::span<const LayerRange> stages) {
+  const int pp = static_cast<int>(stages.size());
+  int64_t layers = 0;
+  for (const ParamSpec& p : params) layers = std::max(layers, layer_of(p.name) + 1);
+  for (int s = 0; s < pp; ++s) {
+    const LayerRange& r = stages[static_cast<size_t>(s)];
+    TANDEM_CHECK(
+        r.first == (s == 0 ? 0 : stages[static_cast<size_t>(s) - 1].end) && r.end > r.first,
+        "weight_sync: pipeline stage {} of {} holds layers [{}, {}): stages must hold "
+        "contiguous non-empty ranges from layer 0 on (trainer::stage_layers)",
+        s, pp, r.first, r.end);
+  }
+  TANDEM_CHECK(stages.back().end == layers,
+               "weight_sync: the pipeline stages hold layers [0, {}), the parameters name {} "
+               "layers: build both from the same model",
+               stages.back().end, layers);
+  std::vector<int> stage;
+  for (const ParamSpec& p : params) {
+    const int64_t layer = layer_of(p.name);
+    int s = p.name == kEmbed ? 0 : pp - 1;
+    if (layer >= 0)
+      while (stages[static_cast<size_t>(s)].first > layer) --s;
+    stage.push_back(s);
+  }
+  return stage;
+}
+
 }  // namespace
 
 int64_t Shard::held() const {
@@ -242,26 +308,98 @@ Layout Layout::zero(std::vector<ParamSpec> params, const model::ShardLayout& sha
 
 Layout Layout::tensor_parallel(const TpDims& dims, std::vector<ParamSpec> params, int tp,
                                int replicas) {
-  TANDEM_CHECK(tp >= 1 && replicas >= 1,
-               "weight_sync: tensor parallel needs tp >= 1 and replicas >= 1, got {} and {}", tp,
-               replicas);
-  TANDEM_CHECK(dims.heads > 0 && dims.kv_heads > 0 && dims.head_dim > 0 && dims.intermediate > 0 &&
-                   dims.vocab > 0,
-               "weight_sync: tensor parallel needs the model's heads, key/value heads, head size, "
-               "intermediate size and vocabulary, got {}, {}, {}, {}, {}",
-               dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate, dims.vocab);
+  TANDEM_CHECK(replicas >= 1, "weight_sync: tensor parallel needs replicas >= 1, got {}", replicas);
+  const std::vector<std::vector<Shard>> shards = tp_shards(dims, params, tp);
   Layout l(fmt::format("tp{}x{}", tp, replicas), tp * replicas, std::move(params));
-  // Every parameter checked (naming it) before the model's split of any rank.
-  std::vector<Cut> cuts;
-  for (const ParamSpec& p : l.params_) cuts.push_back(cut_of(dims, p, tp));
-  const model::ModelConfig model = config_of(dims);
-  for (int t = 0; t < tp; ++t) {
-    const model::TpSplit split = model::tp_split(model, t, tp);
-    for (size_t p = 0; p < l.params_.size(); ++p) {
-      const Shard s = shard_of(model, split, l.params_[p], cuts[p]);
-      for (int k = 0; k < replicas; ++k) l.set_shard(p, k * tp + t, s);
-    }
+  for (int t = 0; t < tp; ++t)
+    for (size_t p = 0; p < l.params_.size(); ++p)
+      for (int k = 0; k < replicas; ++k)
+        l.set_shard(p, k * tp + t, shards[static_cast<size_t>(t)][p]);
+  return l;
+}
+
+Layout Layout::grid(const TpDims& dims, std::vector<ParamSpec> params, int tp, int dp,
+                    std::span<const LayerRange> stages) {
+  const int pp = static_cast<int>(stages.size());
+  TANDEM_CHECK(dp >= 1 && pp >= 1,
+               "weight_sync: a trainer grid needs dp >= 1 and at least one pipeline stage, got "
+               "dp = {} and {} stages",
+               dp, pp);
+  const std::vector<int> stage = stage_of_params(params, stages);
+  const std::vector<std::vector<Shard>> shards = tp_shards(dims, params, tp);
+  Layout l(fmt::format("grid-tp{}-pp{}-dp{}", tp, pp, dp), tp * pp * dp, std::move(params));
+  const bool tied = std::none_of(l.params_.begin(), l.params_.end(),
+                                 [](const ParamSpec& p) { return p.name == kLmHead; });
+  for (size_t p = 0; p < l.params_.size(); ++p) {
+    // The tied embedding is also the last stage's head: the same parameter, held twice.
+    std::vector<int> holding = {stage[p]};
+    if (tied && l.params_[p].name == kEmbed && pp > 1) holding.push_back(pp - 1);
+    for (const int s : holding)
+      for (int d = 0; d < dp; ++d)
+        for (int t = 0; t < tp; ++t)
+          l.set_shard(p, (s * dp + d) * tp + t, shards[static_cast<size_t>(t)][p]);
   }
+  return l;
+}
+
+Layout Layout::grid_zero(const TpDims& dims, std::vector<ParamSpec> params, int tp,
+                         std::span<const LayerRange> stages,
+                         std::span<const model::ShardLayout> shards) {
+  const int pp = static_cast<int>(stages.size());
+  TANDEM_CHECK(!shards.empty() && static_cast<int64_t>(shards.size()) == int64_t{tp} * pp,
+               "weight_sync: a grid of tp = {} and {} stages has {} positions, given {} shard "
+               "layouts: one for each (stage, tensor-parallel rank)",
+               tp, pp, int64_t{tp} * pp, shards.size());
+  const int dp = shards[0].world();
+  const Layout whole = grid(dims, std::move(params), tp, dp, stages);
+  Layout l(fmt::format("grid-tp{}-pp{}-dp{}-params", tp, pp, dp), whole.world_, whole.params_);
+  for (int s = 0; s < pp; ++s)
+    for (int t = 0; t < tp; ++t) {
+      const model::ShardLayout& sl = shards[static_cast<size_t>(s * tp + t)];
+      // The position's tensors as replica 0 holds them (every replica holds the same).
+      const int first = s * dp * tp + t;
+      std::vector<size_t> held;
+      for (size_t p = 0; p < l.params_.size(); ++p)
+        if (whole.shard(p, first).held() > 0) held.push_back(p);
+      const std::span<const int64_t> starts = sl.tensor_starts();
+      TANDEM_CHECK(sl.world() == dp && starts.size() == held.size() + 1,
+                   "weight_sync: the shard layout of stage {} tensor-parallel rank {} splits {} "
+                   "tensors over {} ranks, the position holds {} over dp = {}: build it from the "
+                   "position's tensors (Layout::grid's shards of its first rank)",
+                   s, t, starts.size() - 1, sl.world(), held.size(), dp);
+      for (size_t i = 0; i < held.size(); ++i)
+        TANDEM_CHECK(starts[i + 1] - starts[i] == whole.shard(held[i], first).shape.numel(),
+                     "weight_sync: tensor {} of the shard layout of stage {} tensor-parallel rank "
+                     "{} has {} elements, the position's {} {}: build it from the position's "
+                     "tensors",
+                     i, s, t, starts[i + 1] - starts[i], l.params_[held[i]].name,
+                     whole.shard(held[i], first).shape);
+      for (int d = 0; d < dp; ++d) {
+        std::vector<Shard> mine(held.size());
+        for (size_t u = 0; u < sl.units().size(); ++u) {
+          const model::ShardUnit& unit = sl.units()[u];
+          const model::FlatRange piece = sl.range(u, d);
+          for (size_t i = unit.first_tensor; i < unit.end_tensor; ++i) {
+            // Elements [lo, hi) of the tensor-parallel shard, at `at` of the local buffer; each
+            // of the shard's runs maps its part of them to the parameter's elements.
+            const int64_t lo = std::max(piece.begin, starts[i]) - starts[i],
+                          hi = std::min(piece.end, starts[i + 1]) - starts[i];
+            const int64_t at = unit.local + (starts[i] + lo - piece.begin);
+            for (const Run& r : whole.shard(held[i], first).runs) {
+              const int64_t a = std::max(lo, r.local), b = std::min(hi, r.local + r.length);
+              if (a < b) mine[i].runs.push_back({r.global + (a - r.local), b - a, at + (a - lo)});
+            }
+          }
+        }
+        for (size_t i = 0; i < held.size(); ++i) {
+          Shard& sh = mine[i];
+          std::sort(sh.runs.begin(), sh.runs.end(),
+                    [](const Run& a, const Run& b) { return a.global < b.global; });
+          sh.shape = Shape{sh.runs.empty() ? 0 : sl.local_size()};
+          l.set_shard(held[i], (s * dp + d) * tp + t, std::move(sh));
+        }
+      }
+    }
   return l;
 }
 

@@ -1,7 +1,8 @@
 // Layout: for every parameter (storage name, global shape, dtype), which elements each rank of a
 // group holds and where they sit in that rank's local tensor: replicated, the trainer's ZeRO
-// ranges, or tensor-parallel shards (fused q/k/v and gate/up, row-split o and down, the vocabulary
-// split). A layout is a value: built once from the placement, printed, compared, planned over.
+// ranges, the trainer's data × tensor × pipeline parallel grid, or tensor-parallel shards (fused
+// q/k/v and gate/up, row-split o and down, the vocabulary split). A layout is a value: built once
+// from the placement, printed, compared, planned over.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +49,11 @@ struct TpDims {
   int64_t vocab = 0;         // V
 };
 
+// Layers [first, end) of one pipeline stage (trainer::stage_layers gives the trainer's).
+struct LayerRange {
+  int64_t first = 0, end = 0;
+};
+
 class Layout {
  public:
   // Every parameter held by no rank yet; fill with set_shard.
@@ -78,6 +84,33 @@ class Layout {
   // divide them (model::tp_split's rule), before anything else.
   static Layout tensor_parallel(const TpDims& dims, std::vector<ParamSpec> params, int tp,
                                 int replicas);
+
+  // A trainer whose tp · dp · pp ranks form a data × tensor × pipeline parallel grid in
+  // trainer::ParallelGrid's order: rank (s dp + d) tp + t is tensor-parallel rank t of stage s in
+  // data-parallel replica d. Stage s (of stages.size()) holds the parameters of layers stages[s]
+  // ("model.layers.<i>.*"), the first stage also the embedding, the last the rest (final norm,
+  // lm_head); with tied embeddings (no "lm_head.weight" among params) the last stage also holds
+  // "model.embed_tokens.weight" as its head, so both stages hold that parameter. Of each
+  // parameter its stage holds, tensor-parallel rank t's local tensor is its shard as in
+  // tensor_parallel (the same split, computed by the same code), and every data-parallel replica
+  // holds the same (parameters whole within the DP group: trainer.shard = optimizer or
+  // gradients). Throws tandem::Error naming the stage or parameter when the stages are not
+  // contiguous non-empty ranges covering the parameters' layers from 0, and as tensor_parallel
+  // when tp does not divide the model.
+  static Layout grid(const TpDims& dims, std::vector<ParamSpec> params, int tp, int dp,
+                     std::span<const LayerRange> stages);
+  // As grid, with the parameters sharded within each data-parallel group (trainer.shard =
+  // parameters: ZeRO-3 of the tensor-parallel shards). Position (s, t)'s flat shard is the local
+  // tensors grid gives it (the parameters stage s holds, in params' order, each its
+  // tensor-parallel shard), flattened one after the other; shards[s tp + t] is its
+  // model::ShardLayout over the dp ranks (built from those tensors' names and element counts),
+  // and data-parallel rank d's local tensor of each parameter is its local buffer
+  // (local_size() elements), the parameter's runs where its elements lie in it, as zero without
+  // full tensors (bind_local). dp is the shard layouts' world. Throws tandem::Error naming the
+  // position and tensor when a shard layout's tensors are not that position's, and as grid.
+  static Layout grid_zero(const TpDims& dims, std::vector<ParamSpec> params, int tp,
+                          std::span<const LayerRange> stages,
+                          std::span<const model::ShardLayout> shards);
 
   // The same layout on ranks [first, first + world()) of a world of `world` ranks (e.g. rollout
   // engines after the trainer's ranks); the other ranks hold nothing.

@@ -1,11 +1,12 @@
 // ReshardPlan: the walk over each destination run, choosing a source rank per stretch of elements
-// that the same ranks hold, and merging contiguous pieces.
+// that the same ranks hold (balancing each set of holders' load), and merging contiguous pieces.
 #include "weight_sync/plan.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <limits>
+#include <map>
 
 #include "core/error.h"
 
@@ -68,6 +69,8 @@ ReshardPlan ReshardPlan::make(const Layout& src, const Layout& dst) {
 
   std::vector<Lookup> at(static_cast<size_t>(W));
   std::vector<int> holders;
+  // Elements each member of a set of holders has sent for that set, over all parameters.
+  std::map<std::vector<int>, std::vector<int64_t>> sent;
   for (size_t p = 0; p < src.params().size(); ++p) {
     const ParamSpec& s = src.params()[p];
     const ParamSpec& d = dst.params()[p];
@@ -97,8 +100,17 @@ ReshardPlan ReshardPlan::make(const Layout& src, const Layout& dst) {
                        "{}), which no rank of layout '{}' holds: the source layout must cover "
                        "every parameter",
                        r, dst.name(), x, end, s.name, s.shape, src.name());
-          const bool local = std::find(holders.begin(), holders.end(), r) != holders.end();
-          const int from = local ? r : holders[static_cast<size_t>(r) % holders.size()];
+          int from = r;
+          if (std::find(holders.begin(), holders.end(), r) == holders.end()) {
+            std::vector<int64_t>& load = sent.try_emplace(holders, holders.size(), 0).first->second;
+            size_t pick = static_cast<size_t>(r) % holders.size();
+            for (size_t k = 1; k < holders.size(); ++k) {
+              const size_t i = (static_cast<size_t>(r) + k) % holders.size();
+              if (load[i] < load[pick]) pick = i;
+            }
+            load[pick] += end - x;
+            from = holders[pick];
+          }
           const Run& sr = *at[static_cast<size_t>(from)].run;
           const Piece piece{from, r, sr.local + (x - sr.global), run.local + (x - run.global),
                             end - x};

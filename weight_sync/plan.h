@@ -22,12 +22,17 @@ struct Piece {
 class ReshardPlan {
  public:
   // Every element of every destination shard gets exactly one piece. Its source: the destination
-  // rank itself where it holds the element (a local copy), else among the ranks that hold it (in
-  // ascending order) the one at index dst_rank mod their count, which spreads a replicated
-  // source's load over its ranks. Consecutive elements with the same ranks and contiguous offsets
-  // on both sides form one piece. Throws tandem::Error (before anything moves) when the layouts
-  // differ in world size, parameter names or shapes, or the source does not hold an element the
-  // destination needs; dtypes may differ (f32, bf16, f16: cast on the way).
+  // rank itself where it holds the element (a local copy, none where the memory is the same),
+  // else one of the ranks that hold it (its holders: e.g. the data-parallel replicas of a
+  // trainer's shard): per set of holders, the one that has sent the fewest elements held by that
+  // set so far, ties broken from index dst_rank mod holders on (ascending). So no rank of a set
+  // sends more than its share of what the set provides plus one stretch (the elements of one
+  // destination run that the same ranks hold): with a data-parallel trainer every replica sends
+  // about 1/dp of its shard, whatever the number of destination ranks. Consecutive elements with
+  // the same ranks and contiguous offsets on both sides form one piece. Throws tandem::Error
+  // (before anything moves) when the layouts differ in world size, parameter names or shapes, or
+  // the source does not hold an element the destination needs; dtypes may differ (f32, bf16,
+  // f16: cast on the way).
   static ReshardPlan make(const Layout& src, const Layout& dst);
 
   const Layout& src() const { return src_; }
