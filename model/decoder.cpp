@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "kernels/ops.h"
 #include "model/decoder_internal.h"
+#include "model/vocab_parallel.h"
 
 namespace tandem::model {
 
@@ -59,9 +60,12 @@ struct Buffers {
   // rows, head_out (2 R) the chunk's logprob and entropy before they go to their rows.
   Tensor head_out;
   LayerGrads grads;  // (training)
-  // Tensor parallelism (inference): the tokens whose embedding rows this rank holds (emb_ids:
-  // their ids in its vocabulary shard; emb_rows: their rows in T).
+  // Tensor parallelism: the tokens whose embedding rows this rank holds (emb_ids: their ids in its
+  // vocabulary shard; emb_rows: their rows in T), kept from forward for the embedding's backward.
   Tensor emb_ids, emb_rows;  // (T), (T) i32
+  // Training under tensor parallelism: the head rows' entropies over the whole vocabulary (the
+  // first head_rows entries), which logprob_shard_backward reads.
+  Tensor entropy;  // (T)
 };
 
 LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
@@ -93,8 +97,8 @@ LayerActs plan_layer(Planner& p, const ModelConfig& c, int64_t T) {
 // B sequences, T tokens (T rows of logits in training; in inference the head reads B rows), into
 // b: every tensor of a previous plan dropped, its vectors' memory kept (a decode step allocates
 // nothing once the batch shape has been seen).
-// tp: the tensor-parallel group's size (c is then a shard's config; inference only). score_rows:
-// the rows of a chunk of the head (scoring only).
+// tp: the tensor-parallel group's size (c is then a shard's config: V/tp logits a row).
+// score_rows: the rows of a chunk of the head (scoring only).
 void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, bool recompute, int tp,
           Buffers& b, int64_t score_rows = 0) {
   const int64_t C = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
@@ -140,9 +144,18 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
     b.head_ids = p.take({T}, DType::i32);
     b.head_in = p.take({T, C});
     b.dhead_in = p.take({T, C});
+    if (tp > 1) b.entropy = p.take({T});
     LayerGrads& g = b.grads;
     g.dh = p.take({T, C});
-    g.dx = p.take({T, C});
+    if (tp > 1 && c.qk_norm) {
+      g.dx_qk_norm = p.take({T * C + 2 * D});
+      if (g.dx_qk_norm.defined()) {  // (undefined when only counting)
+        g.dx = g.dx_qk_norm.narrow(0, T * C).view({T, C});
+        g.d_qk_norm = g.dx_qk_norm.narrow(T * C, 2 * D);
+      }
+    } else {
+      g.dx = p.take({T, C});
+    }
     g.d_act = p.take({T, F});
     g.d_gu = p.take({T, 2 * F});
     g.d_att = p.take({T, H * D});
@@ -268,9 +281,47 @@ std::vector<int32_t> head_targets(const PackedBatch& batch) {
 
 void check_not_tensor_parallel(const Communicator* tp, const char* what) {
   TANDEM_CHECK(tp == nullptr,
-               "decoder {}: a tensor-parallel decoder (DecoderOptions::tp_group) serves prefill "
-               "and decode only; train with the whole model",
-               what);
+               "decoder {}: a tensor-parallel decoder (DecoderOptions::tp_group) runs forward, "
+               "backward, score, prefill and decode; {} needs the whole model",
+               what, what);
+}
+
+// A group of one rank has nothing to sum: the decoder runs as without a group (the same bits).
+Communicator* tensor_parallel_group(const DecoderOptions& o) {
+  return o.tp_group != nullptr && o.tp_group->size() > 1 ? o.tp_group : nullptr;
+}
+
+// The vocabulary-parallel head (model/vocab_parallel.h) runs on the CPU only for now.
+void check_tp_device(Device device, const char* what) {
+  TANDEM_CHECK(device.is_cpu(),
+               "decoder {}: under tensor parallelism it runs on the CPU only for now (the "
+               "vocabulary-parallel head's ops are CPU ops), got weights on {}",
+               what, device.str());
+}
+
+// Training a shard of c (group of tp): a KV head replicated on several ranks (Hkv < tp) would need
+// the k/v gradients of those ranks summed, which backward does not do. A shard with a single KV
+// head cannot tell that case from Hkv = tp: the caller says (DecoderOptions::tp_kv_heads).
+// Checked before any collective, the same on every rank.
+void check_tp_training(const ModelConfig& c, int tp, int64_t kv_heads) {
+  const int64_t shard = c.num_kv_heads;
+  TANDEM_CHECK(shard > 1 || kv_heads > 0,
+               "decoder forward: this tensor-parallel shard holds a single KV head, which is "
+               "either its own (num_key_value_heads = {}) or replicated on several ranks "
+               "(num_key_value_heads < {}, which training refuses): set "
+               "DecoderOptions::tp_kv_heads to the model's num_key_value_heads",
+               tp, tp);
+  const int64_t Hkv = kv_heads > 0 ? kv_heads : shard * tp;
+  TANDEM_CHECK(Hkv >= tp ? shard * tp == Hkv : shard == 1 && tp % Hkv == 0,
+               "decoder forward: DecoderOptions::tp_kv_heads = {} does not fit a shard of {} KV "
+               "heads at the tensor-parallel size {} (model::tp_shard_config's split)",
+               kv_heads, shard, tp);
+  TANDEM_CHECK(Hkv >= tp,
+               "decoder forward: num_key_value_heads = {} is less than the tensor-parallel size "
+               "{}: each KV head is replicated on {} ranks, whose k/v gradients training would "
+               "have to sum, which it does not; train with a tensor-parallel size that divides "
+               "num_key_value_heads (inference serves this split)",
+               Hkv, tp, tp / Hkv);
 }
 
 // Uploads the batch's prefixes into buf (or leaves it undefined: no prefixes).
@@ -325,7 +376,7 @@ void check_no_unit_hooks(const UnitHooks* hooks, const char* what) {
 }  // namespace
 
 struct Decoder::Impl {
-  Impl(const Weights& w, const DecoderOptions& o) : net(w, o.tp_group), options(o) {}
+  Impl(const Weights& w, const DecoderOptions& o) : net(w, tensor_parallel_group(o)), options(o) {}
   Net net;
   DecoderOptions options;
   std::unique_ptr<Arena> arena;
@@ -382,7 +433,7 @@ struct Decoder::Impl {
   Tensor run_layers(const Weights& w, const PackedBatch& batch) {
     Buffers& b = bufs;
     const AttentionInputs in = upload_batch(batch);
-    ops::embedding(b.tokens, w.embed, b.resid[0], net.stream());
+    embed(w, batch.tokens);
     const int64_t L = w.config().num_layers;
     for (int64_t l = 0; l < L; ++l)
       net.layer_forward(l, b.acts[0], b.resid[static_cast<size_t>(l % 2)],
@@ -390,20 +441,17 @@ struct Decoder::Impl {
     return b.resid[static_cast<size_t>(L % 2)];
   }
 
-  int tp_size() const { return options.tp_group ? options.tp_group->size() : 1; }
+  int tp_size() const { return net.tp() ? net.tp()->size() : 1; }
 
   // The arena for calls of up to T tokens.
   size_t bytes_for(const ModelConfig& c, int64_t T) const {
-    if (tp_size() == 1) return Decoder::plan_bytes(c, T, options.recompute);
-    Planner infer(nullptr);
-    Buffers b;
-    plan(infer, c, T, T, Mode::inference, options.recompute, tp_size(), b);
-    return infer.bytes();
+    return Decoder::plan_bytes(c, T, options.recompute, tp_size());
   }
 
-  // resid[0] = the embedding rows of the call's tokens. Tensor parallel: each rank gathers the
-  // rows its vocabulary shard holds (into resid[1], free until layer 0 writes it) and scatters
-  // them over zeros; the all-reduce then adds one row and zeros: the same bits as the full table.
+  // resid[0] = the embedding rows of the call's tokens (bufs.tokens, uploaded). Tensor parallel:
+  // each rank gathers the rows its vocabulary shard holds (into resid[1], free until layer 0
+  // writes it) and scatters them over zeros; the all-reduce then adds one row and zeros: the same
+  // bits as the full table.
   void embed(const Weights& w, std::span<const int32_t> tokens) {
     Buffers& b = bufs;
     const Stream& s = net.stream();
@@ -431,7 +479,74 @@ struct Decoder::Impl {
       ops::embedding(ids, w.embed, gathered, s);
       ops::embedding_backward(rows, gathered, b.resid[0], false, s);
     }
-    tp->all_reduce(b.resid[0]);  // (T, C) f32
+    tp->all_reduce(b.resid[0]);  // the TP group's vocabulary rows: (T, C) f32 summed
+  }
+
+  // grads.embed += the embedding's gradient: dh (T, C) at the call's tokens. Tensor parallel:
+  // the tokens of the rank's vocabulary rows only (embed's emb_ids and emb_rows), their rows of dh
+  // gathered into scratch (T, C) in token order, so that each table row sums its tokens in the
+  // whole table's order.
+  void embed_backward(const Tensor& dh, const Tensor& scratch, Weights& grads) {
+    Buffers& b = bufs;
+    const Stream& s = net.stream();
+    if (net.tp() == nullptr) {
+      ops::embedding_backward(b.tokens, dh, grads.embed, true, s);
+      return;
+    }
+    const int64_t n = static_cast<int64_t>(emb_ids_host.size());
+    if (n == 0) return;
+    const Tensor gathered = scratch.narrow(0, n);
+    ops::embedding(b.emb_rows.narrow(0, n), dh, gathered, s);
+    ops::embedding_backward(b.emb_ids.narrow(0, n), gathered, grads.embed, true, s);
+  }
+
+  // The head over R rows h (R, C), into xf (R, C), rstdf (R) and logits (R, V) (V/tp: the rank's
+  // vocabulary columns): logprob (R), lse (R) and entropy (R; undefined: skipped) of the rows'
+  // targets (R), over the whole vocabulary. Row-wise, so a row's bits do not depend on the others
+  // but for the order of the tensor-parallel sums.
+  void head_logprob(const Tensor& h, const Tensor& xf, const Tensor& rstdf, const Tensor& logits,
+                    const Tensor& targets, const Tensor& logprob, const Tensor& lse,
+                    const Tensor& entropy, float temperature) {
+    net.head(h, xf, rstdf, logits);
+    Communicator* tp = net.tp();
+    if (tp == nullptr) {
+      ops::logprob_gather(logits, targets, logprob, lse, entropy, temperature, net.stream());
+      return;
+    }
+    // Two all-reduces over the TP group, of the rows' statistics only (the logits stay): the
+    // maxima, (R) f32, then the rescaled sums, (R, 4) f32.
+    const int64_t Vs = logits.size(1);
+    vocab_parallel_logprob(*tp, logits, targets, tp->rank() * Vs, tp->size() * Vs, logprob, lse,
+                           entropy, temperature);
+  }
+
+  // Backward of a training forward's head over its first R rows, which read h (R, C): given
+  // dlogprob (R) and dentropy (R, or undefined), dh (R, C) = the gradient at h; grads' lm_head
+  // (tensor parallel: the rank's vocabulary rows) and final norm += theirs. Tensor parallel:
+  // dlogits are the rank's columns (logprob_shard_backward, from the forward's lse and entropy),
+  // so dlogits · lm_head is the rank's part of d xf, summed over the group before the norm.
+  void head_backward(const Tensor& dlogprob, const Tensor& dentropy, const Weights& w,
+                     const Tensor& h, const Tensor& dh, Weights& grads) {
+    Buffers& b = bufs;
+    const Stream& s = net.stream();
+    const int64_t R = h.size(0);
+    const Tensor logits = b.logits.narrow(0, R), dlogits = b.dlogits.narrow(0, R);
+    const Tensor targets = b.targets.narrow(0, R), lse = b.lse.narrow(0, R);
+    const Tensor dxf = b.grads.dx.narrow(0, R);
+    Communicator* tp = net.tp();
+    if (tp == nullptr) {
+      ops::logprob_gather_backward(dlogprob, dentropy, logits, targets, lse, dlogits, temperature,
+                                   false, s);
+    } else {
+      const int64_t Vs = logits.size(1);
+      ops::logprob_shard_backward(dlogprob, dentropy, logits, targets, tp->rank() * Vs, lse,
+                                  b.entropy.narrow(0, R), dlogits, temperature, false, s);
+    }
+    ops::matmul_backward_input(dlogits, w.lm_head, dxf, false, s);
+    if (tp != nullptr) tp->all_reduce(dxf);  // the TP group's vocabulary rows: (R, C) f32 summed
+    ops::matmul_backward_weight(dlogits, b.xf.narrow(0, R), grads.lm_head, true, s);
+    ops::rmsnorm_backward(dxf, h, w.final_norm, b.rstdf.narrow(0, R), dh, grads.final_norm, false,
+                          true, s);
   }
 
   // logits_out (B, V) = the head of h (B, C); tensor parallel, (B, V/tp): the rank's vocabulary
@@ -442,11 +557,12 @@ struct Decoder::Impl {
   }
 };
 
-size_t Decoder::plan_bytes(const ModelConfig& config, int64_t T, bool recompute) {
+size_t Decoder::plan_bytes(const ModelConfig& config, int64_t T, bool recompute, int tp) {
+  TANDEM_CHECK(tp >= 1, "decoder plan_bytes: the tensor-parallel size must be >= 1, got {}", tp);
   Planner train(nullptr), infer(nullptr);
   Buffers b;
-  plan(train, config, T, T, Mode::training, recompute, 1, b);
-  plan(infer, config, T, T, Mode::inference, recompute, 1, b);
+  plan(train, config, T, T, Mode::training, recompute, tp, b);
+  plan(infer, config, T, T, Mode::inference, recompute, tp, b);
   return std::max(train.bytes(), infer.bytes());
 }
 
@@ -494,18 +610,24 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
                       const Tensor& entropy_out, float temperature) {
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens(), L = c.num_layers;
-  check_not_tensor_parallel(impl_->options.tp_group, "forward");
-  check_logprob_call(batch, c.vocab_size, temperature, logprob_out, entropy_out, device(),
+  Impl& m = *impl_;
+  // Tensor parallel: the entropy is computed in any case and kept (backward's
+  // logprob_shard_backward reads it).
+  const bool tp = m.net.tp() != nullptr;
+  if (tp) {
+    check_tp_device(device(), "forward");
+    check_tp_training(c, m.tp_size(), m.options.tp_kv_heads);
+  }
+  check_logprob_call(batch, vocab_size(), temperature, logprob_out, entropy_out, device(),
                      "forward");
 
-  Impl& m = *impl_;
   Buffers& b = m.begin(c, device(), T, batch.num_sequences(), Mode::training);
   const AttentionInputs in = m.upload_batch(batch);
   upload(b.targets, batch.targets);
   const Stream& s = m.net.stream();
   const UnitCalls units(m.options.unit_hooks, L, c.tie_word_embeddings);
   units.acquire(0);
-  ops::embedding(b.tokens, weights_->embed, b.resid[0], s);
+  m.embed(*weights_, batch.tokens);
   units.release(0);
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
@@ -518,8 +640,9 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
   units.acquire_head();
   if (batch.head_rows.empty()) {
     b.head_rows = T;
-    m.net.head(h, b.xf, b.rstdf, b.logits);
-    ops::logprob_gather(b.logits, b.targets, logprob_out, b.lse, entropy_out, temperature, s);
+    m.head_logprob(h, b.xf, b.rstdf, b.logits, b.targets, logprob_out, b.lse,
+                   tp ? b.entropy : entropy_out, temperature);
+    if (tp && entropy_out.defined()) Tensor(entropy_out).copy_from(b.entropy);
   } else {
     // Only the selected rows: gathered (the embedding op is a row gather on any device), through
     // the head, and their logprob and entropy scattered back over zeros.
@@ -530,13 +653,13 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
     const Tensor hs = b.head_in.narrow(0, R), xf = b.xf.narrow(0, R), rf = b.rstdf.narrow(0, R);
     const Tensor logits = b.logits.narrow(0, R), lse = b.lse.narrow(0, R);
     ops::embedding(ids, h, hs, s);
-    m.net.head(hs, xf, rf, logits);
-    // The compact logprob and entropy go to the front of dlogits (free until backward), then to
-    // their rows.
+    // The compact logprob and entropy go to the front of dlogits (free until backward; tensor
+    // parallel: the entropy to b.entropy, kept), then to their rows.
     const Tensor lp = b.dlogits.view({T * c.vocab_size}).narrow(0, R);
-    const Tensor ent = b.dlogits.view({T * c.vocab_size}).narrow(R, R);
-    ops::logprob_gather(logits, tg, lp, lse, entropy_out.defined() ? ent : Tensor(), temperature,
-                        s);
+    const Tensor ent =
+        tp ? b.entropy.narrow(0, R) : b.dlogits.view({T * c.vocab_size}).narrow(R, R);
+    m.head_logprob(hs, xf, rf, logits, tg, lp, lse, tp || entropy_out.defined() ? ent : Tensor(),
+                   temperature);
     ops::embedding_backward(ids, lp.view({R, 1}), logprob_out.view({T, 1}), false, s);
     if (entropy_out.defined())
       ops::embedding_backward(ids, ent.view({R, 1}), entropy_out.view({T, 1}), false, s);
@@ -549,7 +672,7 @@ void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
 void Decoder::forward_logits(const PackedBatch& batch, const Tensor& logits_out) {
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens();
-  check_not_tensor_parallel(impl_->options.tp_group, "forward_logits");
+  check_not_tensor_parallel(impl_->net.tp(), "forward_logits");
   check_no_unit_hooks(impl_->options.unit_hooks, "forward_logits");
   check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size,
                "decoder forward_logits");
@@ -566,9 +689,9 @@ void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const T
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens();
   Impl& m = *impl_;
-  check_not_tensor_parallel(m.options.tp_group, "score");
+  if (m.net.tp() != nullptr) check_tp_device(device(), "score");
   check_no_unit_hooks(m.options.unit_hooks, "score");
-  check_logprob_call(batch, c.vocab_size, temperature, logprob_out, entropy_out, device(), "score");
+  check_logprob_call(batch, vocab_size(), temperature, logprob_out, entropy_out, device(), "score");
   TANDEM_CHECK(m.options.score_rows > 0,
                "decoder score: DecoderOptions::score_rows must be positive, got {}",
                m.options.score_rows);
@@ -587,8 +710,10 @@ void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const T
   }
   const Tensor h = m.run_layers(*weights_, batch);
   const Stream& s = m.net.stream();
-  // The head chunk by chunk: each row's bits are forward's (the ops are row-wise), and a chunk
-  // of selected rows is gathered, scored and added to its rows over zeros as forward scatters.
+  // The head chunk by chunk: each row's bits are forward's (the ops are row-wise; under tensor
+  // parallelism, but for the order of the sums over the group when the chunks are not forward's
+  // rows), and a chunk of selected rows is gathered, scored and added to its rows over zeros as
+  // forward scatters.
   const int64_t rows = b.xf.size(0);
   for (int64_t r0 = 0; r0 < R; r0 += rows) {
     const int64_t n = std::min(rows, R - r0);
@@ -596,18 +721,15 @@ void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const T
     const Tensor logits = b.logits.narrow(0, n), lse = b.lse.narrow(0, n);
     const Tensor tg = b.targets.narrow(r0, n);
     if (all) {
-      m.net.head(h.narrow(r0, n), xf, rf, logits);
-      ops::logprob_gather(logits, tg, logprob_out.narrow(r0, n), lse,
-                          entropy_out.defined() ? entropy_out.narrow(r0, n) : Tensor(), temperature,
-                          s);
+      m.head_logprob(h.narrow(r0, n), xf, rf, logits, tg, logprob_out.narrow(r0, n), lse,
+                     entropy_out.defined() ? entropy_out.narrow(r0, n) : Tensor(), temperature);
       continue;
     }
     const Tensor ids = b.head_ids.narrow(r0, n), hs = b.head_in.narrow(0, n);
     const Tensor lp = b.head_out.narrow(0, n), ent = b.head_out.narrow(rows, n);
     ops::embedding(ids, h, hs, s);
-    m.net.head(hs, xf, rf, logits);
-    ops::logprob_gather(logits, tg, lp, lse, entropy_out.defined() ? ent : Tensor(), temperature,
-                        s);
+    m.head_logprob(hs, xf, rf, logits, tg, lp, lse, entropy_out.defined() ? ent : Tensor(),
+                   temperature);
     ops::embedding_backward(ids, lp.view({n, 1}), logprob_out.view({T, 1}), true, s);
     if (entropy_out.defined())
       ops::embedding_backward(ids, ent.view({n, 1}), entropy_out.view({T, 1}), true, s);
@@ -616,7 +738,6 @@ void Decoder::score(const PackedBatch& batch, const Tensor& logprob_out, const T
 
 void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads) {
   Impl& m = *impl_;
-  check_not_tensor_parallel(impl_->options.tp_group, "backward");
   TANDEM_CHECK(m.have_forward,
                "decoder backward: no training forward to differentiate (call forward first; "
                "backward consumes it, and any other call discards it)");
@@ -647,12 +768,7 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
 
   const Tensor& h = b.resid[static_cast<size_t>(L)];
   if (b.head_rows == T) {
-    ops::logprob_gather_backward(dlogprob, dentropy, b.logits, b.targets, b.lse, b.dlogits,
-                                 m.temperature, false, s);
-    ops::matmul_backward_input(b.dlogits, weights_->lm_head, g.dx, false, s);
-    ops::matmul_backward_weight(b.dlogits, b.xf, grads.lm_head, true, s);
-    ops::rmsnorm_backward(g.dx, h, weights_->final_norm, b.rstdf, g.dh, grads.final_norm, false,
-                          true, s);
+    m.head_backward(dlogprob, dentropy, *weights_, h, g.dh, grads);
   } else {
     // The selected rows' dlogprob and dentropy (gathered into dhead_in's first rows, free until
     // rmsnorm_backward), back through the head, and the hidden-state gradient scattered to
@@ -663,15 +779,9 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
     const Tensor dlp = flat.narrow(0, R), dent = flat.narrow(R, R);
     ops::embedding(ids, dlogprob.view({T, 1}), dlp.view({R, 1}), s);
     if (dentropy.defined()) ops::embedding(ids, dentropy.view({T, 1}), dent.view({R, 1}), s);
-    const Tensor dlogits = b.dlogits.narrow(0, R), xf = b.xf.narrow(0, R);
-    const Tensor dx = g.dx.narrow(0, R), dhs = b.dhead_in.narrow(0, R);
-    ops::logprob_gather_backward(dlp, dentropy.defined() ? dent : Tensor(), b.logits.narrow(0, R),
-                                 b.targets.narrow(0, R), b.lse.narrow(0, R), dlogits, m.temperature,
-                                 false, s);
-    ops::matmul_backward_input(dlogits, weights_->lm_head, dx, false, s);
-    ops::matmul_backward_weight(dlogits, xf, grads.lm_head, true, s);
-    ops::rmsnorm_backward(dx, b.head_in.narrow(0, R), weights_->final_norm, b.rstdf.narrow(0, R),
-                          dhs, grads.final_norm, false, true, s);
+    const Tensor dhs = b.dhead_in.narrow(0, R);
+    m.head_backward(dlp, dentropy.defined() ? dent : Tensor(), *weights_, b.head_in.narrow(0, R),
+                    dhs, grads);
     ops::embedding_backward(ids, dhs, g.dh, false, s);
   }
   units.release_head();
@@ -689,7 +799,7 @@ void Decoder::backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& 
     units.release(units.layer(l));
   }
   if (!c.tie_word_embeddings) units.begin_gradients(0);
-  ops::embedding_backward(b.tokens, g.dh, grads.embed, true, s);
+  m.embed_backward(g.dh, g.dx, grads);  // g.dx: free scratch now
   units.end_gradients(0);
 }
 

@@ -99,13 +99,23 @@ struct DecoderOptions {
   // than in every matmul: for callers whose weights change only through set_weights (the
   // rollout engine), which packs them again in place. Same bits either way.
   bool pack_weights = false;
-  // Tensor parallelism (inference only): the weights are rank tp_group->rank()'s shard of
-  // tp_group->size() (model/tensor_parallel.h). Every rank of the group makes the same prefill
-  // and decode calls; each runs its heads, MLP columns and vocabulary rows, and the partial
-  // outputs meet in all-reduces (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32).
-  // Each rank returns the logits of its vocabulary rows, (B, V/tp): the sampler works on the
-  // shards (model/tp_sample.h). Null: the whole model on one rank, no collective.
+  // Tensor parallelism: the weights are rank tp_group->rank()'s shard of tp_group->size()
+  // (model/tensor_parallel.h). Every rank of the group makes the same calls (prefill and decode;
+  // forward, backward and score, on the CPU for now) with the same arguments; each runs its
+  // heads, MLP columns and vocabulary rows, and the partial outputs meet in all-reduces
+  // (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32; training adds the head's and
+  // the backward's, docs/model-decoder.md). Prefill and decode return the logits of the rank's
+  // vocabulary rows, (B, V/tp): the sampler works on the shards (model/tp_sample.h); forward and
+  // score return the logprobs and entropies over the whole vocabulary on every rank; backward
+  // adds to grads the gradient of the rank's shard (replicated norms: the whole gradient, the
+  // same on every rank). Null, or a group of one rank: the whole model, no collective.
   Communicator* tp_group = nullptr;
+  // Tensor-parallel training of a shard that holds a single KV head: the model's
+  // num_key_value_heads (Hkv), which the shard's shapes do not tell. Hkv = tp (each rank its own
+  // head) trains; Hkv < tp (a head replicated on tp / Hkv ranks, which prefill and decode serve)
+  // is refused, as backward does not sum those ranks' k/v gradients. 0: not given, and forward
+  // refuses such a shard asking for it; otherwise checked against the shard.
+  int64_t tp_kv_heads = 0;
   // Sharded training (forward and backward only): see UnitHooks. Null: whole weights.
   UnitHooks* unit_hooks = nullptr;
 };
@@ -145,16 +155,22 @@ class Decoder {
   // Gives the activation arena back to the device (a colocated job's other phase wants the
   // memory) and drops a pending forward's state; the next call takes it again.
   void release_activations();
-  // Bytes a training forward of T tokens needs under these options.
-  static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute);
+  // Bytes a training forward (or an inference call) of T tokens needs under these options: the
+  // arena a decoder reserves for max_tokens = T. Tensor parallel: config is the shard's
+  // (tp_shard_config, V/tp logits a row) and tp the group's size.
+  static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute, int tp = 1);
 
-  // Training forward (not under tensor parallelism): logprob_out (T) f32 = log softmax(logits /
-  // temperature)[target], entropy_out (T) f32 (or undefined: skipped) = the entropy of that
-  // distribution. Keeps what backward needs until the next call of any method.
+  // Training forward: logprob_out (T) f32 = log softmax(logits / temperature)[target],
+  // entropy_out (T) f32 (or undefined: skipped) = the entropy of that distribution. Keeps what
+  // backward needs until the next call of any method. Tensor parallel: over the whole vocabulary
+  // (model::vocab_parallel_logprob), the same values on every rank, equal to the whole model's
+  // but for f32 rounding (the sums are split by rank); refuses KV heads replicated over ranks
+  // (DecoderOptions::tp_kv_heads).
   void forward(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
                float temperature = 1.0f);
-  // Scoring forward (not under tensor parallelism): forward's logprob_out and entropy_out, the
-  // same bits, keeping nothing for backward. The layers run over the batch with one layer's
+  // Scoring forward: forward's logprob_out and entropy_out, the same bits (tensor parallel: the
+  // same bits when its chunks are forward's rows, else but for the order of the sums over the
+  // group), keeping nothing for backward. The layers run over the batch with one layer's
   // activations and the head over chunks of DecoderOptions::score_rows rows, so the arena grows
   // to about 4 (2 C + one layer's activations) bytes a token plus 4 score_rows (V + 2 C) bytes:
   // linear in T with a slope L times smaller than forward's, which keeps every layer's
@@ -162,12 +178,16 @@ class Decoder {
   // this plan only (max_tokens is left as it is).
   void score(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
              float temperature = 1.0f);
-  // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward.
+  // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward. Not
+  // under tensor parallelism.
   void forward_logits(const PackedBatch& batch, const Tensor& logits_out);
   // After forward: grads += d(sum_t dlogprob_t * logprob_t + dentropy_t * entropy_t)/dtheta.
   // dlogprob (T) f32, dentropy (T) f32 or undefined. grads: f32 Weights of the same config on the
   // same device (ArenaClass::gradients); with tied embeddings grads.embed gets both the lm_head
   // and the embedding contributions. Consumes the forward's state (a second backward throws).
+  // Tensor parallel: grads is the rank's shard (tp_shard_config) and gets the shard's part of the
+  // whole model's gradient (its vocabulary rows of the embedding and lm_head, its heads and MLP
+  // columns), as model::cut_tp_shard would cut it, but for f32 rounding.
   void backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads);
 
   // Inference. Host token ids and positions; cache and outputs on the decoder's device.
