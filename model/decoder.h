@@ -185,8 +185,9 @@ class Decoder {
   // forward m + 1 before backward m). The stages run in sequence give bitwise the whole model's
   // logprobs, entropies and gradients (with tied embeddings the last stage's lm_head gradient is
   // the head's part of the embedding's). The other calls (forward, score, ...) drop every
-  // micro-batch in flight; a part's decoder runs the stage calls only. Not under tensor
-  // parallelism or unit hooks.
+  // micro-batch in flight, and a stage call drops forward's state; a part's decoder runs the
+  // stage calls only and takes no tensor-parallel group or unit hooks. Not under tensor
+  // parallelism.
   //
   // A stage without the head: h_in (T, C) the previous stage's output (undefined on the first
   // stage: the batch's tokens are embedded); h_out (T, C) receives the stage's output. Both are
