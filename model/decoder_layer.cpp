@@ -21,7 +21,10 @@ void Net::pack_weights() {
     p.gate_up.pack(w.gate_up);
     p.down.pack(w.down);
   }
-  packed_head_.pack(w_->lm_head);
+  if (w_->lm_head.defined())
+    packed_head_.pack(w_->lm_head);
+  else
+    packed_head_ = ops::PackedWeight();  // a pipeline stage without the head
 }
 
 void Net::layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tensor& h_out,
