@@ -99,15 +99,29 @@ struct DecoderOptions {
   // than in every matmul: for callers whose weights change only through set_weights (the
   // rollout engine), which packs them again in place. Same bits either way.
   bool pack_weights = false;
-  // Tensor parallelism (inference only): the weights are rank tp_group->rank()'s shard of
-  // tp_group->size() (model/tensor_parallel.h). Every rank of the group makes the same prefill
-  // and decode calls; each runs its heads, MLP columns and vocabulary rows, and the partial
-  // outputs meet in all-reduces (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32).
-  // Each rank returns the logits of its vocabulary rows, (B, V/tp): the sampler works on the
-  // shards (model/tp_sample.h). Null: the whole model on one rank, no collective.
+  // Tensor parallelism: the weights are rank tp_group->rank()'s shard of tp_group->size()
+  // (model/tensor_parallel.h). Every rank of the group makes the same calls (prefill and decode;
+  // forward, backward and score, on the CPU for now) with the same arguments; each runs its
+  // heads, MLP columns and vocabulary rows, and the partial outputs meet in all-reduces
+  // (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32; training adds the head's and
+  // the backward's, docs/model-decoder.md). Prefill and decode return the logits of the rank's
+  // vocabulary rows, (B, V/tp): the sampler works on the shards (model/tp_sample.h); forward and
+  // score return the logprobs and entropies over the whole vocabulary on every rank; backward
+  // adds to grads the gradient of the rank's shard (replicated norms: the whole gradient, the
+  // same on every rank). Null, or a group of one rank: the whole model, no collective.
   Communicator* tp_group = nullptr;
+  // Tensor-parallel training of a shard that holds a single KV head: the model's
+  // num_key_value_heads (Hkv), which the shard's shapes do not tell. Hkv = tp (each rank its own
+  // head) trains; Hkv < tp (a head replicated on tp / Hkv ranks, which prefill and decode serve)
+  // is refused, as backward does not sum those ranks' k/v gradients. 0: not given, and forward
+  // refuses such a shard asking for it; otherwise checked against the shard.
+  int64_t tp_kv_heads = 0;
   // Sharded training (forward and backward only): see UnitHooks. Null: whole weights.
   UnitHooks* unit_hooks = nullptr;
+  // Pipeline stages (forward_stage, backward_stage): the micro-batches whose activations the
+  // decoder holds at once, each in an arena of its own planned for max_tokens. 1F1B keeps at most
+  // P - s in flight on stage s of P.
+  int64_t pipeline_slots = 1;
 };
 
 // The paged KV cache of one step, in kernels/ops.h's conventions (FlashInfer's CSR layout).
@@ -129,7 +143,8 @@ class Decoder {
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 
-  // The weights' config: a shard's under tensor parallelism (DecoderOptions::tp_group).
+  // The weights' config: a shard's under tensor parallelism (DecoderOptions::tp_group); the whole
+  // model's over a part's weights (num_layers counts every layer).
   const ModelConfig& config() const { return weights_->config(); }
   Device device() const { return weights_->device(); }
   // V of the whole model: the range of the token ids (the logits hold config().vocab_size of
@@ -140,21 +155,27 @@ class Decoder {
   // (DecoderOptions::pack_weights) are packed again into the memory they hold. Drops a pending
   // forward's state.
   void set_weights(const Weights& weights);
-  // Bytes of the activation arena (as planned for max_tokens).
+  // Bytes of the activation arenas (as planned for max_tokens: one per pipeline slot).
   size_t activation_bytes() const;
-  // Gives the activation arena back to the device (a colocated job's other phase wants the
+  // Gives the activation arenas back to the device (a colocated job's other phase wants the
   // memory) and drops a pending forward's state; the next call takes it again.
   void release_activations();
-  // Bytes a training forward of T tokens needs under these options.
-  static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute);
+  // Bytes a training forward (or an inference call) of T tokens needs under these options: the
+  // arena a decoder reserves for max_tokens = T. Tensor parallel: config is the shard's
+  // (tp_shard_config, V/tp logits a row) and tp the group's size.
+  static size_t plan_bytes(const ModelConfig& config, int64_t T, bool recompute, int tp = 1);
 
-  // Training forward (not under tensor parallelism): logprob_out (T) f32 = log softmax(logits /
-  // temperature)[target], entropy_out (T) f32 (or undefined: skipped) = the entropy of that
-  // distribution. Keeps what backward needs until the next call of any method.
+  // Training forward: logprob_out (T) f32 = log softmax(logits / temperature)[target],
+  // entropy_out (T) f32 (or undefined: skipped) = the entropy of that distribution. Keeps what
+  // backward needs until the next call of any method. Tensor parallel: over the whole vocabulary
+  // (model::vocab_parallel_logprob), the same values on every rank, equal to the whole model's
+  // but for f32 rounding (the sums are split by rank); refuses KV heads replicated over ranks
+  // (DecoderOptions::tp_kv_heads).
   void forward(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
                float temperature = 1.0f);
-  // Scoring forward (not under tensor parallelism): forward's logprob_out and entropy_out, the
-  // same bits, keeping nothing for backward. The layers run over the batch with one layer's
+  // Scoring forward: forward's logprob_out and entropy_out, the same bits (tensor parallel: the
+  // same bits when its chunks are forward's rows, else but for the order of the sums over the
+  // group), keeping nothing for backward. The layers run over the batch with one layer's
   // activations and the head over chunks of DecoderOptions::score_rows rows, so the arena grows
   // to about 4 (2 C + one layer's activations) bytes a token plus 4 score_rows (V + 2 C) bytes:
   // linear in T with a slope L times smaller than forward's, which keeps every layer's
@@ -162,13 +183,51 @@ class Decoder {
   // this plan only (max_tokens is left as it is).
   void score(const PackedBatch& batch, const Tensor& logprob_out, const Tensor& entropy_out,
              float temperature = 1.0f);
-  // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward.
+  // logits_out (T, V) f32 of the batch (targets are not read); keeps nothing for backward. Not
+  // under tensor parallelism.
   void forward_logits(const PackedBatch& batch, const Tensor& logits_out);
   // After forward: grads += d(sum_t dlogprob_t * logprob_t + dentropy_t * entropy_t)/dtheta.
   // dlogprob (T) f32, dentropy (T) f32 or undefined. grads: f32 Weights of the same config on the
   // same device (ArenaClass::gradients); with tied embeddings grads.embed gets both the lm_head
   // and the embedding contributions. Consumes the forward's state (a second backward throws).
+  // Tensor parallel: grads is the rank's shard (tp_shard_config) and gets the shard's part of the
+  // whole model's gradient (its vocabulary rows of the embedding and lm_head, its heads and MLP
+  // columns), as model::cut_tp_shard would cut it, but for f32 rounding.
   void backward(const Tensor& dlogprob, const Tensor& dentropy, Weights& grads);
+
+  // Pipeline stages. A decoder over a part's weights (model::ModelPart: layers [l0, l1), the
+  // embedding on the first stage, the final norm and lm_head on the last) runs that stage of the
+  // training forward and backward; the hidden states (T, C) f32 cross the stage boundaries. Every
+  // stage gets the whole micro-batch (tokens and positions for its attention; targets and
+  // head_rows are read by the last stage only). `micro` names the micro-batch (any id >= 0): up
+  // to DecoderOptions::pipeline_slots of them may be forwarded and not yet differentiated, of
+  // different lengths, and backward_stage differentiates the one it names, in any order (1F1B:
+  // forward m + 1 before backward m). The stages run in sequence give bitwise the whole model's
+  // logprobs, entropies and gradients (with tied embeddings the last stage's lm_head gradient is
+  // the head's part of the embedding's). The other calls (forward, score, ...) drop every
+  // micro-batch in flight, and a stage call drops forward's state; a part's decoder runs the
+  // stage calls only and takes no tensor-parallel group or unit hooks. Not under tensor
+  // parallelism.
+  //
+  // A stage without the head: h_in (T, C) the previous stage's output (undefined on the first
+  // stage: the batch's tokens are embedded); h_out (T, C) receives the stage's output. Both are
+  // read or written during the call only.
+  void forward_stage(int64_t micro, const PackedBatch& batch, const Tensor& h_in,
+                     const Tensor& h_out);
+  // The last stage (the head): forward's logprob_out and entropy_out of micro-batch `micro`.
+  void forward_stage(int64_t micro, const PackedBatch& batch, const Tensor& h_in,
+                     const Tensor& logprob_out, const Tensor& entropy_out, float temperature);
+  // A stage without the head: dh_out (T, C) = dL/dh_out from the next stage; grads (f32 Weights
+  // of the same part) += this stage's gradients; dh_in (T, C) receives dL/dh_in for the previous
+  // stage (undefined on the first stage, whose embedding gradient is added instead). Frees the
+  // micro-batch's slot.
+  void backward_stage(int64_t micro, const Tensor& dh_out, Weights& grads, const Tensor& dh_in);
+  // The last stage: backward's dlogprob and dentropy (T) of micro-batch `micro`.
+  void backward_stage(int64_t micro, const Tensor& dlogprob, const Tensor& dentropy, Weights& grads,
+                      const Tensor& dh_in);
+  // Forgets micro-batch `micro`'s activations without a backward (a scoring pass through the
+  // stages); nothing when it is not in flight.
+  void drop_stage(int64_t micro);
 
   // Inference. Host token ids and positions; cache and outputs on the decoder's device.
   // Prefill: writes K/V of every token (T) into kv.slot_mapping and returns logits_out (B, V)
@@ -185,6 +244,15 @@ class Decoder {
               const KvCacheView& kv, const Tensor& logits_out);
 
  private:
+  // forward and forward_stage into pipeline slot `slot`: h_in / h_out undefined on the first /
+  // last stage; logprob_out, entropy_out and temperature read on the last only.
+  void train_forward(size_t slot, const PackedBatch& batch, const Tensor& h_in, const Tensor& h_out,
+                     const Tensor& logprob_out, const Tensor& entropy_out, float temperature);
+  // backward and backward_stage of slot `slot`'s micro-batch: dh_out on stages without the head,
+  // dlogprob and dentropy on the last; dh_in undefined on the first.
+  void train_backward(size_t slot, const Tensor& dlogprob, const Tensor& dentropy,
+                      const Tensor& dh_out, Weights& grads, const Tensor& dh_in);
+
   struct Impl;
   const Weights* weights_;
   std::unique_ptr<Impl> impl_;

@@ -35,6 +35,10 @@ struct LayerGrads {
   Tensor d_att;           // (T, H D)
   Tensor dq, dk, dv;      // (T, H, D), (T, Hkv, D), (T, Hkv, D)
   Tensor dq_raw, dk_raw;  // (T, H D), (T, Hkv D) (qk_norm only)
+  // Tensor parallel with q/k norms: dx_qk_norm (T C + 2 D) holds dx's elements, then d_qk_norm
+  // (2 D): this rank's heads' parts of the q norm's and the k norm's gradients, so that one
+  // all-reduce sums both.
+  Tensor dx_qk_norm, d_qk_norm;
 };
 
 // What a layer's attention reads besides its own q, k, v.

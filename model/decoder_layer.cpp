@@ -21,7 +21,10 @@ void Net::pack_weights() {
     p.gate_up.pack(w.gate_up);
     p.down.pack(w.down);
   }
-  packed_head_.pack(w_->lm_head);
+  if (w_->lm_head.defined())
+    packed_head_.pack(w_->lm_head);
+  else
+    packed_head_ = ops::PackedWeight();  // a pipeline stage without the head
 }
 
 void Net::layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tensor& h_out,
@@ -71,11 +74,12 @@ void Net::layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tenso
     linear(a.act, w.down, p ? &p->down : nullptr, h_out, true);
     return;
   }
-  // The group's MLP columns summed into o_out (free again), then h_out = h_mid + it; the norm
-  // add_rmsnorm also computes (into x2, read by nobody now: inference only) is not used.
+  // The group's MLP columns summed into o_out (free again: backward does not read it), then
+  // h_out = h_mid + it (one f32 add, as add_rmsnorm's; x2 and rstd2 stay for backward).
   linear(a.act, w.down, p ? &p->down : nullptr, a.o_out, false);
-  tp_->all_reduce(a.o_out);  // (T, C) f32
-  ops::add_rmsnorm(a.h_mid, a.o_out, w.post_norm, h_out, a.x2, a.rstd2, eps, s_);
+  tp_->all_reduce(a.o_out);  // the TP group's MLP columns: (T, C) f32 summed
+  Tensor(h_out).copy_from(a.h_mid);
+  ops::add(a.o_out, h_out, s_);
 }
 
 void Net::layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in,
@@ -87,6 +91,8 @@ void Net::layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in,
   ops::matmul_backward_weight(g.dh, a.act, gw.down, true, s_);
   ops::swiglu_backward(g.d_act, a.gate_up, g.d_gu, s_);
   ops::matmul_backward_input(g.d_gu, w.gate_up, g.dx, false, s_);
+  // Tensor parallel: each rank's F columns give a part of d x2.
+  if (tp_ != nullptr) tp_->all_reduce(g.dx);  // the TP group's MLP columns: (T, C) f32 summed
   ops::matmul_backward_weight(g.d_gu, a.x2, gw.gate_up, true, s_);
   ops::rmsnorm_backward(g.dx, a.h_mid, w.post_norm, a.rstd2, g.dh, gw.post_norm, true, true, s_);
   // Attention branch (g.dh is now dL/dh_mid).
@@ -98,11 +104,16 @@ void Net::layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in,
   ops::rope_backward(g.dk, in.positions, g.dk, c_->rope, s_);
   Tensor dq_lin = g.dq.view({T, H * D}), dk_lin = g.dk.view({T, Hkv * D});
   const Tensor dv_lin = g.dv.view({T, Hkv * D});
+  // The q/k norm weights serve every head: under tensor parallelism this rank's heads give a
+  // part of their gradient, written to g.d_qk_norm and summed with dx below.
+  const bool qk_norm_parts = c_->qk_norm && tp_ != nullptr;
   if (c_->qk_norm) {
+    const Tensor dq_norm = qk_norm_parts ? g.d_qk_norm.narrow(0, D) : gw.q_norm;
+    const Tensor dk_norm = qk_norm_parts ? g.d_qk_norm.narrow(D, D) : gw.k_norm;
     ops::rmsnorm_backward(g.dq.view({T * H, D}), a.q_raw.view({T * H, D}), w.q_norm, a.rstd_q,
-                          g.dq_raw.view({T * H, D}), gw.q_norm, false, true, s_);
+                          g.dq_raw.view({T * H, D}), dq_norm, false, !qk_norm_parts, s_);
     ops::rmsnorm_backward(g.dk.view({T * Hkv, D}), a.k_raw.view({T * Hkv, D}), w.k_norm, a.rstd_k,
-                          g.dk_raw.view({T * Hkv, D}), gw.k_norm, false, true, s_);
+                          g.dk_raw.view({T * Hkv, D}), dk_norm, false, !qk_norm_parts, s_);
     dq_lin = g.dq_raw;
     dk_lin = g.dk_raw;
   }
@@ -118,6 +129,14 @@ void Net::layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in,
   ops::matmul_backward_input(dq_lin, w.q, g.dx, false, s_);
   ops::matmul_backward_input(dk_lin, w.k, g.dx, true, s_);
   ops::matmul_backward_input(dv_lin, w.v, g.dx, true, s_);
+  if (qk_norm_parts) {
+    // dx and the q/k norm weights' parts lie end to end in g.dx_qk_norm: one call for both.
+    tp_->all_reduce(g.dx_qk_norm);  // the TP group's heads: (T C + 2 D) f32 summed
+    ops::add(g.d_qk_norm.narrow(0, D), gw.q_norm, s_);
+    ops::add(g.d_qk_norm.narrow(D, D), gw.k_norm, s_);
+  } else if (tp_ != nullptr) {
+    tp_->all_reduce(g.dx);  // the TP group's heads: (T, C) f32 summed
+  }
   ops::rmsnorm_backward(g.dx, h_in, w.input_norm, a.rstd1, g.dh, gw.input_norm, true, true, s_);
 }
 

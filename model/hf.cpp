@@ -464,6 +464,10 @@ void HfWriter::finish() {
 }
 
 void save_hf(const Weights& weights, const std::string& dir, const SaveOptions& options) {
+  TANDEM_CHECK(weights.whole(),
+               "save_hf '{}': the weights hold a model part ({}); a Hugging Face directory holds "
+               "the whole model",
+               dir, weights.part().str(weights.config()));
   SaveOptions o = options;
   o.dtype = options.dtype.value_or(weights.dtype());
   std::vector<HfWriter::NamedShape> shapes;

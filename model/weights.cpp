@@ -18,37 +18,64 @@ size_t padded_bytes(const Shape& s, DType dtype) {
 
 }  // namespace
 
+ModelPart ModelPart::whole(const ModelConfig& config) { return {0, config.num_layers, true, true}; }
+
+ModelPart ModelPart::stage(const ModelConfig& config, int64_t first, int64_t count) {
+  return {first, count, first == 0, first + count == config.num_layers};
+}
+
+void ModelPart::validate(const ModelConfig& config) const {
+  TANDEM_CHECK(first_layer >= 0 && num_layers >= 0 && end_layer() <= config.num_layers,
+               "model part: layers [{}, {}) are not within the model's {} layers", first_layer,
+               end_layer(), config.num_layers);
+  TANDEM_CHECK(num_layers > 0 || embedding || head,
+               "model part: holds nothing (no layer, no embedding, no head)");
+}
+
+std::string ModelPart::str(const ModelConfig& config) const {
+  std::string s = num_layers == 0 ? std::string("no layers")
+                                  : fmt::format("layers {}..{} of {}", first_layer, end_layer() - 1,
+                                                config.num_layers);
+  if (embedding) s += " with the embedding";
+  if (head) s += embedding ? " and the head" : " with the head";
+  return s;
+}
+
 Weights::Weights(const ModelConfig& config, DType dtype, Device device, ArenaClass cls)
-    : config_(config), dtype_(dtype), device_(device) {
+    : Weights(config, ModelPart::whole(config), dtype, device, cls) {}
+
+Weights::Weights(const ModelConfig& config, const ModelPart& part, DType dtype, Device device,
+                 ArenaClass cls)
+    : config_(config), part_(part), dtype_(dtype), device_(device) {
   config_.validate();
+  part_.validate(config_);
   TANDEM_CHECK(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
                "weights: dtype must be f32, bf16 or f16, got {}", dtype);
-  const int64_t V = config.vocab_size, C = config.hidden_size, F = config.intermediate_size;
-  const int64_t D = config.head_dim, H = config.num_heads, Hkv = config.num_kv_heads;
-  const int64_t QKV = (H + 2 * Hkv) * D;
-
-  // Plan the arena first: one allocation for everything.
-  std::vector<Shape> plan = {{V, C}, {C}};
-  if (!config.tie_word_embeddings) plan.push_back({V, C});
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    plan.insert(plan.end(), {{C}, {QKV, C}, {C, H * D}, {C}, {2 * F, C}, {C, F}});
-    if (config.attention_bias) plan.push_back({QKV});
-    if (config.qk_norm) plan.insert(plan.end(), {{D}, {D}});
-  }
+  // Plan the arena first (build() counting the bytes): one allocation for everything.
   size_t bytes = 0;
-  for (const Shape& s : plan) bytes += padded_bytes(s, dtype);
+  build([&](const Shape& shape) {
+    bytes += padded_bytes(shape, dtype);
+    return Tensor();
+  });
   arena_ = std::make_unique<Arena>(cls, device, bytes);
   build([&](const Shape& shape) { return arena_->alloc(shape, dtype); });
 }
 
-Weights::Weights(const ModelConfig& config, DType dtype, Device device, Unbound)
-    : config_(config), dtype_(dtype), device_(device) {
+Weights::Weights(const ModelConfig& config, const ModelPart& part, DType dtype, Device device,
+                 Unbound)
+    : config_(config), part_(part), dtype_(dtype), device_(device) {
   config_.validate();
+  part_.validate(config_);
   build([](const Shape&) { return Tensor(); });
 }
 
 std::unique_ptr<Weights> Weights::unbound(const ModelConfig& config, DType dtype, Device device) {
-  return std::unique_ptr<Weights>(new Weights(config, dtype, device, Unbound{}));
+  return unbound(config, ModelPart::whole(config), dtype, device);
+}
+
+std::unique_ptr<Weights> Weights::unbound(const ModelConfig& config, const ModelPart& part,
+                                          DType dtype, Device device) {
+  return std::unique_ptr<Weights>(new Weights(config, part, dtype, device, Unbound{}));
 }
 
 void Weights::bind(size_t first, size_t end, const Tensor& flat) {
@@ -106,12 +133,16 @@ void Weights::build(Alloc&& alloc) {
   auto narrow = [](const Tensor& t, int64_t start, int64_t len) {
     return t.defined() ? t.narrow(start, len) : Tensor();
   };
-  embed = add_storage("model.embed_tokens.weight", {V, C});
-  add_named("model.embed_tokens.weight", embed);
-  layers.resize(static_cast<size_t>(config.num_layers));
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    LayerWeights& w = layers[static_cast<size_t>(l)];
-    const std::string p = hf_layer_prefix(l);
+  const ModelPart& part = part_;
+  embed = Tensor();
+  if (part.embedding) {
+    embed = add_storage("model.embed_tokens.weight", {V, C});
+    add_named("model.embed_tokens.weight", embed);
+  }
+  layers.assign(static_cast<size_t>(part.num_layers), LayerWeights{});
+  for (int64_t i = 0; i < part.num_layers; ++i) {
+    LayerWeights& w = layers[static_cast<size_t>(i)];
+    const std::string p = hf_layer_prefix(part.first_layer + i);
     w.input_norm = add_storage(p + "input_layernorm.weight", {C});
     w.qkv = add_storage(p + "self_attn.qkv_proj.weight", {QKV, C});
     w.q = narrow(w.qkv, 0, H * D);
@@ -152,13 +183,19 @@ void Weights::build(Alloc&& alloc) {
     add_named(p + "mlp.down_proj.weight", w.down);
     add_named(p + "post_attention_layernorm.weight", w.post_norm);
   }
-  final_norm = add_storage("model.norm.weight", {C});
-  add_named("model.norm.weight", final_norm);
-  if (config.tie_word_embeddings) {
-    lm_head = embed;
-  } else {
-    lm_head = add_storage("lm_head.weight", {V, C});
-    add_named("lm_head.weight", lm_head);
+  final_norm = lm_head = Tensor();
+  if (part.head) {
+    final_norm = add_storage("model.norm.weight", {C});
+    add_named("model.norm.weight", final_norm);
+    if (config.tie_word_embeddings && part.embedding) {
+      lm_head = embed;
+    } else {
+      // Tied without the embedding: the head's own copy of the embedding matrix, by its name.
+      const char* name =
+          config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+      lm_head = add_storage(name, {V, C});
+      add_named(name, lm_head);
+    }
   }
   storage_ = std::move(storage);
 }
@@ -170,8 +207,9 @@ const Tensor* Weights::find(std::string_view name) const {
 
 const Tensor& Weights::at(std::string_view name) const {
   const Tensor* t = find(name);
-  TANDEM_CHECK(t != nullptr, "weights: the {} model has no parameter named '{}'",
-               architecture_name(config_.arch), name);
+  TANDEM_CHECK(t != nullptr, "weights: the {} model{} has no parameter named '{}'",
+               architecture_name(config_.arch),
+               whole() ? std::string() : fmt::format(" part ({})", part_.str(config_)), name);
   return *t;
 }
 
@@ -180,11 +218,28 @@ void Weights::zero() {
 }
 
 void Weights::copy_from(const Weights& other) {
-  TANDEM_CHECK(other.storage_.size() == storage_.size(),
-               "weights: copy between different models ({} and {} tensors)", other.storage_.size(),
-               storage_.size());
+  const bool same_part = other.part_ == part_;
+  TANDEM_CHECK((same_part && other.storage_.size() == storage_.size()) ||
+                   (!same_part && other.config_.num_layers == config_.num_layers &&
+                    other.config_.tie_word_embeddings == config_.tie_word_embeddings),
+               "weights: copy between different models ({} and {} tensors, {} and {} layers)",
+               other.storage_.size(), storage_.size(), other.config_.num_layers,
+               config_.num_layers);
+  // Another part: each of this table's storage tensors from other's of the same name.
+  std::unordered_map<std::string_view, size_t> theirs;
+  if (!same_part)
+    for (size_t i = 0; i < other.storage_.size(); ++i) theirs.emplace(other.storage_[i].name, i);
   for (size_t i = 0; i < storage_.size(); ++i) {
-    const Tensor& src = other.storage_[i].tensor;
+    size_t j = i;
+    if (!same_part) {
+      const auto it = theirs.find(storage_[i].name);
+      TANDEM_CHECK(it != theirs.end(),
+                   "weights: copy of {} into {} from a table that lacks it ({}): copy from the "
+                   "whole model or the same part",
+                   storage_[i].name, part_.str(config_), other.part_.str(other.config_));
+      j = it->second;
+    }
+    const Tensor& src = other.storage_[j].tensor;
     Tensor& dst = storage_[i].tensor;
     TANDEM_CHECK(src.shape() == dst.shape(), "weights: {} is {} here and {} in the source",
                  storage_[i].name, dst.shape(), src.shape());
@@ -215,8 +270,13 @@ void init_random(Weights& w, uint64_t seed) {
   TANDEM_CHECK(w.dtype() == DType::f32 && w.device().is_cpu(),
                "init_random fills f32 CPU weights, not {} on {}", w.dtype(), w.device());
   const std::span<const NamedTensor> storage = w.storage();
-  for (size_t t = 0; t < storage.size(); ++t) {
-    const NamedTensor& s = storage[t];
+  // Each storage tensor's index in the whole model: the Philox stream of its values.
+  std::unordered_map<std::string_view, uint64_t> stream;
+  const std::unique_ptr<Weights> whole = Weights::unbound(w.config(), w.dtype());
+  for (size_t t = 0; t < whole->storage().size(); ++t) stream.emplace(whole->storage()[t].name, t);
+  for (size_t i = 0; i < storage.size(); ++i) {
+    const NamedTensor& s = storage[i];
+    const uint64_t t = stream.at(s.name);
     const InitRange r = init_range(s.name, s.tensor.ndim() > 1 ? s.tensor.size(1) : 1);
     const float lo = static_cast<float>(r.lo), hi = static_cast<float>(r.hi);
     float* p = s.tensor.data_as<float>();

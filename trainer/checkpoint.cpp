@@ -296,6 +296,10 @@ void check_save_arguments(int64_t step, const TrainerState& state,
 void check_policy(const model::Weights& policy) {
   TANDEM_CHECK(policy.dtype() == DType::f32,
                "checkpoint: the policy must be the f32 master weights, got {}", policy.dtype());
+  TANDEM_CHECK(policy.whole(),
+               "checkpoint: the policy holds a model part ({}); a checkpoint holds the whole "
+               "model: copy the stages' parts into whole weights first",
+               policy.part().str(policy.config()));
 }
 
 fs::path tmp_dir(const fs::path& root, int64_t step, int64_t pid) {

@@ -124,10 +124,10 @@ AdamW::AdamW(model::Weights& params, const AdamWConfig& config) : params_(params
   TANDEM_CHECK(params.dtype() == DType::f32,
                "optimizer: the master weights must be f32, got {} (load the policy as f32)",
                params.dtype());
-  m_ = std::make_unique<model::Weights>(params.config(), DType::f32, params.device(),
-                                        ArenaClass::optimizer_states);
-  v_ = std::make_unique<model::Weights>(params.config(), DType::f32, params.device(),
-                                        ArenaClass::optimizer_states);
+  m_ = std::make_unique<model::Weights>(params.config(), params.part(), DType::f32,
+                                        params.device(), ArenaClass::optimizer_states);
+  v_ = std::make_unique<model::Weights>(params.config(), params.part(), DType::f32,
+                                        params.device(), ArenaClass::optimizer_states);
   m_->zero();
   v_->zero();
   for (const model::NamedTensor& s : params.storage()) decay_.push_back(decays(config_, s.name));
@@ -933,6 +933,10 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
                "trainer.deterministic = false, or train on the CPU",
                params.device().str());
   TANDEM_CHECK(options.bucket_bytes > 0, "optimizer: bucket of {} bytes", options.bucket_bytes);
+  TANDEM_CHECK(params.whole(),
+               "optimizer: sharded AdamW shards whole weights (its units number the embedding, "
+               "every layer and the head), got a model part ({}): use AdamW for a pipeline stage",
+               params.part().str(params.config()));
   impl_ = std::make_unique<Impl>(params, comm, config, options);
   impl_->init();
 }
@@ -1048,8 +1052,8 @@ void ShardedAdamW::gather_unit(size_t unit, const Tensor& out) {
 
 void AdamW::begin_step() {
   if (!grads_)
-    grads_ = std::make_unique<model::Weights>(params_.config(), DType::f32, params_.device(),
-                                              ArenaClass::gradients);
+    grads_ = std::make_unique<model::Weights>(params_.config(), params_.part(), DType::f32,
+                                              params_.device(), ArenaClass::gradients);
   grads_->zero();
 }
 

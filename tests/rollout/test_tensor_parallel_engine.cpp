@@ -105,9 +105,6 @@ TEST_CASE("tensor-parallel decoder logits match the whole model at 2 and 4 ranks
       INFO(k.kind << " at " << k.ranks << " ranks, rank " << r << ": " << lines[0]);
       CHECK(largest > 1.0);  // logits of a real spread, not zeros
       CHECK(diff <= kLogitTolerance * largest);
-      CHECK(results[static_cast<size_t>(r)].out.find(
-                "forward refused: decoder forward: a tensor-parallel decoder") !=
-            std::string::npos);
     }
   }
 }

@@ -180,18 +180,6 @@ int scenario_logits(const model::ModelConfig& c, const model::Weights& full,
     compare();
   }
   std::printf("logits max_abs_diff %.9g max_abs %.9g\n", max_diff, max_abs);
-  if (tp != nullptr) {
-    // A shard's decoder does not train.
-    const auto batch = model::PackedBatch::from_sequences(seqs);
-    Tensor lp_out = Tensor::empty({batch.num_tokens()}, DType::f32);
-    try {
-      part.forward(batch, lp_out, Tensor());
-      std::printf("a tensor-parallel forward ran\n");
-      return 1;
-    } catch (const Error& e) {
-      std::printf("forward refused: %s\n", e.what());
-    }
-  }
   return 0;
 }
 
