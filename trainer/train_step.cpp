@@ -160,6 +160,7 @@ model::DecoderOptions decoder_options(int64_t max_tokens, const ModelParallel& p
   model::DecoderOptions o;
   o.max_tokens = max_tokens;
   o.tp_group = parallel.tp;
+  o.tp_kv_heads = parallel.tp_kv_heads;
   if (optimizer != nullptr) o.unit_hooks = optimizer->unit_hooks();
   return o;
 }

@@ -82,6 +82,9 @@ struct BatchShard {
 // ShardOptions::model_parallel). Null: whole layers.
 struct ModelParallel {
   Communicator* tp = nullptr;
+  // The whole model's num_key_value_heads, which a shard of one KV head cannot tell
+  // (DecoderOptions::tp_kv_heads); 0 when the shards hold several.
+  int64_t tp_kv_heads = 0;
 };
 
 class PolicyTrainer {

@@ -1,0 +1,184 @@
+// PolicyTrainer on tensor-parallel ranks (ModelParallel::tp): each rank trains its shard of the
+// policy; the losses, gradient norms and weights after two steps are the one-rank job's but for
+// the rounding of sums split by rank, and with data parallelism beside tensor parallelism the
+// deterministic update has the same bits on 1 and 2 data-parallel ranks.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/tensor_parallel.h"
+#include "tests/model/tiny_model.h"
+#include "tests/testutil.h"
+#include "tests/trainer/on_ranks.h"
+#include "trainer/train_step.h"
+
+namespace tandem::trainer {
+namespace {
+
+// G samples of each of `groups` random prompts, as the sharded-training tests draw them.
+std::vector<TrainSample> random_batch(int groups, int G, int64_t V, uint64_t seed) {
+  std::vector<TrainSample> out;
+  for (int g = 0; g < groups; ++g) {
+    const Tensor p = test::random_ints({5}, DType::i32, seed + 100 * g, 0, V);
+    std::vector<int32_t> prompt(p.data_as<int32_t>(), p.data_as<int32_t>() + 5);
+    for (int i = 0; i < G; ++i) {
+      const int n = 2 + (g * 3 + i) % 6;
+      const Tensor c = test::random_ints({n}, DType::i32, seed + 100 * g + i + 1, 0, V);
+      TrainSample s;
+      s.prompt = prompt;
+      s.completion.assign(c.data_as<int32_t>(), c.data_as<int32_t>() + n);
+      s.rollout_logp.assign(static_cast<size_t>(n), -4.0f - 0.01f * static_cast<float>(i));
+      s.advantage = static_cast<float>((i % 3) - 1) * 0.7f + 0.1f * static_cast<float>(g);
+      s.group = g;
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+// The tiny tied Llama with a vocabulary 2 ranks split (H = 4, Hkv = 2, F = 96).
+model::ModelConfig splittable_config() {
+  model::ModelConfig c = test::tiny_model_config(test::TinyKind::llama_tied);
+  c.vocab_size = 102;
+  return c;
+}
+
+struct Run {
+  std::vector<double> loss;
+  std::vector<float> grad_norm;
+  std::unique_ptr<model::Weights> weights;  // the whole f32 policy after the steps
+};
+
+// `steps` training steps on dp x tp ranks (tensor-parallel ranks adjacent, as the grid orders
+// them); data-parallel rank d trains the groups g with g % dp == d.
+Run train(const model::ModelConfig& cfg, int dp, int tp, ShardLevel level,
+          const std::vector<TrainSample>& batch, int steps) {
+  model::Weights start(cfg, DType::f32);
+  test::fill_random_weights(start, 7);
+  Run run;
+  run.weights = std::make_unique<model::Weights>(cfg, DType::f32);
+  std::vector<std::unique_ptr<model::Weights>> shards(static_cast<size_t>(tp));
+  const test::TempDir tmp("mp-training");
+  test::on_ranks(dp * tp, tmp.file("store"), [&](int r, Communicator& world) {
+    const int d = r / tp, t = r % tp;
+    std::unique_ptr<Communicator> dp_group, tp_group;
+    std::vector<int> dp_ranks, tp_ranks;
+    for (int j = 0; j < dp; ++j) dp_ranks.push_back(j * tp + t);
+    for (int k = 0; k < tp; ++k) tp_ranks.push_back(d * tp + k);
+    if (dp > 1) dp_group = world.split("dp" + std::to_string(t), dp_ranks);
+    if (tp > 1) tp_group = world.split("tp" + std::to_string(d), tp_ranks);
+    std::unique_ptr<model::Weights> w = model::cut_tp_shard(start, t, tp);
+    ShardOptions so;
+    so.level = level;
+    so.deterministic = true;
+    so.model_parallel = tp_group.get();
+    if (t > 0)
+      for (const model::NamedTensor& s : w->storage())
+        if (s.name.find("norm") != std::string::npos) so.norm_excluded.push_back(s.name);
+    AdamWConfig ac;
+    ac.max_grad_norm = 0.05f;  // clipped: the global norm decides
+    ac.eps = 1e-3f;  // an update continuous in the gradient, so rounding stays rounding-sized
+    ShardedAdamW opt(*w, dp_group.get(), ac, so);
+    const LrSchedule lr(LrScheduleConfig{.lr = 1e-2f});
+    TrainStepConfig tc;
+    tc.deterministic = true;
+    tc.micro_batch_tokens = 24;  // several micro-batches
+    tc.minibatches = 2;          // the old logprobs recomputed
+    tc.loss.kl_beta = 0;
+    PolicyTrainer trainer(opt, nullptr, lr, tc, ModelParallel{tp_group.get(), cfg.num_kv_heads});
+    BatchShard shard;
+    std::vector<TrainSample> mine;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      shard.lengths.push_back(static_cast<int64_t>(batch[i].completion.size()));
+      if (batch[i].group % dp == d) {
+        shard.positions.push_back(i);
+        mine.push_back(batch[i]);
+      }
+    }
+    for (int s = 0; s < steps; ++s) {
+      const TrainStepMetrics m = trainer.step(mine, dp > 1 ? &shard : nullptr);
+      if (r == 0) {
+        run.loss.push_back(m.loss);
+        run.grad_norm.push_back(m.grad_norm);
+      }
+    }
+    if (d == 0) {
+      shards[static_cast<size_t>(t)] = std::make_unique<model::Weights>(w->config(), DType::f32);
+      shards[static_cast<size_t>(t)]->copy_from(opt.params());
+    }
+  });
+  // The whole policy from the shards: every parameter's slices put back where they were cut.
+  const model::Weights& full = *run.weights;
+  for (int t = 0; t < tp; ++t) {
+    REQUIRE(shards[static_cast<size_t>(t)] != nullptr);
+    const model::TpSplit split = model::tp_split(cfg, t, tp);
+    for (const model::NamedTensor& n : shards[static_cast<size_t>(t)]->named()) {
+      const model::TpSlice s = model::tp_slice(cfg, split, n.name);
+      const Tensor dst = full.at(n.name);
+      const int64_t rows = dst.size(0), cols = dst.ndim() > 1 ? dst.size(1) : 1;
+      const float* src = n.tensor.data_as<float>();
+      float* out = dst.data_as<float>();
+      if (s.dim == 1) {
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < s.length; ++j)
+            out[i * cols + s.begin + j] = src[i * s.length + j];
+      } else {
+        std::copy(src, src + n.tensor.numel(), out + s.begin * cols);
+      }
+    }
+  }
+  return run;
+}
+
+double max_abs_diff(const model::Weights& a, const model::Weights& b) {
+  double worst = 0;
+  for (size_t t = 0; t < a.storage().size(); ++t) {
+    const float* x = a.storage()[t].tensor.data_as<float>();
+    const float* y = b.storage()[t].tensor.data_as<float>();
+    for (int64_t i = 0; i < a.storage()[t].tensor.numel(); ++i)
+      worst = std::max(worst, std::abs(static_cast<double>(x[i]) - y[i]));
+  }
+  return worst;
+}
+
+bool same_bits(const model::Weights& a, const model::Weights& b) {
+  for (size_t t = 0; t < a.storage().size(); ++t)
+    if (std::memcmp(a.storage()[t].tensor.data(), b.storage()[t].tensor.data(),
+                    a.storage()[t].tensor.nbytes()) != 0)
+      return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("tensor-parallel training on 2 ranks trains the weights of one rank up to rounding",
+          "[unit]") {
+  const model::ModelConfig cfg = splittable_config();
+  const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 11);
+  for (const ShardLevel level : {ShardLevel::optimizer, ShardLevel::gradients}) {
+    INFO("trainer.shard = " << shard_level_name(level));
+    const Run one = train(cfg, 1, 1, level, batch, 2);
+    const Run tp2 = train(cfg, 1, 2, level, batch, 2);
+    const Run dp2tp2 = train(cfg, 2, 2, level, batch, 2);
+    for (size_t s = 0; s < one.loss.size(); ++s) {
+      // The logprobs' and the gradients' sums are split by rank: f32 rounding, not bits.
+      CHECK(std::abs(tp2.loss[s] - one.loss[s]) <= 1e-5 * (std::abs(one.loss[s]) + 1e-3));
+      CHECK(std::abs(tp2.grad_norm[s] - one.grad_norm[s]) <= 1e-5f * one.grad_norm[s]);
+      // (The reported loss adds the data-parallel ranks' parts in another order.)
+      CHECK(std::abs(dp2tp2.loss[s] - tp2.loss[s]) <= 1e-12 * std::abs(tp2.loss[s]));
+      CHECK(dp2tp2.grad_norm[s] == tp2.grad_norm[s]);
+    }
+    // Two clipped steps of lr 1e-2 move weights by up to 2e-2; rounding moves them far less.
+    CHECK(max_abs_diff(*tp2.weights, *one.weights) < 2e-6);
+    CHECK(max_abs_diff(*tp2.weights, *one.weights) > 0);  // the sums really were split
+    // Data parallelism beside tensor parallelism: the deterministic update's bits.
+    CHECK(same_bits(*dp2tp2.weights, *tp2.weights));
+  }
+}
+
+}  // namespace tandem::trainer
