@@ -124,10 +124,10 @@ AdamW::AdamW(model::Weights& params, const AdamWConfig& config) : params_(params
   TANDEM_CHECK(params.dtype() == DType::f32,
                "optimizer: the master weights must be f32, got {} (load the policy as f32)",
                params.dtype());
-  m_ = std::make_unique<model::Weights>(params.config(), params.part(), DType::f32,
-                                        params.device(), ArenaClass::optimizer_states);
-  v_ = std::make_unique<model::Weights>(params.config(), params.part(), DType::f32,
-                                        params.device(), ArenaClass::optimizer_states);
+  m_ = std::make_unique<model::Weights>(params.config(), params.part(), DType::f32, params.device(),
+                                        ArenaClass::optimizer_states);
+  v_ = std::make_unique<model::Weights>(params.config(), params.part(), DType::f32, params.device(),
+                                        ArenaClass::optimizer_states);
   m_->zero();
   v_->zero();
   for (const model::NamedTensor& s : params.storage()) decay_.push_back(decays(config_, s.name));
@@ -869,8 +869,8 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     if (fixed_sum.arena) fixed_sum.t.zero();
     if (!sharded_grads()) {
       if (!whole_grads) {
-        whole_grads = std::make_unique<model::Weights>(model_config, DType::f32, dev.device(),
-                                                       ArenaClass::gradients);
+        whole_grads = std::make_unique<model::Weights>(model_config, full->part(), DType::f32,
+                                                       dev.device(), ArenaClass::gradients);
         held.add(ArenaClass::gradients, static_cast<int64_t>(whole_grads->nbytes()));
       }
       whole_grads->zero();
@@ -933,10 +933,11 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
                "trainer.deterministic = false, or train on the CPU",
                params.device().str());
   TANDEM_CHECK(options.bucket_bytes > 0, "optimizer: bucket of {} bytes", options.bucket_bytes);
-  TANDEM_CHECK(params.whole(),
-               "optimizer: sharded AdamW shards whole weights (its units number the embedding, "
-               "every layer and the head), got a model part ({}): use AdamW for a pipeline stage",
-               params.part().str(params.config()));
+  TANDEM_CHECK(params.whole() || options.level == ShardLevel::optimizer,
+               "optimizer: sharded AdamW shards the gradients and parameters of whole weights only "
+               "(its unit hooks number the embedding, every layer and the head), got a model part "
+               "({}) at trainer.shard = \"{}\": use \"optimizer\" for a pipeline stage",
+               params.part().str(params.config()), shard_level_name(options.level));
   impl_ = std::make_unique<Impl>(params, comm, config, options);
   impl_->init();
 }

@@ -8,6 +8,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "trainer/parallel/pipeline_runner.h"
 
 namespace tandem::trainer {
 namespace {
@@ -60,51 +61,45 @@ model::PackedBatch pack(std::span<const TrainSample> samples, bool share_prompts
 // too large value is carried as kFixedInvalid, which the optimizer takes for a non-finite norm.
 // The batch's metrics from every rank's: sums summed, extremes of the extremes, the step's
 // counters (the same on every rank) kept.
-void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
+// The metrics a rank's part of a batch adds (sums) and bounds (maxes; minima negated), in one
+// order for the exchanges below.
+struct MetricVectors {
+  std::vector<double> sums, maxes;
+};
+
+MetricVectors pack_metrics(const TrainStepMetrics& m) {
+  const PolicyLossMetrics& p = m.policy;
+  return {{m.loss,
+           static_cast<double>(m.tokens),
+           static_cast<double>(m.packed_tokens),
+           m.rollout_vs_trainer_mean_abs * static_cast<double>(m.tokens),
+           static_cast<double>(p.tokens),
+           static_cast<double>(p.sequences),
+           p.pg_loss,
+           p.kl_loss,
+           p.entropy_loss,
+           static_cast<double>(p.clipped_low),
+           static_cast<double>(p.clipped_high),
+           static_cast<double>(p.clipped_dual),
+           p.kl_old_k1_sum,
+           p.kl_old_k3_sum,
+           p.kl_ref_sum,
+           p.entropy_sum,
+           p.ratio_sum,
+           p.is_weight_sum,
+           static_cast<double>(p.is_capped),
+           static_cast<double>(p.mismatch_tokens),
+           p.mismatch_abs_sum,
+           p.mismatch_mult_sum},
+          {m.rollout_vs_trainer_max_abs, -p.ratio_min, p.ratio_max, -p.is_weight_min,
+           p.is_weight_max, p.mismatch_abs_max, m.seconds_old, m.seconds_ref, m.seconds_update,
+           m.comm_s, m.comm_exposed_s}};
+}
+
+void unpack_metrics(const MetricVectors& v, TrainStepMetrics& m) {
   PolicyLossMetrics& p = m.policy;
-  std::vector<double> sums = {m.loss,
-                              static_cast<double>(m.tokens),
-                              static_cast<double>(m.packed_tokens),
-                              m.rollout_vs_trainer_mean_abs * static_cast<double>(m.tokens),
-                              static_cast<double>(p.tokens),
-                              static_cast<double>(p.sequences),
-                              p.pg_loss,
-                              p.kl_loss,
-                              p.entropy_loss,
-                              static_cast<double>(p.clipped_low),
-                              static_cast<double>(p.clipped_high),
-                              static_cast<double>(p.clipped_dual),
-                              p.kl_old_k1_sum,
-                              p.kl_old_k3_sum,
-                              p.kl_ref_sum,
-                              p.entropy_sum,
-                              p.ratio_sum,
-                              p.is_weight_sum,
-                              static_cast<double>(p.is_capped),
-                              static_cast<double>(p.mismatch_tokens),
-                              p.mismatch_abs_sum,
-                              p.mismatch_mult_sum};
-  std::vector<double> maxes = {m.rollout_vs_trainer_max_abs,
-                               -p.ratio_min,
-                               p.ratio_max,
-                               -p.is_weight_min,
-                               p.is_weight_max,
-                               p.mismatch_abs_max,
-                               m.seconds_old,
-                               m.seconds_ref,
-                               m.seconds_update,
-                               m.comm_s,
-                               m.comm_exposed_s};
-  const std::vector<double> all_sums = gather_doubles(comm, sums);
-  const std::vector<double> all_maxes = gather_doubles(comm, maxes);
-  std::vector<double> a(sums.size(), 0.0),
-      b(maxes.size(), -std::numeric_limits<double>::infinity());
-  for (int r = 0; r < comm.size(); ++r) {
-    for (size_t i = 0; i < a.size(); ++i) a[i] += all_sums[static_cast<size_t>(r) * a.size() + i];
-    for (size_t i = 0; i < b.size(); ++i)
-      b[i] = std::max(b[i], all_maxes[static_cast<size_t>(r) * b.size() + i]);
-  }
-  const auto i64 = [](double v) { return static_cast<int64_t>(std::llround(v)); };
+  const std::vector<double>&a = v.sums, &b = v.maxes;
+  const auto i64 = [](double x) { return static_cast<int64_t>(std::llround(x)); };
   m.loss = a[0];
   m.tokens = i64(a[1]);
   m.packed_tokens = i64(a[2]);
@@ -140,6 +135,90 @@ void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
   m.comm_exposed_s = b[10];
 }
 
+// The batch's metrics from every rank's: sums summed, extremes of the extremes, the step's
+// counters (the same on every rank) kept.
+void reduce_metrics(Communicator& comm, TrainStepMetrics& m) {
+  MetricVectors v = pack_metrics(m);
+  const std::vector<double> all_sums = gather_doubles(comm, v.sums);
+  const std::vector<double> all_maxes = gather_doubles(comm, v.maxes);
+  std::fill(v.sums.begin(), v.sums.end(), 0.0);
+  std::fill(v.maxes.begin(), v.maxes.end(), -std::numeric_limits<double>::infinity());
+  for (int r = 0; r < comm.size(); ++r) {
+    for (size_t i = 0; i < v.sums.size(); ++i)
+      v.sums[i] += all_sums[static_cast<size_t>(r) * v.sums.size() + i];
+    for (size_t i = 0; i < v.maxes.size(); ++i)
+      v.maxes[i] = std::max(v.maxes[i], all_maxes[static_cast<size_t>(r) * v.maxes.size() + i]);
+  }
+  unpack_metrics(v, m);
+}
+
+// A pipeline's metrics are its last stage's (the one that computes the loss): sent to every stage
+// (a broadcast of the packed doubles over the pipeline group).
+void broadcast_last_stage_metrics(Communicator& pp, TrainStepMetrics& m) {
+  MetricVectors v = pack_metrics(m);
+  std::vector<double> all = v.sums;
+  all.insert(all.end(), v.maxes.begin(), v.maxes.end());
+  // (T) f64 bytes, carried as i64: the Communicator moves 8-byte words as they are.
+  pp.broadcast(Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::i64),
+               pp.size() - 1);
+  std::copy(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(v.sums.size()), v.sums.begin());
+  std::copy(all.begin() + static_cast<std::ptrdiff_t>(v.sums.size()), all.end(), v.maxes.begin());
+  unpack_metrics(v, m);
+}
+
+// One micro-batch's loss from its logprobs and entropies lp, ent (T) (the rows of batch.head_rows
+// are the samples' completion tokens in order): the loss, merged into metrics, and its gradient
+// with respect to them (dentropy undefined without an entropy term).
+struct MicroLoss {
+  double loss = 0;
+  Tensor dlogprob, dentropy;  // (T)
+};
+
+MicroLoss micro_loss(std::span<const TrainSample> part, size_t first_sample,
+                     const model::PackedBatch& batch, const Tensor& lp, const Tensor& ent,
+                     std::span<const float> old_logp, std::span<const float> ref_logp,
+                     const PolicyLossConfig& config, const LossNormalisers& norm,
+                     TrainStepMetrics& metrics) {
+  const int64_t T = batch.num_tokens();
+  std::vector<int32_t> lens;
+  std::vector<float> adv, logp, entropy, rollout;
+  size_t head = 0;  // the next entry of batch.head_rows: sample b's completion token k
+  for (size_t b = 0; b < part.size(); ++b) {
+    const int64_t nc = static_cast<int64_t>(part[b].completion.size());
+    TANDEM_CHECK(static_cast<int64_t>(part[b].rollout_logp.size()) == nc,
+                 "trainer: sample {} has {} completion tokens and {} rollout logprobs",
+                 first_sample + b, nc, part[b].rollout_logp.size());
+    lens.push_back(static_cast<int32_t>(nc));
+    adv.push_back(part[b].advantage);
+    for (int64_t k = 0; k < nc; ++k) {
+      const int64_t row = batch.head_rows[head++];
+      logp.push_back(lp.data_as<float>()[row]);
+      entropy.push_back(ent.data_as<float>()[row]);
+      rollout.push_back(part[b].rollout_logp[static_cast<size_t>(k)]);
+    }
+  }
+  const size_t n = logp.size();
+  PolicyLossInput in;
+  in.seq_lens = lens;
+  in.advantages = adv;
+  in.logp = logp;
+  in.old_logp = old_logp.subspan(0, n);
+  if (!ref_logp.empty()) in.ref_logp = ref_logp.subspan(0, n);
+  in.rollout_logp = rollout;
+  in.entropy = entropy;
+  const PolicyLoss pl = compute_policy_loss(in, config, norm);
+  metrics.policy.merge(pl.metrics);
+  MicroLoss out;
+  out.loss = pl.loss;
+  out.dlogprob = Tensor::zeros({T}, DType::f32);
+  if (config.entropy_coef != 0) out.dentropy = Tensor::zeros({T}, DType::f32);
+  for (size_t i = 0; i < n; ++i) {
+    out.dlogprob.data_as<float>()[batch.head_rows[i]] = pl.dlogp[i];
+    if (out.dentropy.defined()) out.dentropy.data_as<float>()[batch.head_rows[i]] = pl.dentropy[i];
+  }
+  return out;
+}
+
 }  // namespace
 
 void TrainStepConfig::validate() const {
@@ -161,6 +240,8 @@ model::DecoderOptions decoder_options(int64_t max_tokens, const ModelParallel& p
   o.max_tokens = max_tokens;
   o.tp_group = parallel.tp;
   o.tp_kv_heads = parallel.tp_kv_heads;
+  // 1F1B keeps at most P - s micro-batches in flight on stage s of P.
+  if (parallel.pp != nullptr) o.pipeline_slots = parallel.pp->size() - parallel.pp->rank();
   if (optimizer != nullptr) o.unit_hooks = optimizer->unit_hooks();
   return o;
 }
@@ -180,6 +261,9 @@ PolicyTrainer::PolicyTrainer(Optimizer& optimizer, const model::Weights* referen
           policy_, decoder_options(config.micro_batch_tokens, parallel, &optimizer))),
       comm_(optimizer.comm()) {
   config_.validate();
+  TANDEM_CHECK(parallel_.tp == nullptr || parallel_.pp == nullptr,
+               "trainer: tensor and pipeline parallelism in one trainer are not built yet (the "
+               "decoder runs a TP shard or a pipeline stage); set trainer.tp or trainer.pp");
   auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer);
   TANDEM_CHECK(!config_.deterministic || (sharded != nullptr && sharded->options().deterministic),
                "trainer: the deterministic update needs the sharded optimizer in its "
@@ -212,6 +296,7 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
         weights, decoder_options(config_.micro_batch_tokens, parallel_));
     dec = other.get();
   }
+  if (parallel_.pp != nullptr) return pipeline_logprobs(*dec, samples, entropy);
   std::vector<float> out;
   out.reserve(static_cast<size_t>(completion_tokens(samples)));
   if (entropy != nullptr) entropy->clear();
@@ -247,6 +332,8 @@ size_t PolicyTrainer::agree_passes(size_t mine, bool backward) {
 double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
                                  std::span<const float> old_logp, std::span<const float> ref_logp,
                                  const LossNormalisers& norm, TrainStepMetrics& metrics) {
+  if (parallel_.pp != nullptr)
+    return accumulate_pipelined(samples, old_logp, ref_logp, norm, metrics);
   double loss = 0;
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
   const auto parts =
@@ -262,49 +349,120 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     optimizer_.begin_pass(true);
     decoder_->forward(batch, lp, ent, config_.temperature);
 
-    std::vector<int32_t> lens;
-    std::vector<float> adv, logp, entropy, rollout;
-    size_t head = 0;  // the next entry of batch.head_rows: sample b's completion token k
-    for (size_t b = 0; b < part.size(); ++b) {
-      const int64_t nc = static_cast<int64_t>(part[b].completion.size());
-      TANDEM_CHECK(static_cast<int64_t>(part[b].rollout_logp.size()) == nc,
-                   "trainer: sample {} has {} completion tokens and {} rollout logprobs", b0 + b,
-                   nc, part[b].rollout_logp.size());
-      lens.push_back(static_cast<int32_t>(nc));
-      adv.push_back(part[b].advantage);
-      for (int64_t k = 0; k < nc; ++k) {
-        const int64_t row = batch.head_rows[head++];
-        logp.push_back(lp.data_as<float>()[row]);
-        entropy.push_back(ent.data_as<float>()[row]);
-        rollout.push_back(part[b].rollout_logp[static_cast<size_t>(k)]);
-      }
-    }
-    const size_t n = logp.size();
-    PolicyLossInput in;
-    in.seq_lens = lens;
-    in.advantages = adv;
-    in.logp = logp;
-    in.old_logp = old_logp.subspan(token0, n);
-    if (!ref_logp.empty()) in.ref_logp = ref_logp.subspan(token0, n);
-    in.rollout_logp = rollout;
-    in.entropy = entropy;
-    const PolicyLoss pl = compute_policy_loss(in, config_.loss, norm);
-    loss += pl.loss;
-    metrics.policy.merge(pl.metrics);
-
-    Tensor dlogprob = Tensor::zeros({T}, DType::f32);
-    Tensor dentropy;
-    if (config_.loss.entropy_coef != 0) dentropy = Tensor::zeros({T}, DType::f32);
-    for (size_t i = 0; i < n; ++i) {
-      dlogprob.data_as<float>()[batch.head_rows[i]] = pl.dlogp[i];
-      if (dentropy.defined()) dentropy.data_as<float>()[batch.head_rows[i]] = pl.dentropy[i];
-    }
-    decoder_->backward(dlogprob, dentropy, optimizer_.gradients());
+    const MicroLoss ml = micro_loss(part, b0, batch, lp, ent, old_logp.subspan(token0),
+                                    ref_logp.empty() ? ref_logp : ref_logp.subspan(token0),
+                                    config_.loss, norm, metrics);
+    loss += ml.loss;
+    decoder_->backward(ml.dlogprob, ml.dentropy, optimizer_.gradients());
     optimizer_.end_micro_batch();
-    token0 += n;
+    token0 += batch.head_rows.size();
   }
   for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(true);
   return loss;
+}
+
+double PolicyTrainer::accumulate_pipelined(std::span<const TrainSample> samples,
+                                           std::span<const float> old_logp,
+                                           std::span<const float> ref_logp,
+                                           const LossNormalisers& norm, TrainStepMetrics& metrics) {
+  Communicator& pp = *parallel_.pp;
+  const bool first = pp.rank() == 0, last = pp.rank() == pp.size() - 1;
+  const int64_t C = decoder_->config().hidden_size;
+  // Every stage packs the same micro-batches (the plan the runner's shapes come from).
+  const auto parts =
+      micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
+  std::vector<model::PackedBatch> batches;
+  std::vector<size_t> token0;  // each micro-batch's first completion token in the minibatch
+  size_t tokens = 0;
+  for (const auto& [b0, b1] : parts) {
+    batches.push_back(pack(samples.subspan(b0, b1 - b0), share_));
+    token0.push_back(tokens);
+    tokens += batches.back().head_rows.size();
+    metrics.packed_tokens += batches.back().num_tokens();
+  }
+  double loss = 0;
+  std::vector<MicroLoss> grads_in(batches.size());  // the last stage's d loss / d logp
+  PipeStage stage;
+  stage.activation_shape = [&](int i) {
+    return Shape{batches[static_cast<size_t>(i)].num_tokens(), C};
+  };
+  stage.forward = [&](int i, const Tensor& input) {
+    const model::PackedBatch& batch = batches[static_cast<size_t>(i)];
+    const int64_t T = batch.num_tokens();
+    if (!last) {
+      Tensor h = Tensor::empty({T, C}, DType::f32);
+      decoder_->forward_stage(i, batch, input, h);
+      return h;
+    }
+    Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
+    decoder_->forward_stage(i, batch, input, lp, ent, config_.temperature);
+    const auto [b0, b1] = parts[static_cast<size_t>(i)];
+    const size_t t0 = token0[static_cast<size_t>(i)];
+    MicroLoss& ml = grads_in[static_cast<size_t>(i)];
+    ml =
+        micro_loss(samples.subspan(b0, b1 - b0), b0, batch, lp, ent, old_logp.subspan(t0),
+                   ref_logp.empty() ? ref_logp : ref_logp.subspan(t0), config_.loss, norm, metrics);
+    loss += ml.loss;
+    return Tensor();
+  };
+  stage.backward = [&](int i, const Tensor& grad_output) {
+    const int64_t T = batches[static_cast<size_t>(i)].num_tokens();
+    const Tensor dh_in = first ? Tensor() : Tensor::empty({T, C}, DType::f32);
+    if (last) {
+      const MicroLoss& ml = grads_in[static_cast<size_t>(i)];
+      decoder_->backward_stage(i, ml.dlogprob, ml.dentropy, optimizer_.gradients(), dh_in);
+    } else {
+      decoder_->backward_stage(i, grad_output, optimizer_.gradients(), dh_in);
+    }
+    optimizer_.end_micro_batch();
+    return dh_in;
+  };
+  run_pipeline(pp, PipeSchedule::one_f_one_b, static_cast<int>(batches.size()), stage);
+  return loss;
+}
+
+std::vector<float> PolicyTrainer::pipeline_logprobs(model::Decoder& dec,
+                                                    std::span<const TrainSample> samples,
+                                                    std::vector<float>* entropy) {
+  Communicator& pp = *parallel_.pp;
+  const int s = pp.rank();
+  const bool first = s == 0, last = s == pp.size() - 1;
+  const int64_t C = dec.config().hidden_size;
+  std::vector<float> out(static_cast<size_t>(completion_tokens(samples)), 0.0f);
+  if (entropy != nullptr) entropy->assign(out.size(), 0.0f);
+  size_t k = 0;  // the next completion token
+  const auto parts =
+      micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const model::PackedBatch batch =
+        pack(samples.subspan(parts[i].first, parts[i].second - parts[i].first), share_);
+    const int64_t T = batch.num_tokens();
+    const auto micro = static_cast<int64_t>(i);
+    Tensor input;
+    if (!first) {  // the previous stage's activation: (T, C) f32
+      input = Tensor::empty({T, C}, DType::f32);
+      const P2POp op = recv_from(s - 1, input);
+      pp.send_recv(std::span(&op, 1));
+    }
+    if (!last) {
+      Tensor h = Tensor::empty({T, C}, DType::f32);
+      dec.forward_stage(micro, batch, input, h);
+      dec.drop_stage(micro);
+      const P2POp op = send_to(s + 1, h);  // (T, C) f32 to the next stage
+      pp.send_recv(std::span(&op, 1));
+      k += batch.head_rows.size();
+      continue;
+    }
+    Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
+    dec.forward_stage(micro, batch, input, lp, ent, config_.temperature);
+    dec.drop_stage(micro);
+    for (const int32_t row : batch.head_rows) {
+      out[k] = lp.data_as<float>()[row];
+      if (entropy != nullptr) (*entropy)[k] = ent.data_as<float>()[row];
+      ++k;
+    }
+  }
+  return out;
 }
 
 TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
@@ -400,6 +558,7 @@ TrainStepMetrics PolicyTrainer::step(std::span<const TrainSample> samples,
   const CommStats cs = optimizer_.take_comm_stats();
   m.comm_s = cs.comm_s;
   m.comm_exposed_s = cs.exposed_s;
+  if (parallel_.pp != nullptr) broadcast_last_stage_metrics(*parallel_.pp, m);
   if (shard != nullptr) reduce_metrics(*comm_, m);
   return m;
 }

@@ -79,9 +79,13 @@ struct BatchShard {
 // data-parallel group, which is the optimizer's: the tensor-parallel group its decoders split the
 // heads, the MLP and the vocabulary over (model/tensor_parallel.h; the policy and the reference
 // are then this rank's shards, and the optimizer's global norm sums over the group:
-// ShardOptions::model_parallel). Null: whole layers.
+// ShardOptions::model_parallel), or the pipeline group whose stage `pp->rank()` it runs (the
+// policy and the reference are then the stage's model::ModelPart; micro-batches go through the
+// stages under 1F1B, trainer::run_pipeline; the loss and the metrics are the last stage's, sent
+// to the others at the end of a step). Not both yet. Null: whole layers, every layer.
 struct ModelParallel {
   Communicator* tp = nullptr;
+  Communicator* pp = nullptr;
   // The whole model's num_key_value_heads, which a shard of one KV head cannot tell
   // (DecoderOptions::tp_kv_heads); 0 when the shards hold several.
   int64_t tp_kv_heads = 0;
@@ -121,6 +125,15 @@ class PolicyTrainer {
   double accumulate(std::span<const TrainSample> samples, std::span<const float> old_logp,
                     std::span<const float> ref_logp, const LossNormalisers& norm,
                     TrainStepMetrics& metrics);
+
+  // accumulate under pipeline parallelism: the micro-batches through the stages under 1F1B.
+  double accumulate_pipelined(std::span<const TrainSample> samples, std::span<const float> old_logp,
+                              std::span<const float> ref_logp, const LossNormalisers& norm,
+                              TrainStepMetrics& metrics);
+  // logprobs under pipeline parallelism: each micro-batch through the stages in turn; the last
+  // stage returns the values, the others zeros of the same length.
+  std::vector<float> pipeline_logprobs(model::Decoder& dec, std::span<const TrainSample> samples,
+                                       std::vector<float>* entropy);
 
   // The passes every rank runs: the most any rank has when the optimizer needs the ranks in step
   // (collective then; a rank runs idle passes after its own), else this rank's `mine`.

@@ -1,7 +1,10 @@
 // PolicyTrainer on tensor-parallel ranks (ModelParallel::tp): each rank trains its shard of the
 // policy; the losses, gradient norms and weights after two steps are the one-rank job's but for
 // the rounding of sums split by rank, and with data parallelism beside tensor parallelism the
-// deterministic update has the same bits on 1 and 2 data-parallel ranks.
+// deterministic update has the same bits on 1 and 2 data-parallel ranks. On pipeline stages
+// (ModelParallel::pp, 1F1B through trainer::run_pipeline): the one-rank weights bitwise with
+// untied embeddings, up to rounding with tied ones (the two copies' gradients are added once per
+// step rather than per micro-batch).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 #include "tests/trainer/on_ranks.h"
+#include "trainer/parallel/grid.h"
 #include "trainer/train_step.h"
 
 namespace tandem::trainer {
@@ -90,7 +94,8 @@ Run train(const model::ModelConfig& cfg, int dp, int tp, ShardLevel level,
     tc.micro_batch_tokens = 24;  // several micro-batches
     tc.minibatches = 2;          // the old logprobs recomputed
     tc.loss.kl_beta = 0;
-    PolicyTrainer trainer(opt, nullptr, lr, tc, ModelParallel{tp_group.get(), cfg.num_kv_heads});
+    PolicyTrainer trainer(opt, nullptr, lr, tc,
+                          ModelParallel{.tp = tp_group.get(), .tp_kv_heads = cfg.num_kv_heads});
     BatchShard shard;
     std::vector<TrainSample> mine;
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -130,6 +135,79 @@ Run train(const model::ModelConfig& cfg, int dp, int tp, ShardLevel level,
       } else {
         std::copy(src, src + n.tensor.numel(), out + s.begin * cols);
       }
+    }
+  }
+  return run;
+}
+
+// `steps` training steps on dp x pp ranks (stage-major, as the grid orders them); every stage
+// holds its model::ModelPart, the last one the loss.
+Run train_pipelined(const model::ModelConfig& cfg, int dp, int pp,
+                    const std::vector<TrainSample>& batch, int steps) {
+  model::Weights start(cfg, DType::f32);
+  test::fill_random_weights(start, 7);
+  Run run;
+  run.weights = std::make_unique<model::Weights>(cfg, DType::f32);
+  const bool tied = cfg.tie_word_embeddings;
+  const std::string embed = "model.embed_tokens.weight";
+  std::vector<std::unique_ptr<model::Weights>> stages(static_cast<size_t>(pp));
+  const test::TempDir tmp("pp-training");
+  test::on_ranks(dp * pp, tmp.file("store"), [&](int r, Communicator& world) {
+    const int s = r / dp, d = r % dp;
+    std::vector<int> dp_ranks, pp_ranks;
+    for (int j = 0; j < dp; ++j) dp_ranks.push_back(s * dp + j);
+    for (int k = 0; k < pp; ++k) pp_ranks.push_back(k * dp + d);
+    std::unique_ptr<Communicator> dp_group, pp_group, tie_group;
+    if (dp > 1) dp_group = world.split("dp" + std::to_string(s), dp_ranks);
+    pp_group = world.split("pp" + std::to_string(d), pp_ranks);
+    if (tied && (s == 0 || s == pp - 1))  // the embedding's two copies
+      tie_group = world.split("tie" + std::to_string(d), {d, (pp - 1) * dp + d});
+    const StageLayers layers = stage_layers(static_cast<int>(cfg.num_layers), s, pp);
+    model::Weights w(cfg, model::ModelPart::stage(cfg, layers.first, layers.end - layers.first),
+                     DType::f32);
+    w.copy_from(start);
+    ShardOptions so;
+    so.deterministic = true;
+    so.model_parallel = pp_group.get();
+    if (tie_group) so.shared = {{embed, tie_group.get()}};
+    if (tied && s == pp - 1) so.norm_excluded = {embed};  // stage 0 counts it
+    AdamWConfig ac;
+    ac.max_grad_norm = 0.05f;
+    ac.eps = 1e-3f;
+    ShardedAdamW opt(w, dp_group.get(), ac, so);
+    const LrSchedule lr(LrScheduleConfig{.lr = 1e-2f});
+    TrainStepConfig tc;
+    tc.deterministic = true;
+    tc.micro_batch_tokens = 24;
+    tc.minibatches = 2;
+    tc.loss.kl_beta = 0;
+    PolicyTrainer trainer(opt, nullptr, lr, tc, ModelParallel{.pp = pp_group.get()});
+    BatchShard shard;
+    std::vector<TrainSample> mine;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      shard.lengths.push_back(static_cast<int64_t>(batch[i].completion.size()));
+      if (batch[i].group % dp == d) {
+        shard.positions.push_back(i);
+        mine.push_back(batch[i]);
+      }
+    }
+    for (int step = 0; step < steps; ++step) {
+      const TrainStepMetrics m = trainer.step(mine, dp > 1 ? &shard : nullptr);
+      if (r == 0) {
+        run.loss.push_back(m.loss);
+        run.grad_norm.push_back(m.grad_norm);
+      }
+    }
+    if (d == 0) {
+      stages[static_cast<size_t>(s)] = std::make_unique<model::Weights>(cfg, w.part(), DType::f32);
+      stages[static_cast<size_t>(s)]->copy_from(opt.params());
+    }
+  });
+  for (const auto& part : stages) {
+    REQUIRE(part != nullptr);
+    for (const model::NamedTensor& n : part->named()) {
+      const Tensor dst = run.weights->at(n.name);
+      std::memcpy(dst.data(), n.tensor.data(), n.tensor.nbytes());
     }
   }
   return run;
@@ -178,6 +256,38 @@ TEST_CASE("tensor-parallel training on 2 ranks trains the weights of one rank up
     CHECK(max_abs_diff(*tp2.weights, *one.weights) > 0);  // the sums really were split
     // Data parallelism beside tensor parallelism: the deterministic update's bits.
     CHECK(same_bits(*dp2tp2.weights, *tp2.weights));
+  }
+}
+
+TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise when untied",
+          "[unit]") {
+  for (const bool tied : {false, true}) {
+    INFO((tied ? "tied" : "untied") << " embeddings");
+    model::ModelConfig cfg = test::tiny_model_config(tied ? test::TinyKind::llama_tied
+                                                          : test::TinyKind::llama_untied_rope3);
+    cfg.num_layers = 4;
+    const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 23);
+    const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
+    for (const auto& [dp, pp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
+      INFO("dp " << dp << " x pp " << pp);
+      const Run run = train_pipelined(cfg, dp, pp, batch, 2);
+      REQUIRE(run.loss.size() == one.loss.size());
+      // Tied: each micro-batch's embedding gradient is the head's and the embedding's added in f32
+      // on one rank, the two copies' fixed-point sums added once a step on a pipeline.
+      const double loss_tol = tied ? 1e-6 : 1e-12;
+      for (size_t s = 0; s < one.loss.size(); ++s) {
+        CHECK(std::abs(run.loss[s] - one.loss[s]) <= loss_tol * std::abs(one.loss[s]));
+        if (tied)
+          CHECK(std::abs(run.grad_norm[s] - one.grad_norm[s]) <= 1e-5f * one.grad_norm[s]);
+        else
+          CHECK(run.grad_norm[s] == one.grad_norm[s]);
+      }
+      if (tied) {
+        CHECK(max_abs_diff(*run.weights, *one.weights) < 1e-6);
+      } else {
+        CHECK(same_bits(*run.weights, *one.weights));
+      }
+    }
   }
 }
 
