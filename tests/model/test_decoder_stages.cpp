@@ -233,7 +233,10 @@ TEST_CASE(
     CHECK(test::bitwise_equal(t.tensor, want.at(t.name)));
   }
   CHECK(part_opt.m().part() == last);
-  CHECK_THROWS_WITH(trainer::ShardedAdamW(part, nullptr, config),
+  // A stage's sharded optimizer shards its moments only (its unit hooks number a whole model's).
+  trainer::ShardOptions at_gradients;
+  at_gradients.level = trainer::ShardLevel::gradients;
+  CHECK_THROWS_WITH(trainer::ShardedAdamW(part, nullptr, config, at_gradients),
                     Catch::Contains("model part (layers 2..3 of 4 with the head)"));
   const test::TempDir dir("part_refused");
   CHECK_THROWS_WITH(trainer::save_checkpoint(dir.file("ckpt"), 1, part, part_opt, {}),
