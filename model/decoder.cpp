@@ -64,6 +64,7 @@ struct Buffers {
   // Tensor parallelism: the tokens whose embedding rows this rank holds (emb_ids: their ids in its
   // vocabulary shard; emb_rows: their rows in T), kept from forward for the embedding's backward.
   Tensor emb_ids, emb_rows;  // (T), (T) i32
+  int64_t emb_held = 0;      // their first emb_held entries are this call's
   // Training under tensor parallelism: the head rows' entropies over the whole vocabulary (the
   // first head_rows entries), which logprob_shard_backward reads.
   Tensor entropy;  // (T)
@@ -550,7 +551,8 @@ struct Decoder::Impl {
       // A pipeline stage: its training plan only (c is part_config).
       Planner stage(nullptr);
       Buffers b;
-      plan(stage, c, T, T, part.head ? Mode::training : Mode::stage, options.recompute, 1, b);
+      plan(stage, c, T, T, part.head ? Mode::training : Mode::stage, options.recompute, tp_size(),
+           b);
       return stage.bytes();
     }
     return Decoder::plan_bytes(c, T, options.recompute, tp_size());
@@ -575,7 +577,7 @@ struct Decoder::Impl {
       emb_ids_host.push_back(static_cast<int32_t>(tokens[t] - v0));
       emb_rows_host.push_back(static_cast<int32_t>(t));
     }
-    const int64_t n = static_cast<int64_t>(emb_ids_host.size());
+    const int64_t n = b.emb_held = static_cast<int64_t>(emb_ids_host.size());
     if (n == 0) {
       b.resid[0].zero();
     } else {
@@ -599,7 +601,7 @@ struct Decoder::Impl {
       ops::embedding_backward(b.tokens, dh, grads.embed, true, s);
       return;
     }
-    const int64_t n = static_cast<int64_t>(emb_ids_host.size());
+    const int64_t n = b.emb_held;
     if (n == 0) return;
     const Tensor gathered = scratch.narrow(0, n);
     ops::embedding(b.emb_rows.narrow(0, n), dh, gathered, s);
@@ -679,9 +681,9 @@ Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
                "decoder: DecoderOptions::pipeline_slots must be 1 or more, got {}",
                options.pipeline_slots);
   if (!weights.whole()) {
-    TANDEM_CHECK(options.tp_group == nullptr && options.unit_hooks == nullptr,
-                 "decoder: weights of a model part ({}) run a pipeline stage of whole layers on "
-                 "one rank: DecoderOptions::tp_group and unit_hooks must be null",
+    TANDEM_CHECK(options.unit_hooks == nullptr,
+                 "decoder: weights of a model part ({}) run a pipeline stage of unsharded weights: "
+                 "DecoderOptions::unit_hooks must be null",
                  weights.part().str(weights.config()));
   }
   impl_->slots.resize(static_cast<size_t>(options.pipeline_slots));
@@ -960,16 +962,23 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
   units.end_gradients(0);
 }
 
+// A stage under tensor parallelism: forward's checks (its first call is a forward).
+void Decoder::check_stage_tp(const Impl& m, const char* what) const {
+  if (m.net.tp() == nullptr) return;
+  check_tp_device(device(), what);
+  check_tp_training(config(), m.tp_size(), m.options.tp_kv_heads);
+}
+
 void Decoder::forward_stage(int64_t micro, const PackedBatch& batch, const Tensor& h_in,
                             const Tensor& h_out) {
   Impl& m = *impl_;
   const ModelConfig& c = config();
-  check_not_tensor_parallel(m.options.tp_group, "forward_stage");
+  check_stage_tp(m, "forward_stage");
   TANDEM_CHECK(!m.part.head,
                "decoder forward_stage: micro-batch {}: this part ({}) holds the head; pass "
                "logprob_out, entropy_out and the temperature instead of h_out",
                micro, m.part.str(c));
-  check_packed(batch.tokens, batch.positions, batch.cu_seqlens, c.vocab_size,
+  check_packed(batch.tokens, batch.positions, batch.cu_seqlens, vocab_size(),
                "decoder forward_stage");
   check_prefix(batch, "decoder forward_stage");
   const int64_t T = batch.num_tokens(), C = c.hidden_size;
@@ -985,12 +994,12 @@ void Decoder::forward_stage(int64_t micro, const PackedBatch& batch, const Tenso
                             float temperature) {
   Impl& m = *impl_;
   const ModelConfig& c = config();
-  check_not_tensor_parallel(m.options.tp_group, "forward_stage");
+  check_stage_tp(m, "forward_stage");
   TANDEM_CHECK(m.part.head,
                "decoder forward_stage: micro-batch {}: this part ({}) has no head; pass h_out for "
                "the next stage instead of logprob_out and entropy_out",
                micro, m.part.str(c));
-  check_logprob_call(batch, c.vocab_size, temperature, logprob_out, entropy_out, device(),
+  check_logprob_call(batch, vocab_size(), temperature, logprob_out, entropy_out, device(),
                      "forward_stage");
   check_boundary(h_in, m.part.embedding, micro, batch.num_tokens(), c.hidden_size, device(), "h_in",
                  "forward_stage");
@@ -1003,7 +1012,6 @@ void Decoder::backward_stage(int64_t micro, const Tensor& dh_out, Weights& grads
                              const Tensor& dh_in) {
   Impl& m = *impl_;
   const ModelConfig& c = config();
-  check_not_tensor_parallel(m.options.tp_group, "backward_stage");
   TANDEM_CHECK(!m.part.head,
                "decoder backward_stage: micro-batch {}: this part ({}) holds the head; pass "
                "dlogprob and dentropy instead of dh_out",
@@ -1019,7 +1027,6 @@ void Decoder::backward_stage(int64_t micro, const Tensor& dlogprob, const Tensor
                              Weights& grads, const Tensor& dh_in) {
   Impl& m = *impl_;
   const ModelConfig& c = config();
-  check_not_tensor_parallel(m.options.tp_group, "backward_stage");
   TANDEM_CHECK(m.part.head,
                "decoder backward_stage: micro-batch {}: this part ({}) has no head; pass dh_out "
                "from the next stage instead of dlogprob and dentropy",

@@ -206,8 +206,9 @@ class Decoder {
   // logprobs, entropies and gradients (with tied embeddings the last stage's lm_head gradient is
   // the head's part of the embedding's). The other calls (forward, score, ...) drop every
   // micro-batch in flight, and a stage call drops forward's state; a part's decoder runs the
-  // stage calls only and takes no tensor-parallel group or unit hooks. Not under tensor
-  // parallelism.
+  // stage calls only and takes no unit hooks. A part of a tensor-parallel shard (its weights cut
+  // from the shard's, DecoderOptions::tp_group set) runs its stage on the shard as forward and
+  // backward do: the stages of one TP rank together give that rank's TP gradients.
   //
   // A stage without the head: h_in (T, C) the previous stage's output (undefined on the first
   // stage: the batch's tokens are embedded); h_out (T, C) receives the stage's output. Both are
@@ -254,6 +255,7 @@ class Decoder {
                       const Tensor& dh_out, Weights& grads, const Tensor& dh_in);
 
   struct Impl;
+  void check_stage_tp(const Impl& m, const char* what) const;
   const Weights* weights_;
   std::unique_ptr<Impl> impl_;
 };

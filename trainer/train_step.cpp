@@ -261,9 +261,6 @@ PolicyTrainer::PolicyTrainer(Optimizer& optimizer, const model::Weights* referen
           policy_, decoder_options(config.micro_batch_tokens, parallel, &optimizer))),
       comm_(optimizer.comm()) {
   config_.validate();
-  TANDEM_CHECK(parallel_.tp == nullptr || parallel_.pp == nullptr,
-               "trainer: tensor and pipeline parallelism in one trainer are not built yet (the "
-               "decoder runs a TP shard or a pipeline stage); set trainer.tp or trainer.pp");
   auto* sharded = dynamic_cast<ShardedAdamW*>(&optimizer);
   TANDEM_CHECK(!config_.deterministic || (sharded != nullptr && sharded->options().deterministic),
                "trainer: the deterministic update needs the sharded optimizer in its "

@@ -82,7 +82,8 @@ struct BatchShard {
 // ShardOptions::model_parallel), or the pipeline group whose stage `pp->rank()` it runs (the
 // policy and the reference are then the stage's model::ModelPart; micro-batches go through the
 // stages under 1F1B, trainer::run_pipeline; the loss and the metrics are the last stage's, sent
-// to the others at the end of a step). Not both yet. Null: whole layers, every layer.
+// to the others at the end of a step); both: the stage's part of the rank's TP shard. Null: whole
+// layers, every layer.
 struct ModelParallel {
   Communicator* tp = nullptr;
   Communicator* pp = nullptr;

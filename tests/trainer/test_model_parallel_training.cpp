@@ -52,6 +52,26 @@ model::ModelConfig splittable_config() {
   return c;
 }
 
+// Puts the tensors of tensor-parallel rank t of tp's weights (a shard, or a part of one) back
+// where model::tp_slice cut them from `full`.
+void place(model::Weights& full, const model::Weights& piece, int t, int tp) {
+  const model::ModelConfig& cfg = full.config();
+  const model::TpSplit split = model::tp_split(cfg, t, tp);
+  for (const model::NamedTensor& n : piece.named()) {
+    const model::TpSlice s = model::tp_slice(cfg, split, n.name);
+    const Tensor dst = full.at(n.name);
+    const int64_t rows = dst.size(0), cols = dst.ndim() > 1 ? dst.size(1) : 1;
+    const float* src = n.tensor.data_as<float>();
+    float* out = dst.data_as<float>();
+    if (s.dim == 1) {
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < s.length; ++j) out[i * cols + s.begin + j] = src[i * s.length + j];
+    } else {
+      std::copy(src, src + n.tensor.numel(), out + s.begin * cols);
+    }
+  }
+}
+
 struct Run {
   std::vector<double> loss;
   std::vector<float> grad_norm;
@@ -117,32 +137,16 @@ Run train(const model::ModelConfig& cfg, int dp, int tp, ShardLevel level,
       shards[static_cast<size_t>(t)]->copy_from(opt.params());
     }
   });
-  // The whole policy from the shards: every parameter's slices put back where they were cut.
-  const model::Weights& full = *run.weights;
   for (int t = 0; t < tp; ++t) {
     REQUIRE(shards[static_cast<size_t>(t)] != nullptr);
-    const model::TpSplit split = model::tp_split(cfg, t, tp);
-    for (const model::NamedTensor& n : shards[static_cast<size_t>(t)]->named()) {
-      const model::TpSlice s = model::tp_slice(cfg, split, n.name);
-      const Tensor dst = full.at(n.name);
-      const int64_t rows = dst.size(0), cols = dst.ndim() > 1 ? dst.size(1) : 1;
-      const float* src = n.tensor.data_as<float>();
-      float* out = dst.data_as<float>();
-      if (s.dim == 1) {
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < s.length; ++j)
-            out[i * cols + s.begin + j] = src[i * s.length + j];
-      } else {
-        std::copy(src, src + n.tensor.numel(), out + s.begin * cols);
-      }
-    }
+    place(*run.weights, *shards[static_cast<size_t>(t)], t, tp);
   }
   return run;
 }
 
-// `steps` training steps on dp x pp ranks (stage-major, as the grid orders them); every stage
-// holds its model::ModelPart, the last one the loss.
-Run train_pipelined(const model::ModelConfig& cfg, int dp, int pp,
+// `steps` training steps on dp x tp x pp ranks in the grid's order (rank (s dp + d) tp + t): each
+// rank holds stage s's model::ModelPart of tensor-parallel shard t, the last stage the loss.
+Run train_pipelined(const model::ModelConfig& cfg, int dp, int tp, int pp,
                     const std::vector<TrainSample>& batch, int steps) {
   model::Weights start(cfg, DType::f32);
   test::fill_random_weights(start, 7);
@@ -150,27 +154,43 @@ Run train_pipelined(const model::ModelConfig& cfg, int dp, int pp,
   run.weights = std::make_unique<model::Weights>(cfg, DType::f32);
   const bool tied = cfg.tie_word_embeddings;
   const std::string embed = "model.embed_tokens.weight";
-  std::vector<std::unique_ptr<model::Weights>> stages(static_cast<size_t>(pp));
+  std::vector<std::unique_ptr<model::Weights>> parts(static_cast<size_t>(pp * tp));
+  const auto rank = [&](int s, int d, int t) { return (s * dp + d) * tp + t; };
   const test::TempDir tmp("pp-training");
-  test::on_ranks(dp * pp, tmp.file("store"), [&](int r, Communicator& world) {
-    const int s = r / dp, d = r % dp;
-    std::vector<int> dp_ranks, pp_ranks;
-    for (int j = 0; j < dp; ++j) dp_ranks.push_back(s * dp + j);
-    for (int k = 0; k < pp; ++k) pp_ranks.push_back(k * dp + d);
-    std::unique_ptr<Communicator> dp_group, pp_group, tie_group;
-    if (dp > 1) dp_group = world.split("dp" + std::to_string(s), dp_ranks);
-    pp_group = world.split("pp" + std::to_string(d), pp_ranks);
+  test::on_ranks(dp * tp * pp, tmp.file("store"), [&](int r, Communicator& world) {
+    const int t = r % tp, d = (r / tp) % dp, s = r / (tp * dp);
+    std::vector<int> dp_ranks, pp_ranks, tp_ranks, mp_ranks;
+    for (int j = 0; j < dp; ++j) dp_ranks.push_back(rank(s, j, t));
+    for (int k = 0; k < pp; ++k) pp_ranks.push_back(rank(k, d, t));
+    for (int k = 0; k < tp; ++k) tp_ranks.push_back(rank(s, d, k));
+    for (int k = 0; k < pp; ++k)
+      for (int j = 0; j < tp; ++j) mp_ranks.push_back(rank(k, d, j));
+    std::unique_ptr<Communicator> dp_group, pp_group, tp_group, mp_group, tie_group;
+    if (dp > 1)
+      dp_group = world.split("dp" + std::to_string(s) + "." + std::to_string(t), dp_ranks);
+    pp_group = world.split("pp" + std::to_string(d) + "." + std::to_string(t), pp_ranks);
+    if (tp > 1) {
+      tp_group = world.split("tp" + std::to_string(s) + "." + std::to_string(d), tp_ranks);
+      mp_group = world.split("mp" + std::to_string(d), mp_ranks);
+    }
     if (tied && (s == 0 || s == pp - 1))  // the embedding's two copies
-      tie_group = world.split("tie" + std::to_string(d), {d, (pp - 1) * dp + d});
+      tie_group = world.split("tie" + std::to_string(d) + "." + std::to_string(t),
+                              {rank(0, d, t), rank(pp - 1, d, t)});
+    const std::unique_ptr<model::Weights> shard = model::cut_tp_shard(start, t, tp);
     const StageLayers layers = stage_layers(static_cast<int>(cfg.num_layers), s, pp);
-    model::Weights w(cfg, model::ModelPart::stage(cfg, layers.first, layers.end - layers.first),
-                     DType::f32);
-    w.copy_from(start);
+    model::Weights w(
+        shard->config(),
+        model::ModelPart::stage(shard->config(), layers.first, layers.end - layers.first),
+        DType::f32);
+    w.copy_from(*shard);
     ShardOptions so;
     so.deterministic = true;
-    so.model_parallel = pp_group.get();
+    so.model_parallel = tp > 1 ? mp_group.get() : pp_group.get();
     if (tie_group) so.shared = {{embed, tie_group.get()}};
     if (tied && s == pp - 1) so.norm_excluded = {embed};  // stage 0 counts it
+    if (t > 0)  // tensor-parallel rank 0 counts the replicated norms
+      for (const model::NamedTensor& n : w.storage())
+        if (n.name.find("norm") != std::string::npos) so.norm_excluded.push_back(n.name);
     AdamWConfig ac;
     ac.max_grad_norm = 0.05f;
     ac.eps = 1e-3f;
@@ -181,34 +201,34 @@ Run train_pipelined(const model::ModelConfig& cfg, int dp, int pp,
     tc.micro_batch_tokens = 24;
     tc.minibatches = 2;
     tc.loss.kl_beta = 0;
-    PolicyTrainer trainer(opt, nullptr, lr, tc, ModelParallel{.pp = pp_group.get()});
-    BatchShard shard;
+    PolicyTrainer trainer(
+        opt, nullptr, lr, tc,
+        ModelParallel{.tp = tp_group.get(), .pp = pp_group.get(), .tp_kv_heads = cfg.num_kv_heads});
+    BatchShard shard_of_batch;
     std::vector<TrainSample> mine;
     for (size_t i = 0; i < batch.size(); ++i) {
-      shard.lengths.push_back(static_cast<int64_t>(batch[i].completion.size()));
+      shard_of_batch.lengths.push_back(static_cast<int64_t>(batch[i].completion.size()));
       if (batch[i].group % dp == d) {
-        shard.positions.push_back(i);
+        shard_of_batch.positions.push_back(i);
         mine.push_back(batch[i]);
       }
     }
     for (int step = 0; step < steps; ++step) {
-      const TrainStepMetrics m = trainer.step(mine, dp > 1 ? &shard : nullptr);
+      const TrainStepMetrics m = trainer.step(mine, dp > 1 ? &shard_of_batch : nullptr);
       if (r == 0) {
         run.loss.push_back(m.loss);
         run.grad_norm.push_back(m.grad_norm);
       }
     }
     if (d == 0) {
-      stages[static_cast<size_t>(s)] = std::make_unique<model::Weights>(cfg, w.part(), DType::f32);
-      stages[static_cast<size_t>(s)]->copy_from(opt.params());
+      auto& out = parts[static_cast<size_t>(s * tp + t)];
+      out = std::make_unique<model::Weights>(w.config(), w.part(), DType::f32);
+      out->copy_from(opt.params());
     }
   });
-  for (const auto& part : stages) {
-    REQUIRE(part != nullptr);
-    for (const model::NamedTensor& n : part->named()) {
-      const Tensor dst = run.weights->at(n.name);
-      std::memcpy(dst.data(), n.tensor.data(), n.tensor.nbytes());
-    }
+  for (int i = 0; i < pp * tp; ++i) {
+    REQUIRE(parts[static_cast<size_t>(i)] != nullptr);
+    place(*run.weights, *parts[static_cast<size_t>(i)], i % tp, tp);
   }
   return run;
 }
@@ -270,7 +290,7 @@ TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise whe
     const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
     for (const auto& [dp, pp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
       INFO("dp " << dp << " x pp " << pp);
-      const Run run = train_pipelined(cfg, dp, pp, batch, 2);
+      const Run run = train_pipelined(cfg, dp, 1, pp, batch, 2);
       REQUIRE(run.loss.size() == one.loss.size());
       // Tied: each micro-batch's embedding gradient is the head's and the embedding's added in f32
       // on one rank, the two copies' fixed-point sums added once a step on a pipeline.
@@ -288,6 +308,29 @@ TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise whe
         CHECK(same_bits(*run.weights, *one.weights));
       }
     }
+  }
+}
+
+TEST_CASE(
+    "tensor-parallel pipeline stages (TP 2 x PP 2) train the weights of one rank up to "
+    "rounding",
+    "[unit]") {
+  for (const bool tied : {false, true}) {
+    INFO((tied ? "tied" : "untied") << " embeddings");
+    model::ModelConfig cfg = splittable_config();
+    cfg.tie_word_embeddings = tied;
+    cfg.num_layers = 4;
+    const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 29);
+    const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
+    const Run grid = train_pipelined(cfg, 1, 2, 2, batch, 2);
+    const Run tp2 = train(cfg, 1, 2, ShardLevel::optimizer, batch, 2);
+    for (size_t s = 0; s < one.loss.size(); ++s) {
+      CHECK(std::abs(grid.loss[s] - one.loss[s]) <= 1e-5 * (std::abs(one.loss[s]) + 1e-3));
+      CHECK(std::abs(grid.grad_norm[s] - one.grad_norm[s]) <= 1e-5f * one.grad_norm[s]);
+    }
+    CHECK(max_abs_diff(*grid.weights, *one.weights) < 2e-6);
+    // Untied, the stages add nothing to tensor parallelism's rounding: TP 2's weights bitwise.
+    if (!tied) CHECK(same_bits(*grid.weights, *tp2.weights));
   }
 }
 
