@@ -82,6 +82,13 @@ model::ModelConfig micro_model_config(bool qwen3) {
   return c;
 }
 
+void fill_uniform(model::Weights& w, uint64_t seed) {
+  for (const model::NamedTensor& s : w.storage()) {
+    Tensor t = s.tensor;
+    t.copy_from(random_tensor(t.shape(), t.dtype(), ++seed, -1.0, 1.0));
+  }
+}
+
 void fill_random_weights(model::Weights& w, uint64_t seed) {
   for (const model::NamedTensor& s : w.storage()) {
     ++seed;

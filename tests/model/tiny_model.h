@@ -18,6 +18,9 @@ model::ModelConfig tiny_model_config(TinyKind kind);
 model::ModelConfig micro_model_config(bool qwen3);
 // Norm weights near 1, biases small, matrices scaled by 1.7/sqrt(fan-in), embeddings in [-1, 1).
 void fill_random_weights(model::Weights& w, uint64_t seed);
+// Every storage tensor uniform in [-1, 1), tensor i from seed + 1 + i: values for optimizer and
+// checkpoint tests, where no forward needs them well scaled.
+void fill_uniform(model::Weights& w, uint64_t seed);
 // A tiny random Llama (C=64, 2 layers, weights of `seed`) with SmolLM2's tokenizer and chat
 // template (its vocabulary), as a Hugging Face directory `dir` that `tandem train` loads; returns
 // the bytes its parameters take in bf16.

@@ -31,13 +31,6 @@ ModelConfig tiny_config(bool qwen3 = true) {
   return c;
 }
 
-void fill_random(Weights& w, uint64_t seed) {
-  for (const NamedTensor& s : w.storage()) {
-    Tensor t = s.tensor;
-    t.copy_from(test::random_tensor(t.shape(), t.dtype(), ++seed));
-  }
-}
-
 bool same_weights(const Weights& a, const Weights& b) {
   for (size_t i = 0; i < a.storage().size(); ++i) {
     if (!test::bitwise_equal(a.storage()[i].tensor, b.storage()[i].tensor)) return false;
@@ -56,7 +49,7 @@ struct Job {
         opt(policy, options()),
         grads(c, DType::f32, Device::cpu(), ArenaClass::gradients),
         schedule(lr()) {
-    fill_random(policy, seed);
+    test::fill_uniform(policy, seed);
   }
   static AdamWConfig options() {
     AdamWConfig o;
@@ -72,7 +65,7 @@ struct Job {
     return s;
   }
   void step(int64_t n) {
-    fill_random(grads, 500 + static_cast<uint64_t>(n) * 97);
+    test::fill_uniform(grads, 500 + static_cast<uint64_t>(n) * 97);
     opt.step(grads, schedule.lr_at(n));
   }
 };

@@ -34,13 +34,6 @@ using model::ShardLayout;
 using model::Weights;
 using test::on_ranks;
 
-void fill_random(Weights& w, uint64_t seed) {
-  for (const NamedTensor& s : w.storage()) {
-    Tensor t = s.tensor;
-    t.copy_from(test::random_tensor(t.shape(), t.dtype(), ++seed, -1.0, 1.0));
-  }
-}
-
 bool same_weights(const Weights& a, const Weights& b) {
   for (size_t i = 0; i < a.storage().size(); ++i)
     if (!test::bitwise_equal(a.storage()[i].tensor, b.storage()[i].tensor)) return false;
@@ -106,7 +99,7 @@ struct ShardedRun {
   ShardedRun(const model::ModelConfig& c, int world, uint64_t seed = 1) {
     for (int r = 0; r < world; ++r) {
       params.push_back(std::make_unique<Weights>(c, DType::f32));
-      fill_random(*params.back(), seed);
+      test::fill_uniform(*params.back(), seed);
     }
   }
 };
@@ -198,7 +191,7 @@ struct Resharding {
       grads.push_back(static_cast<int64_t>(rng() % (int64_t{1} << 31)) - (int64_t{1} << 30));
     // The uninterrupted run: one rank, two steps.
     Weights p(c, DType::f32);
-    fill_random(p, 1);
+    test::fill_uniform(p, 1);
     ShardedAdamW alone(p, nullptr, cfg, at_level(ShardLevel::optimizer));
     alone.step_fixed(grads, 1e-2f);
     w1 = flat(alone.params());
@@ -411,7 +404,7 @@ TEST_CASE("A sharded checkpoint without its marker or with a missing or cut shar
   const std::string shard1 = "optimizer/rank-00001-of-00002.safetensors";
 
   Weights target(c, DType::f32), before(c, DType::f32);
-  fill_random(target, 3);
+  test::fill_uniform(target, 3);
   before.copy_from(target);
   ShardedAdamW opt(target, nullptr);
   auto fails = [&](const fs::path& dir, const std::vector<std::string>& words) {
@@ -462,8 +455,8 @@ TEST_CASE("A checkpoint from before commit markers still loads and counts as the
   const test::TempDir tmp("ckpt-unmarked");
   const std::string root = tmp.file("ckpt");
   Weights p(c, DType::f32), g(c, DType::f32);
-  fill_random(p, 1);
-  fill_random(g, 2);
+  test::fill_uniform(p, 1);
+  test::fill_uniform(g, 2);
   AdamW adamw(p);
   adamw.step(g, 1e-2f);
   save_checkpoint(root, 3, p, adamw, state_at(3));

@@ -23,13 +23,6 @@ namespace {
 using model::NamedTensor;
 using model::Weights;
 
-void fill_random(Weights& w, uint64_t seed) {
-  for (const NamedTensor& s : w.storage()) {
-    Tensor t = s.tensor;
-    t.copy_from(test::random_tensor(t.shape(), t.dtype(), ++seed, -1.0, 1.0));
-  }
-}
-
 // The micro Qwen3 (q/k norms, untied) with sizes 2 ranks split: 2 KV heads, V = 38.
 model::ModelConfig splittable_config() {
   model::ModelConfig c = test::micro_model_config(true);
@@ -71,14 +64,14 @@ TEST_CASE("ShardedAdamW on tensor-parallel shards takes the shards of the whole 
     INFO("dp " << dp << " x tp " << tp);
     // The reference: the data-parallel ranks' whole gradients summed, one AdamW on whole weights.
     Weights ref(c, DType::f32);
-    fill_random(ref, 1);
+    test::fill_uniform(ref, 1);
     AdamW adamw(ref, cfg);
     std::vector<std::unique_ptr<Weights>> grads;
     Weights sum(c, DType::f32);
     sum.zero();
     for (int d = 0; d < dp; ++d) {
       grads.push_back(std::make_unique<Weights>(c, DType::f32));
-      fill_random(*grads.back(), 100 + static_cast<uint64_t>(d) * 50);
+      test::fill_uniform(*grads.back(), 100 + static_cast<uint64_t>(d) * 50);
       for (size_t t = 0; t < sum.storage().size(); ++t) {
         float* s = sum.storage()[t].tensor.data_as<float>();
         const float* g = grads.back()->storage()[t].tensor.data_as<float>();
@@ -89,7 +82,7 @@ TEST_CASE("ShardedAdamW on tensor-parallel shards takes the shards of the whole 
     for (int step = 0; step < 2; ++step) ref_norms.push_back(adamw.step(sum, 1e-2f).grad_norm);
 
     Weights start(c, DType::f32);
-    fill_random(start, 1);
+    test::fill_uniform(start, 1);
     const test::TempDir tmp("mp-adamw");
     test::on_ranks(dp * tp, tmp.file("store"), [&](int r, Communicator& world) {
       const int d = r / tp, t = r % tp;  // the grid's order: tensor-parallel ranks adjacent
@@ -132,7 +125,7 @@ TEST_CASE(
     "[unit]") {
   const model::ModelConfig c = splittable_config();
   Weights w(c, DType::f32);
-  fill_random(w, 3);
+  test::fill_uniform(w, 3);
   ShardOptions opts;
   opts.norm_excluded = {"model.norm.weight"};
   REQUIRE_THROWS_WITH(ShardedAdamW(w, nullptr, {}, opts),
@@ -159,11 +152,11 @@ TEST_CASE("a gradient shared by two ranks is summed so both copies take the same
   std::vector<std::unique_ptr<Weights>> grads;
   for (int r = 0; r < 2; ++r) {
     grads.push_back(std::make_unique<Weights>(c, DType::f32));
-    fill_random(*grads.back(), 700 + static_cast<uint64_t>(r) * 40);
+    test::fill_uniform(*grads.back(), 700 + static_cast<uint64_t>(r) * 40);
   }
   // The reference: the embedding's gradients of both copies added.
   Weights ref(c, DType::f32), sum(c, DType::f32);
-  fill_random(ref, 9);
+  test::fill_uniform(ref, 9);
   sum.copy_from(*grads[0]);
   {
     float* s = sum.at(embed).data_as<float>();
@@ -177,7 +170,7 @@ TEST_CASE("a gradient shared by two ranks is summed so both copies take the same
   const test::TempDir tmp("mp-adamw-shared");
   test::on_ranks(2, tmp.file("store"), [&](int r, Communicator& world) {
     Weights params(c, DType::f32);
-    fill_random(params, 9);
+    test::fill_uniform(params, 9);
     ShardOptions opts;
     opts.shared = {{embed, &world}};
     ShardedAdamW sharded(params, nullptr, cfg, opts);

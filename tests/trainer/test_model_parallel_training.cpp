@@ -18,32 +18,12 @@
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 #include "tests/trainer/on_ranks.h"
+#include "tests/trainer/train_samples.h"
 #include "trainer/parallel/grid.h"
 #include "trainer/train_step.h"
 
 namespace tandem::trainer {
 namespace {
-
-// G samples of each of `groups` random prompts, as the sharded-training tests draw them.
-std::vector<TrainSample> random_batch(int groups, int G, int64_t V, uint64_t seed) {
-  std::vector<TrainSample> out;
-  for (int g = 0; g < groups; ++g) {
-    const Tensor p = test::random_ints({5}, DType::i32, seed + 100 * g, 0, V);
-    std::vector<int32_t> prompt(p.data_as<int32_t>(), p.data_as<int32_t>() + 5);
-    for (int i = 0; i < G; ++i) {
-      const int n = 2 + (g * 3 + i) % 6;
-      const Tensor c = test::random_ints({n}, DType::i32, seed + 100 * g + i + 1, 0, V);
-      TrainSample s;
-      s.prompt = prompt;
-      s.completion.assign(c.data_as<int32_t>(), c.data_as<int32_t>() + n);
-      s.rollout_logp.assign(static_cast<size_t>(n), -4.0f - 0.01f * static_cast<float>(i));
-      s.advantage = static_cast<float>((i % 3) - 1) * 0.7f + 0.1f * static_cast<float>(g);
-      s.group = g;
-      out.push_back(s);
-    }
-  }
-  return out;
-}
 
 // The tiny tied Llama with a vocabulary 2 ranks split (H = 4, Hkv = 2, F = 96).
 model::ModelConfig splittable_config() {
@@ -257,7 +237,7 @@ bool same_bits(const model::Weights& a, const model::Weights& b) {
 TEST_CASE("tensor-parallel training on 2 ranks trains the weights of one rank up to rounding",
           "[unit]") {
   const model::ModelConfig cfg = splittable_config();
-  const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 11);
+  const std::vector<TrainSample> batch = test::random_train_batch(4, 3, cfg.vocab_size, 11, -4.0f);
   for (const ShardLevel level : {ShardLevel::optimizer, ShardLevel::gradients}) {
     INFO("trainer.shard = " << shard_level_name(level));
     const Run one = train(cfg, 1, 1, level, batch, 2);
@@ -286,7 +266,8 @@ TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise whe
     model::ModelConfig cfg = test::tiny_model_config(tied ? test::TinyKind::llama_tied
                                                           : test::TinyKind::llama_untied_rope3);
     cfg.num_layers = 4;
-    const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 23);
+    const std::vector<TrainSample> batch =
+        test::random_train_batch(4, 3, cfg.vocab_size, 23, -4.0f);
     const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
     for (const auto& [dp, pp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
       INFO("dp " << dp << " x pp " << pp);
@@ -320,7 +301,8 @@ TEST_CASE(
     model::ModelConfig cfg = splittable_config();
     cfg.tie_word_embeddings = tied;
     cfg.num_layers = 4;
-    const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 29);
+    const std::vector<TrainSample> batch =
+        test::random_train_batch(4, 3, cfg.vocab_size, 29, -4.0f);
     const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
     const Run grid = train_pipelined(cfg, 1, 2, 2, batch, 2);
     const Run tp2 = train(cfg, 1, 2, ShardLevel::optimizer, batch, 2);

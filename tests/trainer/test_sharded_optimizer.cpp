@@ -24,13 +24,6 @@ namespace {
 using model::NamedTensor;
 using model::Weights;
 
-void fill_random(Weights& w, uint64_t seed) {
-  for (const NamedTensor& s : w.storage()) {
-    Tensor t = s.tensor;
-    t.copy_from(test::random_tensor(t.shape(), t.dtype(), ++seed, -1.0, 1.0));
-  }
-}
-
 using test::on_ranks;
 
 }  // namespace
@@ -45,12 +38,12 @@ TEST_CASE("ShardedAdamW on 1 2 and 3 ranks takes the steps of AdamW on the summe
     INFO("world " << world);
     // The reference: every rank's gradients summed in rank order, one AdamW.
     Weights ref(c, DType::f32);
-    fill_random(ref, 1);
+    test::fill_uniform(ref, 1);
     AdamW adamw(ref, cfg);
     std::vector<std::unique_ptr<Weights>> grads;
     for (int r = 0; r < world; ++r) {
       grads.push_back(std::make_unique<Weights>(c, DType::f32));
-      fill_random(*grads.back(), 100 + static_cast<uint64_t>(r));
+      test::fill_uniform(*grads.back(), 100 + static_cast<uint64_t>(r));
     }
     Weights sum(c, DType::f32);
     sum.zero();
@@ -66,7 +59,7 @@ TEST_CASE("ShardedAdamW on 1 2 and 3 ranks takes the steps of AdamW on the summe
     std::vector<std::unique_ptr<Weights>> params;
     for (int r = 0; r < world; ++r) {
       params.push_back(std::make_unique<Weights>(c, DType::f32));
-      fill_random(*params.back(), 1);
+      test::fill_uniform(*params.back(), 1);
     }
     std::vector<int64_t> sizes(static_cast<size_t>(world));
     on_ranks(world, tmp.file("store"), [&](int r, Communicator& comm) {
@@ -101,7 +94,7 @@ TEST_CASE("ShardedAdamW step_fixed gives the same weights bitwise on 1 2 and 3 r
   AdamWConfig cfg;
   cfg.max_grad_norm = 0.5f;
   Weights g(c, DType::f32);
-  fill_random(g, 5);
+  test::fill_uniform(g, 5);
   // The gradient in fixed point, split into 6 parts that the ranks hold in different ways.
   std::vector<int64_t> whole;
   for (const NamedTensor& s : g.storage())
@@ -118,7 +111,7 @@ TEST_CASE("ShardedAdamW step_fixed gives the same weights bitwise on 1 2 and 3 r
     parts.back()[i] = left;
   }
   Weights one(c, DType::f32);
-  fill_random(one, 1);
+  test::fill_uniform(one, 1);
   {
     ShardedAdamW alone(one, nullptr, cfg);
     for (int step = 0; step < 2; ++step) alone.step_fixed(whole, 1e-2f);
@@ -129,7 +122,7 @@ TEST_CASE("ShardedAdamW step_fixed gives the same weights bitwise on 1 2 and 3 r
     std::vector<std::unique_ptr<Weights>> params;
     for (int r = 0; r < world; ++r) {
       params.push_back(std::make_unique<Weights>(c, DType::f32));
-      fill_random(*params.back(), 1);
+      test::fill_uniform(*params.back(), 1);
     }
     on_ranks(world, tmp.file("store"), [&](int r, Communicator& comm) {
       std::vector<int64_t> mine(whole.size(), 0);
@@ -156,10 +149,10 @@ TEST_CASE("ShardedAdamW with one rank's gradients takes AdamW's steps bitwise", 
   std::vector<std::unique_ptr<Weights>> grads;
   for (uint64_t seed : {200, 300, 400}) {
     grads.push_back(std::make_unique<Weights>(c, DType::f32));
-    fill_random(*grads.back(), seed);
+    test::fill_uniform(*grads.back(), seed);
   }
   Weights one(c, DType::f32);
-  fill_random(one, 1);
+  test::fill_uniform(one, 1);
   std::vector<float> norms;
   {
     AdamW adamw(one, cfg);
@@ -173,7 +166,7 @@ TEST_CASE("ShardedAdamW with one rank's gradients takes AdamW's steps bitwise", 
     std::vector<std::unique_ptr<Weights>> params;
     for (int r = 0; r < world; ++r) {
       params.push_back(std::make_unique<Weights>(c, DType::f32));
-      fill_random(*params.back(), 1);
+      test::fill_uniform(*params.back(), 1);
     }
     std::vector<std::vector<float>> seen(static_cast<size_t>(world));
     on_ranks(world, tmp.file("store"), [&](int r, Communicator& comm) {

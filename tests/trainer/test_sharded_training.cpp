@@ -8,32 +8,11 @@
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 #include "tests/trainer/on_ranks.h"
+#include "tests/trainer/train_samples.h"
 #include "trainer/train_step.h"
 
 namespace tandem::trainer {
 namespace {
-
-// G samples of each of `groups` random prompts: random completions of 2..7 tokens, rollout
-// logprobs near -2, advantages of either sign.
-std::vector<TrainSample> random_batch(int groups, int G, int64_t V, uint64_t seed) {
-  std::vector<TrainSample> out;
-  for (int g = 0; g < groups; ++g) {
-    const Tensor p = test::random_ints({5}, DType::i32, seed + 100 * g, 0, V);
-    std::vector<int32_t> prompt(p.data_as<int32_t>(), p.data_as<int32_t>() + 5);
-    for (int i = 0; i < G; ++i) {
-      const int n = 2 + (g * 3 + i) % 6;
-      const Tensor c = test::random_ints({n}, DType::i32, seed + 100 * g + i + 1, 0, V);
-      TrainSample s;
-      s.prompt = prompt;
-      s.completion.assign(c.data_as<int32_t>(), c.data_as<int32_t>() + n);
-      s.rollout_logp.assign(static_cast<size_t>(n), -2.0f - 0.01f * static_cast<float>(i));
-      s.advantage = static_cast<float>((i % 3) - 1) * 0.7f + 0.1f * static_cast<float>(g);
-      s.group = g;
-      out.push_back(s);
-    }
-  }
-  return out;
-}
 
 TrainStepConfig step_config() {
   TrainStepConfig tc;
@@ -100,7 +79,7 @@ TEST_CASE("every sharding level on 1 2 and 4 ranks trains the weights of one ran
   for (const test::TinyKind kind : {test::TinyKind::llama_tied, test::TinyKind::qwen2}) {
     const model::ModelConfig cfg = test::tiny_model_config(kind);
     INFO(test::tiny_kind_name(kind));
-    const std::vector<TrainSample> batch = random_batch(4, 3, cfg.vocab_size, 5);
+    const std::vector<TrainSample> batch = test::random_train_batch(4, 3, cfg.vocab_size, 5);
     const std::vector<float> one = train(cfg, ShardLevel::optimizer, 1, true, 32 << 20, batch, 2);
     {
       // The weights moved.
