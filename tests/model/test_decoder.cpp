@@ -194,17 +194,6 @@ Mat reference_logits(const RefWeights& w, const std::vector<int32_t>& seq) {
 
 // ---------------------------------------------------------------------------------------------
 
-std::vector<std::vector<int32_t>> random_sequences(const std::vector<int>& lengths, int64_t V,
-                                                   uint64_t seed) {
-  std::vector<std::vector<int32_t>> out;
-  for (int n : lengths) {
-    const Tensor ids = test::random_ints({n}, DType::i32, seed++, 0, V);
-    const int32_t* p = ids.data_as<int32_t>();
-    out.emplace_back(p, p + n);
-  }
-  return out;
-}
-
 const std::vector<Kind> kAllKinds = {Kind::llama_tied, Kind::llama_untied_rope3, Kind::qwen2,
                                      Kind::qwen3};
 
@@ -217,7 +206,7 @@ TEST_CASE("decoder forward matches a plain f64 reference for every architecture"
     Weights w(c, dtype);
     fill_random(w, 100 + static_cast<uint64_t>(kind));
     Decoder dec(w, {.max_tokens = 64});
-    const auto seqs = random_sequences({9, 21}, c.vocab_size, 5);
+    const auto seqs = test::random_sequences({9, 21}, c.vocab_size, 5);
     const PackedBatch batch = PackedBatch::from_sequences(seqs);
     const int64_t T = batch.num_tokens(), V = c.vocab_size;
     Tensor logits = Tensor::empty({T, V}, DType::f32);
@@ -270,7 +259,7 @@ struct GradSetup {
         w(c, DType::f32),
         grads(c, DType::f32, Device::cpu(), ArenaClass::gradients) {
     fill_random(w, 300 + static_cast<uint64_t>(kind));
-    batch = PackedBatch::from_sequences(random_sequences({7, 12, 5}, c.vocab_size, 40));
+    batch = PackedBatch::from_sequences(test::random_sequences({7, 12, 5}, c.vocab_size, 40));
     const int64_t T = batch.num_tokens();
     wl = test::random_tensor({T}, DType::f32, 11, -1.0, 1.0);
     we = test::random_tensor({T}, DType::f32, 12, -0.5, 0.5);
@@ -341,7 +330,7 @@ TEST_CASE("decoder logprobs of a packed batch equal each sequence alone bitwise"
     Weights w(c, DType::f32);
     fill_random(w, 500 + static_cast<uint64_t>(kind));
     Decoder dec(w, {.max_tokens = 8});  // grows for the packed batch
-    const auto seqs = random_sequences({13, 4, 22}, c.vocab_size, 60);
+    const auto seqs = test::random_sequences({13, 4, 22}, c.vocab_size, 60);
     const PackedBatch packed = PackedBatch::from_sequences(seqs);
     const int64_t T = packed.num_tokens();
     Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
@@ -453,7 +442,7 @@ TEST_CASE("decoder score of a long input gives forward's bits in memory linear i
     Weights w(c, DType::f32);
     fill_random(w, 1200 + static_cast<uint64_t>(kind));
     // A long prompt and completion and a short pair packed after them: 13 chunks of 64 rows.
-    const auto seqs = random_sequences({700, 90}, c.vocab_size, 1210);
+    const auto seqs = test::random_sequences({700, 90}, c.vocab_size, 1210);
     PackedBatch batch = PackedBatch::from_sequences(seqs);
     const int64_t T = batch.num_tokens();
     Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
@@ -507,8 +496,8 @@ TEST_CASE("decoder with shared prompts: completion logprobs bitwise, gradients e
     Weights w(c, DType::f32);
     fill_random(w, 900 + static_cast<uint64_t>(kind));
     // Two groups (prompts of 19 and 2 tokens), a lone pair between them, a one-token prompt pair.
-    const auto prompts = random_sequences({19, 7, 2, 1}, c.vocab_size, 910);
-    const auto comps = random_sequences({1, 12, 5, 3, 4, 9, 2}, c.vocab_size, 920);
+    const auto prompts = test::random_sequences({19, 7, 2, 1}, c.vocab_size, 910);
+    const auto comps = test::random_sequences({1, 12, 5, 3, 4, 9, 2}, c.vocab_size, 920);
     const std::vector<size_t> prompt_of{0, 0, 0, 1, 2, 2, 3};
     std::vector<PackedBatch::PromptCompletion> pairs;
     for (size_t i = 0; i < comps.size(); ++i) pairs.push_back({prompts[prompt_of[i]], comps[i]});
@@ -725,7 +714,7 @@ TEST_CASE("decoder prefill and paged decode give the training forward's logprobs
       Weights w(c, dtype);
       fill_random(w, 700 + static_cast<uint64_t>(kind));
       Decoder dec(w, {.max_tokens = 64});
-      const auto prompts = random_sequences({5, 11, 8}, c.vocab_size, 80);
+      const auto prompts = test::random_sequences({5, 11, 8}, c.vocab_size, 80);
       const int steps = 6;
       const Rollout r = run_rollout(dec, prompts, steps, chunked, Device::cpu());
 
@@ -773,7 +762,8 @@ TEST_CASE("decoder rejects bad input with one clear error", "[unit]") {
   b.tokens[0] = 1;
   CHECK_THROWS_WITH(dec.forward(b, Tensor::empty({3}, DType::f32), Tensor()),
                     Catch::Contains("logprob_out"));
-  const PackedBatch big = PackedBatch::from_sequences(random_sequences({40}, c.vocab_size, 3));
+  const PackedBatch big =
+      PackedBatch::from_sequences(test::random_sequences({40}, c.vocab_size, 3));
   Tensor lp_big = Tensor::empty({big.num_tokens()}, DType::f32);
   CHECK_THROWS_WITH(dec.forward(big, lp_big, Tensor()), Catch::Contains("max_tokens"));
   Weights g(c, DType::f32, Device::cpu(), ArenaClass::gradients);
@@ -790,7 +780,7 @@ TEST_CASE("decoder on CUDA matches the CPU and decodes its own forward's logprob
     Weights wg(c, DType::f32, Device::cuda());
     wg.copy_from(w);
     Decoder cpu(w, {.max_tokens = 64}), gpu(wg, {.max_tokens = 64});
-    const auto prompts = random_sequences({5, 11, 8}, c.vocab_size, 80);
+    const auto prompts = test::random_sequences({5, 11, 8}, c.vocab_size, 80);
     const Rollout r = run_rollout(gpu, prompts, 5, false, Device::cuda());
     const PackedBatch batch = PackedBatch::from_sequences(r.seqs);
     const int64_t T = batch.num_tokens(), V = c.vocab_size;

@@ -30,23 +30,12 @@ ModelConfig config_of(Kind kind, int64_t layers) {
   return c;
 }
 
-std::vector<std::vector<int32_t>> random_sequences(const std::vector<int>& lengths, int64_t V,
-                                                   uint64_t seed) {
-  std::vector<std::vector<int32_t>> out;
-  for (int n : lengths) {
-    const Tensor ids = test::random_ints({n}, DType::i32, seed++, 0, V);
-    const int32_t* p = ids.data_as<int32_t>();
-    out.emplace_back(p, p + n);
-  }
-  return out;
-}
-
 // A GRPO-like micro-batch: groups of completions sharing a prompt (packed once, head_rows on the
 // completions) and a lone pair; `seed` varies the lengths and tokens.
 PackedBatch prompts_batch(int64_t V, uint64_t seed) {
   const int k = static_cast<int>(seed % 5);
-  const auto prompts = random_sequences({9 + k, 4, 3 + k}, V, seed);
-  const auto comps = random_sequences({3, 6 + k, 2, 5, 4 + k, 7}, V, seed + 100);
+  const auto prompts = test::random_sequences({9 + k, 4, 3 + k}, V, seed);
+  const auto comps = test::random_sequences({3, 6 + k, 2, 5, 4 + k, 7}, V, seed + 100);
   const std::vector<size_t> prompt_of{0, 0, 0, 1, 2, 2};
   std::vector<PackedBatch::PromptCompletion> pairs;
   for (size_t i = 0; i < comps.size(); ++i) pairs.push_back({prompts[prompt_of[i]], comps[i]});
@@ -285,7 +274,8 @@ TEST_CASE("pipeline stages in sequence give the whole model's logprobs and gradi
       const int64_t V = test::tiny_model_config(kind).vocab_size;
       // Every row through the head, and a GRPO layout (shared prompts, head_rows).
       check_stages_match_whole(
-          kind, 5, stages, PackedBatch::from_sequences(random_sequences({9, 4, 13}, V, 60)), false);
+          kind, 5, stages, PackedBatch::from_sequences(test::random_sequences({9, 4, 13}, V, 60)),
+          false);
       check_stages_match_whole(kind, 5, stages, prompts_batch(V, 70), false);
     }
   }
@@ -344,7 +334,7 @@ TEST_CASE("1F1B through pipeline slots gives the gradients of micro-batches run 
       for (uint64_t i = 0; i < 5; ++i) {
         const PackedBatch b = i % 2 == 0
                                   ? prompts_batch(c.vocab_size, 200 + i)
-                                  : PackedBatch::from_sequences(random_sequences(
+                                  : PackedBatch::from_sequences(test::random_sequences(
                                         {5 + static_cast<int>(i), 17}, c.vocab_size, 300 + i));
         piped.emplace_back(b, c, P, 400 + 2 * i);
         single.emplace_back(b, c, P, 400 + 2 * i);
@@ -406,7 +396,8 @@ TEST_CASE("pipeline stage misuse throws naming the micro-batch, the slots or the
   Weights g0(c, first, DType::f32, Device::cpu(), ArenaClass::gradients);
   Decoder d0(w0, {.max_tokens = 16, .pipeline_slots = 2});
   Decoder d1(w1, {.max_tokens = 16});
-  const PackedBatch b = PackedBatch::from_sequences(random_sequences({7, 6}, c.vocab_size, 1));
+  const PackedBatch b =
+      PackedBatch::from_sequences(test::random_sequences({7, 6}, c.vocab_size, 1));
   const int64_t T = b.num_tokens(), C = c.hidden_size;
   Tensor h = Tensor::empty({T, C}, DType::f32), dh = Tensor::empty({T, C}, DType::f32);
   Tensor lp = Tensor::empty({T}, DType::f32);

@@ -82,6 +82,17 @@ model::ModelConfig micro_model_config(bool qwen3) {
   return c;
 }
 
+std::vector<std::vector<int32_t>> random_sequences(const std::vector<int>& lengths, int64_t V,
+                                                   uint64_t seed) {
+  std::vector<std::vector<int32_t>> out;
+  for (int n : lengths) {
+    const Tensor ids = random_ints({n}, DType::i32, seed++, 0, V);
+    const int32_t* p = ids.data_as<int32_t>();
+    out.emplace_back(p, p + n);
+  }
+  return out;
+}
+
 void fill_uniform(model::Weights& w, uint64_t seed) {
   for (const model::NamedTensor& s : w.storage()) {
     Tensor t = s.tensor;

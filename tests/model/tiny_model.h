@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/weights.h"
@@ -18,6 +19,9 @@ model::ModelConfig tiny_model_config(TinyKind kind);
 model::ModelConfig micro_model_config(bool qwen3);
 // Norm weights near 1, biases small, matrices scaled by 1.7/sqrt(fan-in), embeddings in [-1, 1).
 void fill_random_weights(model::Weights& w, uint64_t seed);
+// Random token sequences of these lengths, ids in [0, V), sequence i from seed + i.
+std::vector<std::vector<int32_t>> random_sequences(const std::vector<int>& lengths, int64_t V,
+                                                   uint64_t seed);
 // Every storage tensor uniform in [-1, 1), tensor i from seed + 1 + i: values for optimizer and
 // checkpoint tests, where no forward needs them well scaled.
 void fill_uniform(model::Weights& w, uint64_t seed);
