@@ -731,10 +731,6 @@ void Decoder::release_activations() {
 void Decoder::forward(const PackedBatch& batch, const Tensor& logprob_out,
                       const Tensor& entropy_out, float temperature) {
   check_whole(*weights_, "forward");
-  if (impl_->net.tp() != nullptr) {
-    check_tp_device(device(), "forward");
-    check_tp_training(config(), impl_->tp_size(), impl_->options.tp_kv_heads);
-  }
   check_logprob_call(batch, vocab_size(), temperature, logprob_out, entropy_out, device(),
                      "forward");
   impl_->drop_all();
@@ -748,6 +744,10 @@ void Decoder::train_forward(size_t slot, const PackedBatch& batch, const Tensor&
   const ModelConfig& c = config();
   const int64_t T = batch.num_tokens(), L = static_cast<int64_t>(weights_->layers.size());
   Impl& m = *impl_;
+  if (m.net.tp() != nullptr) {  // before the first collective, the same on every rank
+    check_tp_device(device(), "training forward");
+    check_tp_training(c, m.tp_size(), m.options.tp_kv_heads);
+  }
   const bool head = m.part.head;
   Buffers& b = m.begin_slot(slot, m.part_config, device(), T, batch.num_sequences(),
                             head ? Mode::training : Mode::stage);
@@ -962,18 +962,10 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
   units.end_gradients(0);
 }
 
-// A stage under tensor parallelism: forward's checks (its first call is a forward).
-void Decoder::check_stage_tp(const Impl& m, const char* what) const {
-  if (m.net.tp() == nullptr) return;
-  check_tp_device(device(), what);
-  check_tp_training(config(), m.tp_size(), m.options.tp_kv_heads);
-}
-
 void Decoder::forward_stage(int64_t micro, const PackedBatch& batch, const Tensor& h_in,
                             const Tensor& h_out) {
   Impl& m = *impl_;
   const ModelConfig& c = config();
-  check_stage_tp(m, "forward_stage");
   TANDEM_CHECK(!m.part.head,
                "decoder forward_stage: micro-batch {}: this part ({}) holds the head; pass "
                "logprob_out, entropy_out and the temperature instead of h_out",
@@ -994,7 +986,6 @@ void Decoder::forward_stage(int64_t micro, const PackedBatch& batch, const Tenso
                             float temperature) {
   Impl& m = *impl_;
   const ModelConfig& c = config();
-  check_stage_tp(m, "forward_stage");
   TANDEM_CHECK(m.part.head,
                "decoder forward_stage: micro-batch {}: this part ({}) has no head; pass h_out for "
                "the next stage instead of logprob_out and entropy_out",

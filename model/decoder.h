@@ -255,7 +255,6 @@ class Decoder {
                       const Tensor& dh_out, Weights& grads, const Tensor& dh_in);
 
   struct Impl;
-  void check_stage_tp(const Impl& m, const char* what) const;
   const Weights* weights_;
   std::unique_ptr<Impl> impl_;
 };
