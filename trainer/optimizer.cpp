@@ -693,6 +693,13 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
 
   // --- The step ---
 
+  // With this rank's pieces of the summed gradients in grad: the copies' sums, the global norm,
+  // the update.
+  StepResult finish_step(float lr, AdamWCounters& counters) {
+    reduce_shared();
+    return update(global_norm(), lr, counters);
+  }
+
   // The global norm from this rank's pieces of the summed gradients (grad), the same bits on
   // every rank: every block's f64 sum of squares, gathered, added in unit then block order.
   float global_norm() {
@@ -915,8 +922,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
           g[i] = static_cast<float>(std::ldexp(static_cast<double>(q[i]), -kFixedBits));
       }
     }
-    reduce_shared();
-    return update(global_norm(), lr, counters);
+    return finish_step(lr, counters);
   }
 };
 
@@ -1003,8 +1009,7 @@ StepResult ShardedAdamW::step(const model::Weights& grads, float lr) {
   impl_->thread->wait_all();
   impl_->finite = true;
   impl_->reduce_whole(&grads, {});
-  impl_->reduce_shared();
-  return impl_->update(impl_->global_norm(), lr, counters_);
+  return impl_->finish_step(lr, counters_);
 }
 
 StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
@@ -1013,8 +1018,7 @@ StepResult ShardedAdamW::step_fixed(std::span<const int64_t> fixed, float lr) {
   impl_->thread->wait_all();
   impl_->finite = true;
   impl_->reduce_whole(nullptr, fixed);
-  impl_->reduce_shared();
-  return impl_->update(impl_->global_norm(), lr, counters_);
+  return impl_->finish_step(lr, counters_);
 }
 
 const model::ShardLayout& ShardedAdamW::layout() const { return impl_->layout; }
