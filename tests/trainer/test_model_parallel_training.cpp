@@ -58,76 +58,11 @@ struct Run {
   std::unique_ptr<model::Weights> weights;  // the whole f32 policy after the steps
 };
 
-// `steps` training steps on dp x tp ranks (tensor-parallel ranks adjacent, as the grid orders
-// them); data-parallel rank d trains the groups g with g % dp == d.
-Run train(const model::ModelConfig& cfg, int dp, int tp, ShardLevel level,
-          const std::vector<TrainSample>& batch, int steps) {
-  model::Weights start(cfg, DType::f32);
-  test::fill_random_weights(start, 7);
-  Run run;
-  run.weights = std::make_unique<model::Weights>(cfg, DType::f32);
-  std::vector<std::unique_ptr<model::Weights>> shards(static_cast<size_t>(tp));
-  const test::TempDir tmp("mp-training");
-  test::on_ranks(dp * tp, tmp.file("store"), [&](int r, Communicator& world) {
-    const int d = r / tp, t = r % tp;
-    std::unique_ptr<Communicator> dp_group, tp_group;
-    std::vector<int> dp_ranks, tp_ranks;
-    for (int j = 0; j < dp; ++j) dp_ranks.push_back(j * tp + t);
-    for (int k = 0; k < tp; ++k) tp_ranks.push_back(d * tp + k);
-    if (dp > 1) dp_group = world.split("dp" + std::to_string(t), dp_ranks);
-    if (tp > 1) tp_group = world.split("tp" + std::to_string(d), tp_ranks);
-    std::unique_ptr<model::Weights> w = model::cut_tp_shard(start, t, tp);
-    ShardOptions so;
-    so.level = level;
-    so.deterministic = true;
-    so.model_parallel = tp_group.get();
-    if (t > 0)
-      for (const model::NamedTensor& s : w->storage())
-        if (s.name.find("norm") != std::string::npos) so.norm_excluded.push_back(s.name);
-    AdamWConfig ac;
-    ac.max_grad_norm = 0.05f;  // clipped: the global norm decides
-    ac.eps = 1e-3f;  // an update continuous in the gradient, so rounding stays rounding-sized
-    ShardedAdamW opt(*w, dp_group.get(), ac, so);
-    const LrSchedule lr(LrScheduleConfig{.lr = 1e-2f});
-    TrainStepConfig tc;
-    tc.deterministic = true;
-    tc.micro_batch_tokens = 24;  // several micro-batches
-    tc.minibatches = 2;          // the old logprobs recomputed
-    tc.loss.kl_beta = 0;
-    PolicyTrainer trainer(opt, nullptr, lr, tc,
-                          ModelParallel{.tp = tp_group.get(), .tp_kv_heads = cfg.num_kv_heads});
-    BatchShard shard;
-    std::vector<TrainSample> mine;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      shard.lengths.push_back(static_cast<int64_t>(batch[i].completion.size()));
-      if (batch[i].group % dp == d) {
-        shard.positions.push_back(i);
-        mine.push_back(batch[i]);
-      }
-    }
-    for (int s = 0; s < steps; ++s) {
-      const TrainStepMetrics m = trainer.step(mine, dp > 1 ? &shard : nullptr);
-      if (r == 0) {
-        run.loss.push_back(m.loss);
-        run.grad_norm.push_back(m.grad_norm);
-      }
-    }
-    if (d == 0) {
-      shards[static_cast<size_t>(t)] = std::make_unique<model::Weights>(w->config(), DType::f32);
-      shards[static_cast<size_t>(t)]->copy_from(opt.params());
-    }
-  });
-  for (int t = 0; t < tp; ++t) {
-    REQUIRE(shards[static_cast<size_t>(t)] != nullptr);
-    place(*run.weights, *shards[static_cast<size_t>(t)], t, tp);
-  }
-  return run;
-}
-
 // `steps` training steps on dp x tp x pp ranks in the grid's order (rank (s dp + d) tp + t): each
-// rank holds stage s's model::ModelPart of tensor-parallel shard t, the last stage the loss.
-Run train_pipelined(const model::ModelConfig& cfg, int dp, int tp, int pp,
-                    const std::vector<TrainSample>& batch, int steps) {
+// rank holds stage s's model::ModelPart of tensor-parallel shard t (the whole shard when pp = 1),
+// the last stage the loss; data-parallel rank d trains the groups g with g % dp == d.
+Run train(const model::ModelConfig& cfg, int dp, int tp, int pp, ShardLevel level,
+          const std::vector<TrainSample>& batch, int steps) {
   model::Weights start(cfg, DType::f32);
   test::fill_random_weights(start, 7);
   Run run;
@@ -148,12 +83,14 @@ Run train_pipelined(const model::ModelConfig& cfg, int dp, int tp, int pp,
     std::unique_ptr<Communicator> dp_group, pp_group, tp_group, mp_group, tie_group;
     if (dp > 1)
       dp_group = world.split("dp" + std::to_string(s) + "." + std::to_string(t), dp_ranks);
-    pp_group = world.split("pp" + std::to_string(d) + "." + std::to_string(t), pp_ranks);
+    if (pp > 1)
+      pp_group = world.split("pp" + std::to_string(d) + "." + std::to_string(t), pp_ranks);
     if (tp > 1) {
       tp_group = world.split("tp" + std::to_string(s) + "." + std::to_string(d), tp_ranks);
       mp_group = world.split("mp" + std::to_string(d), mp_ranks);
     }
-    if (tied && (s == 0 || s == pp - 1))  // the embedding's two copies
+    const bool copies = tied && pp > 1;  // the embedding on the first stage and the last
+    if (copies && (s == 0 || s == pp - 1))
       tie_group = world.split("tie" + std::to_string(d) + "." + std::to_string(t),
                               {rank(0, d, t), rank(pp - 1, d, t)});
     const std::unique_ptr<model::Weights> shard = model::cut_tp_shard(start, t, tp);
@@ -164,10 +101,11 @@ Run train_pipelined(const model::ModelConfig& cfg, int dp, int tp, int pp,
         DType::f32);
     w.copy_from(*shard);
     ShardOptions so;
+    so.level = level;
     so.deterministic = true;
     so.model_parallel = tp > 1 ? mp_group.get() : pp_group.get();
     if (tie_group) so.shared = {{embed, tie_group.get()}};
-    if (tied && s == pp - 1) so.norm_excluded = {embed};  // stage 0 counts it
+    if (copies && s == pp - 1) so.norm_excluded = {embed};  // stage 0 counts it
     if (t > 0)  // tensor-parallel rank 0 counts the replicated norms
       for (const model::NamedTensor& n : w.storage())
         if (n.name.find("norm") != std::string::npos) so.norm_excluded.push_back(n.name);
@@ -240,9 +178,9 @@ TEST_CASE("tensor-parallel training on 2 ranks trains the weights of one rank up
   const std::vector<TrainSample> batch = test::random_train_batch(4, 3, cfg.vocab_size, 11, -4.0f);
   for (const ShardLevel level : {ShardLevel::optimizer, ShardLevel::gradients}) {
     INFO("trainer.shard = " << shard_level_name(level));
-    const Run one = train(cfg, 1, 1, level, batch, 2);
-    const Run tp2 = train(cfg, 1, 2, level, batch, 2);
-    const Run dp2tp2 = train(cfg, 2, 2, level, batch, 2);
+    const Run one = train(cfg, 1, 1, 1, level, batch, 2);
+    const Run tp2 = train(cfg, 1, 2, 1, level, batch, 2);
+    const Run dp2tp2 = train(cfg, 2, 2, 1, level, batch, 2);
     for (size_t s = 0; s < one.loss.size(); ++s) {
       // The logprobs' and the gradients' sums are split by rank: f32 rounding, not bits.
       CHECK(std::abs(tp2.loss[s] - one.loss[s]) <= 1e-5 * (std::abs(one.loss[s]) + 1e-3));
@@ -268,10 +206,10 @@ TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise whe
     cfg.num_layers = 4;
     const std::vector<TrainSample> batch =
         test::random_train_batch(4, 3, cfg.vocab_size, 23, -4.0f);
-    const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
+    const Run one = train(cfg, 1, 1, 1, ShardLevel::optimizer, batch, 2);
     for (const auto& [dp, pp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
       INFO("dp " << dp << " x pp " << pp);
-      const Run run = train_pipelined(cfg, dp, 1, pp, batch, 2);
+      const Run run = train(cfg, dp, 1, pp, ShardLevel::optimizer, batch, 2);
       REQUIRE(run.loss.size() == one.loss.size());
       // Tied: each micro-batch's embedding gradient is the head's and the embedding's added in f32
       // on one rank, the two copies' fixed-point sums added once a step on a pipeline.
@@ -303,9 +241,9 @@ TEST_CASE(
     cfg.num_layers = 4;
     const std::vector<TrainSample> batch =
         test::random_train_batch(4, 3, cfg.vocab_size, 29, -4.0f);
-    const Run one = train(cfg, 1, 1, ShardLevel::optimizer, batch, 2);
-    const Run grid = train_pipelined(cfg, 1, 2, 2, batch, 2);
-    const Run tp2 = train(cfg, 1, 2, ShardLevel::optimizer, batch, 2);
+    const Run one = train(cfg, 1, 1, 1, ShardLevel::optimizer, batch, 2);
+    const Run grid = train(cfg, 1, 2, 2, ShardLevel::optimizer, batch, 2);
+    const Run tp2 = train(cfg, 1, 2, 1, ShardLevel::optimizer, batch, 2);
     for (size_t s = 0; s < one.loss.size(); ++s) {
       CHECK(std::abs(grid.loss[s] - one.loss[s]) <= 1e-5 * (std::abs(one.loss[s]) + 1e-3));
       CHECK(std::abs(grid.grad_norm[s] - one.grad_norm[s]) <= 1e-5f * one.grad_norm[s]);
