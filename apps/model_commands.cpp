@@ -176,7 +176,8 @@ int run_generate() {
                               {"logprobs", smp.logprobs},
                               {"finish_reason", rollout::finish_reason_name(smp.finish_reason)}});
     }
-    std::printf("%s\n", j.dump().c_str());
+    // A completion may end inside a UTF-8 character: U+FFFD there.
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   }
   const rollout::EngineStats& st = engine.stats();
   std::fprintf(stderr,

@@ -30,6 +30,7 @@
 #include "trainer/append_file.h"
 #include "trainer/canary.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_grid.h"
 #include "trainer/data.h"
 #include "trainer/disaggregated.h"
 #include "trainer/grpo.h"
@@ -151,45 +152,58 @@ namespace job_detail {
 namespace {
 
 // The optimizer, chosen once: AdamW for one rank's non-deterministic job (whole state; any
-// device), else ShardedAdamW at trainer.shard's level (on one rank too when deterministic).
+// ShardedAdamW at trainer.shard's level (on one rank too when deterministic). device), else
+// ShardedAdamW at trainer.shard's level (on one rank too when deterministic); a grid trainer's over
+// its data-parallel group, with the grid's options.
 std::unique_ptr<Optimizer> make_optimizer(const JobConfig& job, model::Weights& policy,
-                                          Communicator* comm, const JobHooks& hooks) {
+                                          Communicator* comm, const JobGrid* grid,
+                                          const JobHooks& hooks) {
   if (comm == nullptr && !job.trainer.step.deterministic)
     return std::make_unique<AdamW>(policy, job.trainer.optimizer);
   ShardOptions o = job.trainer.shard;
   o.deterministic = job.trainer.step.deterministic;
   o.bucket_bytes = job.trainer.comm_bucket_mb << 20;
   if (hooks.before_gather) o.before_gather = &hooks.before_gather;
+  if (grid != nullptr)
+    return std::make_unique<ShardedAdamW>(policy, grid->dp(), job.trainer.optimizer,
+                                          grid->shard_options(o));
   return std::make_unique<ShardedAdamW>(policy, comm, job.trainer.optimizer, o);
 }
 
 }  // namespace
 
 Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& hooks,
-         Communicator* comm, model::LoadedModel m)
+         Communicator* comm, JobGrid* grid, model::LoadedModel m)
     : job_(job),
       stop_(stop),
       hooks_(hooks),
       comm_(comm),
+      grid_(grid),
       rank_(comm != nullptr ? comm->rank() : 0),
       world_(comm != nullptr ? comm->size() : 1),
       role_(rank_ == 0 ? Role::writer : Role::worker),
       m_(std::move(m)),
-      policy_(m_.weights.get()),
+      part_(grid != nullptr ? grid->cut(*m_.weights) : nullptr),
+      policy_(part_ ? part_.get() : m_.weights.get()),
       data_(make_data(job)),
       format_(prompt_format(m_.tok(), job.model.chat_template, job.data.system_prompt)),
       stream_(data_.train, static_cast<uint64_t>(job.data.seed), job.data.shuffle),
       rewards_(make_rewards(job)),
-      optimizer_(make_optimizer(job, *policy_, comm, hooks)),
+      optimizer_(make_optimizer(job, *policy_, comm, grid, hooks)),
       sharded_(dynamic_cast<ShardedAdamW*>(optimizer_.get())),
       schedule_(schedule_config(job)),
       step_config_(train_step_config(job)) {
   TANDEM_CHECK(!data_.train.empty(), "the training split is empty ({})", job.where("data.source"));
   if (job.trainer.grpo.loss.kl_beta > 0) {
-    reference_ = std::make_unique<model::Weights>(policy_->config(), DType::f32);
+    reference_ = std::make_unique<model::Weights>(policy_->config(), policy_->part(), DType::f32);
     reference_->copy_from(*policy_);
   }
-  if (sharded_ != nullptr && sharded_->options().level == ShardLevel::parameters) {
+  if (grid_ != nullptr) {
+    // The whole loaded weights go (their table stays for the config); the engines are filled
+    // from every rank's part.
+    m_.weights = model::Weights::unbound(m_.config(), DType::f32);
+    rollout_ = std::make_unique<RolloutGroup>(job, m_.config(), grid_->layout(), *policy_, comm);
+  } else if (sharded_ != nullptr && sharded_->options().level == ShardLevel::parameters) {
     // ZeRO-3: the optimizer holds this rank's pieces; the loaded whole weights go (their table
     // stays for the config) and the rollout engines are filled from the pieces.
     m_.weights = model::Weights::unbound(policy_->config(), DType::f32);
@@ -213,8 +227,14 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
   // far the workers' logprobs are from it (rollout_trainer_logp/*).
   if (job.placement.mode == "disaggregated") step_config_.always_recompute_old = true;
-  trainer_ =
-      std::make_unique<PolicyTrainer>(*optimizer_, reference_.get(), schedule_, step_config_);
+  ModelParallel parallel;
+  if (grid_ != nullptr) parallel = grid_->model_parallel();
+  if (hooks.before_stage_backward) {
+    before_stage_backward_ = [this](int micro) { hooks_.before_stage_backward(rank_, micro); };
+    parallel.before_stage_backward = &before_stage_backward_;
+  }
+  trainer_ = std::make_unique<PolicyTrainer>(*optimizer_, reference_.get(), schedule_, step_config_,
+                                             parallel);
   if (job.trainer.optimizer_offload)
     std::fprintf(stderr,
                  "tandem: trainer.optimizer.offload: on cpu the optimizer state is in host memory "
@@ -265,7 +285,10 @@ void Job::resume() {
   if (from.empty()) return;
   // Any number of ranks wrote it: this rank reads the pieces that overlap its own (the policy is
   // the optimizer's weights).
-  load_checkpoint(from, *optimizer_, state_);
+  if (grid_ != nullptr)
+    load_grid_checkpoint(from, *sharded_, *grid_, state_);
+  else
+    load_checkpoint(from, *optimizer_, state_);
   state_.config = to_toml(job_);  // the config this run trains with, not the checkpoint's
   if (state_.extra.contains("stream")) stream_.restore(state_.extra["stream"]);
   trainer_->set_steps_done(state_.extra.value("optimizer_steps", int64_t{0}));
@@ -361,6 +384,7 @@ Collected Job::collect() {
     rewards::RewardBreakdown breakdown;
     if (!groups.empty()) breakdown = score(groups, rewards_, job_);
     if (world_ > 1) groups = exchange(std::move(groups), prompts, breakdown);
+    if (grid_ != nullptr) share_samples(groups);
     append(c.breakdown, breakdown);
     // Every rank sees every group's rewards: the same groups kept everywhere.
     for (Group& g : groups) {
@@ -400,7 +424,8 @@ Updated Job::update_and_publish(const Selected& selected) {
   if (job_.placement.release_memory) engine_->release_memory();
   if (selected.batch() == 0) return u;
   const auto t0 = Clock::now();
-  u.train = trainer_->step(selected.train, comm_ != nullptr ? &selected.shard : nullptr);
+  u.train =
+      trainer_->step(selected.train, optimizer_->comm() != nullptr ? &selected.shard : nullptr);
   if (job_.placement.release_memory) trainer_->release_activations();
   state_.weight_version += 1;
   const auto t1 = Clock::now();
@@ -477,7 +502,9 @@ void Job::checkpoint() {
       hooks_.on_checkpoint_stage(rank_, state_.step, stage);
     };
   const std::string dir =
-      save_checkpoint(job_.checkpoint.dir, state_.step, *optimizer_, state_, co);
+      grid_ != nullptr ? save_grid_checkpoint(job_.checkpoint.dir, state_.step, *sharded_, *grid_,
+                                              *comm_, state_, co, sync_options(job_.weight_sync))
+                       : save_checkpoint(job_.checkpoint.dir, state_.step, *optimizer_, state_, co);
   if (role_ == Role::writer) std::fprintf(stderr, "tandem: checkpoint %s\n", dir.c_str());
 }
 
@@ -540,7 +567,8 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
                "--nproc {} -- tandem train ...`, or set placement.ranks = 0 ({})",
                job.placement.ranks, world, world == 1 ? " was" : "s were", info.source,
                job.placement.ranks, job.where("placement.ranks"));
-  TANDEM_CHECK(job.rollout.prompts_per_step % world == 0,
+  // (A grid trainer's data-parallel replicas are fewer: check_trainer_grid checks those.)
+  TANDEM_CHECK(job.trainer.tp * job.trainer.pp > 1 || job.rollout.prompts_per_step % world == 0,
                "rollout.prompts_per_step = {} is not a multiple of the {} ranks: each rank "
                "generates and trains whole groups, as many as every other; use a multiple of {} "
                "({})",
@@ -552,6 +580,7 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   // is written or connected, and the job trains it.
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);
   check_rollout_tp(job, world, m.config());
+  check_trainer_grid(job, world, m.config());
   TANDEM_CHECK(world == 1 || job.placement.mode == "colocated",
                "a disaggregated job trains on one rank for now, and {} were started ({}): start "
                "`tandem train` alone ({})",
@@ -561,10 +590,16 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
     comm = Communicator::create(info, comm_options(job.distributed));
     verify_same_config(*comm, to_toml(job));
   }
+  std::unique_ptr<JobGrid> grid;
+  if (job.trainer.tp * job.trainer.pp > 1) {
+    grid = std::make_unique<JobGrid>(job, *comm, m.config());
+    if (comm->rank() == 0)
+      std::fprintf(stderr, "tandem: trainer grid: %s\n", grid->grid().describe().c_str());
+  }
   // The writer (rank 0) checks and locks the run and checkpoint directories for the job's life.
   JobStart started;
   if (comm == nullptr || comm->rank() == 0) started = start_job(job);
-  job_detail::Job running(job, stop, hooks, comm.get(), std::move(m));
+  job_detail::Job running(job, stop, hooks, comm.get(), grid.get(), std::move(m));
   return running.run();
 }
 

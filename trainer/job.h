@@ -42,6 +42,10 @@ struct JobHooks {
   std::function<void(int rank, int64_t step, const std::string& stage)> on_checkpoint_stage;
   std::function<void(int rank, uint64_t version, model::Weights* engine_weights)> after_publish;
   std::function<void(int rank, size_t unit)> before_gather;
+  // - before_stage_backward: with trainer.pp > 1, on every rank before each backward pass of a
+  //   micro-batch through its pipeline stage (ModelParallel::before_stage_backward), with the rank
+  //   and the micro-batch's index in its minibatch; e.g. to kill a stage mid-schedule.
+  std::function<void(int rank, int micro_batch)> before_stage_backward;
 };
 
 // Runs the job to trainer.steps (resuming from checkpoint.resume), writing

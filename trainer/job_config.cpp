@@ -266,6 +266,17 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "MiB of f32 one collective of the sharded optimizer carries at most (a layer's "
               "larger ones go in pieces)."))
       .range(1, 4096);
+  add(bind<J>("trainer.tp", TANDEM_MEMBER(trainer.tp),
+              "Tensor-parallel trainer ranks: each layer's heads, MLP width and vocabulary split "
+              "over tp consecutive ranks (one all-reduce per block forward and backward). Must "
+              "divide the model's query and key-value heads, MLP width and vocabulary; "
+              "independent of placement.rollout_tp (docs/distributed.md)."))
+      .range(1, 4096);
+  add(bind<J>("trainer.pp", TANDEM_MEMBER(trainer.pp),
+              "Pipeline stages of the trainer: the layers in pp contiguous stages (the embedding "
+              "on the first, the head on the last), micro-batches under 1F1B. trainer.tp x "
+              "trainer.pp divides the ranks; the rest are data-parallel (docs/distributed.md)."))
+      .range(1, 4096);
   add(bind<J>("trainer.always_recompute_old", TANDEM_MEMBER(trainer.step.always_recompute_old),
               "Recompute old logprobs even when the rollout's are exact (mu = 1, one minibatch); "
               "on whenever rollout.dtype differs from trainer.dtype."));
@@ -689,6 +700,33 @@ void check_job(const Config& c, JobConfig& j) {
            fmt::format("workers are used by placement.mode = \"disaggregated\" only, and the "
                        "mode is \"{}\" ({})",
                        pl.mode, c.where("placement.mode")));
+  }
+
+  if (t.tp * t.pp > 1) {
+    const std::string key = t.tp > 1 ? "trainer.tp" : "trainer.pp";
+    if (pl.mode == "disaggregated")
+      c.fail(key,
+             "a disaggregated job trains on one rank for now: set trainer.tp = trainer.pp = 1");
+    if (pl.device != "cpu")
+      c.fail(key, fmt::format("tensor- and pipeline-parallel training runs on cpu only for now, "
+                              "and placement.device is \"{}\" ({})",
+                              pl.device, c.where("placement.device")));
+    if (t.pp > 1 && t.shard.level != ShardLevel::optimizer)
+      c.fail("trainer.shard",
+             fmt::format("pipeline stages (trainer.pp = {}) shard the optimizer state only for "
+                         "now: set trainer.shard = \"optimizer\"",
+                         t.pp));
+    if (t.shard.level == ShardLevel::parameters)
+      c.fail("trainer.shard",
+             fmt::format("tensor-parallel training (trainer.tp = {}) shards the optimizer state "
+                         "or the gradients for now: set trainer.shard = \"optimizer\" or "
+                         "\"gradients\"",
+                         t.tp));
+    if (j.weight_sync.canary)
+      c.fail("weight_sync.canary",
+             fmt::format("the canary scores its probe with one rank's whole trainer; with "
+                         "trainer.tp = {} and trainer.pp = {} it is not available yet",
+                         t.tp, t.pp));
   }
 
   WeightSyncSection& ws = j.weight_sync;

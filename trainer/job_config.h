@@ -81,6 +81,11 @@ struct TrainerSection {
   AdamWConfig optimizer;
   ShardOptions shard;  // .deterministic is step.deterministic, .bucket_bytes comm_bucket_mb's
   int64_t comm_bucket_mb = 32;
+  // The trainer's ranks as a data x tensor x pipeline parallel grid (trainer/parallel/grid.h,
+  // docs/distributed.md "Tensor and pipeline parallelism"): tp ranks split each layer, pp stages
+  // split the layers, the rest of the world is data parallel.
+  int64_t tp = 1;
+  int64_t pp = 1;
   bool optimizer_offload = false;  // moments to host during rollout (CUDA); cpu: already there
   LrScheduleConfig schedule;       // total_steps = steps * epochs * minibatches when 0
   std::string dtype = "f32";       // master weights

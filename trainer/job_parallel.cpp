@@ -1,5 +1,6 @@
-// What the data-parallel ranks of a colocated job share: each rank's share of a round's groups,
-// the exchange of their rewards and scores, and whether any rank asks to stop.
+// What the ranks of a colocated job share: each rank's share of a round's groups to generate, the
+// exchange of their rewards and scores (and, for a grid trainer, of their tokens), and whether any
+// rank asks to stop.
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -12,9 +13,18 @@
 
 namespace tandem::trainer::job_detail {
 
+namespace {
+
+// Part i of n of `count` items: [count i / n, count (i + 1) / n).
+std::pair<size_t, size_t> part_of(size_t count, int i, int n) {
+  const auto k = static_cast<size_t>(n), j = static_cast<size_t>(i);
+  return {count * j / k, count * (j + 1) / k};
+}
+
+}  // namespace
+
 std::pair<size_t, size_t> Job::share(size_t count, int rank) const {
-  const auto n = static_cast<size_t>(world_), r = static_cast<size_t>(rank);
-  return {count * r / n, count * (r + 1) / n};
+  return part_of(count, rank, world_);
 }
 
 bool Job::any_rank(bool mine) {
@@ -88,6 +98,51 @@ std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& p
   }
   breakdown = std::move(round);
   return groups;
+}
+
+// Every rank generates its share of the groups, but a data-parallel replica of a grid trainer is
+// several ranks (its tensor-parallel ranks and pipeline stages), each of which runs every sample
+// of the replica's share: the tokens and the engine's logprobs of every sample travel to every
+// rank (2 doubles a token, all-gathered in rank order; the lengths came with the rewards).
+void Job::share_samples(std::vector<Group>& groups) {
+  const size_t count = groups.size();
+  const auto [first, last] = share(count, rank_);
+  std::vector<double> out;
+  for (size_t p = first; p < last; ++p)
+    for (const Sample& x : groups[p].samples)
+      for (size_t i = 0; i < x.tokens.size(); ++i)
+        out.insert(out.end(), {static_cast<double>(x.tokens[i]), x.logprobs[i]});
+  std::vector<int64_t> counts;
+  int64_t total = 0;
+  for (int r = 0; r < world_; ++r) {
+    const auto [a, b] = share(count, r);
+    int64_t n = 0;
+    for (size_t p = a; p < b; ++p)
+      for (const Sample& x : groups[p].samples) n += 2 * x.length;
+    counts.push_back(n);
+    total += n;
+  }
+  std::vector<double> all(static_cast<size_t>(total));
+  comm_->all_gather_v(Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::i64),
+                      Tensor::wrap(all.data(), {total}, DType::i64), counts);
+  const auto [mine_first, mine_last] = part_of(count, grid_->at().dp, grid_->dp_size());
+  size_t at = 0;
+  for (size_t p = 0; p < count; ++p) {
+    Group& g = groups[p];
+    for (Sample& x : g.samples) {
+      const auto n = static_cast<size_t>(x.length);
+      if (!g.local) {
+        x.tokens.resize(n);
+        x.logprobs.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+          x.tokens[i] = static_cast<int32_t>(all[at + 2 * i]);
+          x.logprobs[i] = static_cast<float>(all[at + 2 * i + 1]);
+        }
+      }
+      at += 2 * n;
+    }
+    g.local = p >= mine_first && p < mine_last;
+  }
 }
 
 }  // namespace tandem::trainer::job_detail

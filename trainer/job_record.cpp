@@ -142,6 +142,8 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
       static_cast<double>(optimizer_->state_bytes()) / (1024.0 * 1024.0);
   j["distributed/ranks"] = world_;
   j["distributed/rollout_tp"] = rollout_->tp();
+  j["distributed/trainer_tp"] = job_.trainer.tp;
+  j["distributed/trainer_pp"] = job_.trainer.pp;
   j["tokens_per_s"] = static_cast<double>(tokens) / std::max(step_s, 1e-9);
   j["time/rollout_s"] = c.rollout_s;
   j["time/reward_s"] = c.reward_s;
@@ -201,13 +203,13 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   if (job_.logging.samples_every > 0 && state_.step % job_.logging.samples_every == 0 &&
       !c.groups.empty() && !c.groups[0].samples.empty()) {
     const Group& g = c.groups[0];
-    samples_out_->write_line(nlohmann::json{
-        {"step", state_.step},
-        {"prompt", g.prompt.rendered.text},
-        {"completion", g.samples[0].text},
-        {"answer", g.prompt.example.answer},
-        {"reward",
-         g.samples[0].reward}}.dump());
+    samples_out_->write_line(nlohmann::json{{"step", state_.step},
+                                            {"prompt", g.prompt.rendered.text},
+                                            {"completion", g.samples[0].text},
+                                            {"answer", g.prompt.example.answer},
+                                            {"reward", g.samples[0].reward}}
+                                 // A completion may end inside a UTF-8 character: U+FFFD there.
+                                 .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
 }
 

@@ -110,10 +110,12 @@ bool counts_on_resume(const std::string& key) {
       key.starts_with("distributed.") || key.starts_with("weight_sync."))
     return false;
   // placement.ranks: a checkpoint resumes on any world size (its optimizer ranges are resharded);
-  // trainer.shard and its collectives' settings: at any level (the checkpoint is the same).
-  for (const char* k : {"trainer.steps", "eval.every", "eval.max_prompts", "eval.pass_k",
-                        "eval.temperature", "placement.release_memory", "placement.ranks",
-                        "trainer.shard", "trainer.overlap_comm", "trainer.comm_bucket_mb"})
+  // trainer.shard and its collectives' settings: at any level (the checkpoint is the same);
+  // trainer.tp and trainer.pp: under any layout (trainer/checkpoint_grid.h).
+  for (const char* k :
+       {"trainer.steps", "eval.every", "eval.max_prompts", "eval.pass_k", "eval.temperature",
+        "placement.release_memory", "placement.ranks", "trainer.shard", "trainer.overlap_comm",
+        "trainer.comm_bucket_mb", "trainer.tp", "trainer.pp"})
     if (key == k) return false;
   return true;
 }

@@ -51,8 +51,9 @@ void check_job_dirs(const JobConfig& job);
 // change on resume without changing what is trained do not count: checkpoint.*, logging.*,
 // distributed.*, weight_sync.*, trainer.steps (extending a run; with it
 // trainer.schedule.total_steps when that is steps times the same factor on both sides, as its
-// default is), eval.every, eval.max_prompts, eval.pass_k, eval.temperature and
-// placement.release_memory.
+// default is), eval.every, eval.max_prompts, eval.pass_k, eval.temperature,
+// placement.release_memory and the trainer's layout: placement.ranks, trainer.shard,
+// trainer.overlap_comm, trainer.comm_bucket_mb, trainer.tp and trainer.pp.
 std::vector<std::string> resume_config_differences(const std::string& before_toml,
                                                    const std::string& after_toml);
 

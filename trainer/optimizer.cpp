@@ -1055,6 +1055,71 @@ void ShardedAdamW::gather_unit(size_t unit, const Tensor& out) {
              static_cast<size_t>(u.flat.size()) * sizeof(float));
 }
 
+namespace {
+
+// Copies flat elements [range.begin, range.end) of the tables' storage tensors (flattened one
+// after the other, starts: each one's flat offset) to `buf`, or from it (into_table).
+void copy_flat(const model::Weights& table, std::span<const int64_t> starts, model::FlatRange range,
+               float* buf, bool into_table) {
+  for (size_t t = 0; t + 1 < starts.size(); ++t) {
+    const int64_t a = std::max(range.begin, starts[t]), b = std::min(range.end, starts[t + 1]);
+    if (a >= b) continue;
+    float* x = table.storage()[t].tensor.data_as<float>() + (a - starts[t]);
+    float* y = buf + (a - range.begin);
+    if (into_table)
+      std::copy(y, y + (b - a), x);
+    else
+      std::copy(x, x + (b - a), y);
+  }
+}
+
+void check_moment_table(const model::ShardLayout& layout, const model::Weights& w,
+                        const char* what) {
+  const std::span<const int64_t> starts = layout.tensor_starts();
+  bool fits =
+      w.dtype() == DType::f32 && w.device().is_cpu() && w.storage().size() + 1 == starts.size();
+  for (size_t t = 0; fits && t < w.storage().size(); ++t)
+    fits = w.storage()[t].tensor.numel() == starts[t + 1] - starts[t];
+  TANDEM_CHECK(fits,
+               "optimizer: {}: the moments' table is not an f32 CPU table of the optimizer's "
+               "weights ({} tensors, {} elements)",
+               what, starts.size() - 1, layout.total());
+}
+
+}  // namespace
+
+void ShardedAdamW::gather_moments(model::Weights& m_out, model::Weights& v_out) {
+  Impl& m = *impl_;
+  TANDEM_CHECK(m.dev.device().is_cpu(), "optimizer: gather_moments runs on the CPU only");
+  check_moment_table(m.layout, m_out, "gather_moments");
+  check_moment_table(m.layout, v_out, "gather_moments");
+  for (size_t unit = 0; unit < m.units(); ++unit) {
+    const model::ShardUnit& u = m.layout.units()[unit];
+    Buffer all(ArenaClass::optimizer_states, m.world * u.shard, DType::f32, nullptr,
+               m.dev.device());
+    for (auto [local, out] : {std::pair{&m.m, &m_out}, std::pair{&m.v, &v_out}}) {
+      m.thread->wait(m.issue([&] { m.gather_pieces(unit, local->f32() + u.local, all.f32()); }));
+      copy_flat(*out, m.layout.tensor_starts(), u.flat, all.f32(), true);
+    }
+  }
+}
+
+void ShardedAdamW::set_moments(const model::Weights& m_in, const model::Weights& v_in) {
+  Impl& m = *impl_;
+  TANDEM_CHECK(m.dev.device().is_cpu(), "optimizer: set_moments runs on the CPU only");
+  check_moment_table(m.layout, m_in, "set_moments");
+  check_moment_table(m.layout, v_in, "set_moments");
+  for (size_t unit = 0; unit < m.units(); ++unit) {
+    const model::ShardUnit& u = m.layout.units()[unit];
+    const model::FlatRange range = m.layout.range(unit, m.rank);
+    for (auto [local, in] : {std::pair{&m.m, &m_in}, std::pair{&m.v, &v_in}}) {
+      float* piece = local->f32() + u.local;
+      std::fill(piece, piece + u.shard, 0.0f);
+      copy_flat(*in, m.layout.tensor_starts(), range, piece, false);
+    }
+  }
+}
+
 void AdamW::begin_step() {
   if (!grads_)
     grads_ = std::make_unique<model::Weights>(params_.config(), params_.part(), DType::f32,

@@ -266,6 +266,12 @@ class ShardedAdamW final : public Optimizer {
   // ShardLevel::parameters: unit u's f32 master weights (its flat elements) into out (on the CPU
   // or the optimizer's device) on every rank. Collective.
   void gather_unit(size_t unit, const Tensor& out);
+  // The whole moments of the weights this optimizer updates (tables of params()' layout, f32 on
+  // the CPU), gathered from every rank's pieces on every rank: what a checkpoint of a
+  // model-parallel trainer reassembles the model's moments from. Collective.
+  void gather_moments(model::Weights& m, model::Weights& v);
+  // The reverse, not collective: this rank's pieces of the moments taken from whole ones.
+  void set_moments(const model::Weights& m, const model::Weights& v);
   int64_t step_count() const { return counters_.step; }
   // The training state this rank held at most (bytes) since the last reset: f32 weights (whole or
   // its pieces, and the units gathered), gradients (whole, or its pieces and the buckets in

@@ -108,6 +108,21 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& confi
   whole_publisher_->publish(0);
 }
 
+RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
+                           const weight_sync::Layout& grid, const model::Weights& part,
+                           Communicator* world)
+    : policy_(nullptr),
+      rank_(world != nullptr ? world->rank() : 0),
+      world_(world != nullptr ? world->size() : 1),
+      tp_(static_cast<int>(job.placement.rollout_tp)),
+      replica_(rank_ / tp_),
+      dtype_(dtype_from_name(job.rollout.dtype.c_str())) {
+  TANDEM_CHECK(grid.world() == world_, "rollout: the trainer's grid has {} ranks, the job has {}",
+               grid.world(), world_);
+  make_engine(config, world);
+  make_publisher(job, config, grid, weight_sync::bind(grid, rank_, params_of(part)), world);
+}
+
 void RolloutGroup::make_engine(const model::ModelConfig& config, Communicator* world) {
   if (tp_ > 1) {
     std::vector<int> ranks;

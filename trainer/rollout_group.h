@@ -59,6 +59,14 @@ class RolloutGroup {
   // whole f32 model, and the engine always holds its own copy.
   RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
                const model::ShardLayout& shards, const Tensor& local, Communicator* world);
+  // The same for a trainer laid out as a data x tensor x pipeline parallel grid (trainer.tp,
+  // trainer.pp): `grid` is the whole model's parameters over the job's ranks
+  // (weight_sync::Layout::grid) and `part` this rank's part of them (its stage's layers of its
+  // tensor-parallel shard; outlives the group, refilled in place by each step). Each engine's
+  // elements come from the ranks that hold them, spread over the data-parallel replicas; the
+  // engine always holds its own copy.
+  RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
+               const weight_sync::Layout& grid, const model::Weights& part, Communicator* world);
 
   // What the engine is built on: its weights and its tensor-parallel group (null at tp = 1).
   const model::Weights& weights() const { return engine_weights_ ? *engine_weights_ : *policy_; }

@@ -403,6 +403,7 @@ double PolicyTrainer::accumulate_pipelined(std::span<const TrainSample> samples,
     return Tensor();
   };
   stage.backward = [&](int i, const Tensor& grad_output) {
+    if (parallel_.before_stage_backward != nullptr) (*parallel_.before_stage_backward)(i);
     const int64_t T = batches[static_cast<size_t>(i)].num_tokens();
     const Tensor dh_in = first ? Tensor() : Tensor::empty({T, C}, DType::f32);
     if (last) {
@@ -414,6 +415,10 @@ double PolicyTrainer::accumulate_pipelined(std::span<const TrainSample> samples,
     optimizer_.end_micro_batch();
     return dh_in;
   };
+  // A data-parallel replica without samples in this minibatch: every stage of its pipeline has
+  // none alike (the optimizer's collectives come after the minibatch, at trainer.shard =
+  // optimizer, the one level stages run at).
+  if (batches.empty()) return 0;
   run_pipeline(pp, PipeSchedule::one_f_one_b, static_cast<int>(batches.size()), stage);
   return loss;
 }

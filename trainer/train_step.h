@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -90,6 +91,9 @@ struct ModelParallel {
   // The whole model's num_key_value_heads, which a shard of one KV head cannot tell
   // (DecoderOptions::tp_kv_heads); 0 when the shards hold several.
   int64_t tp_kv_heads = 0;
+  // A test hook (JobHooks::before_stage_backward; null: none; it outlives the trainer): called on
+  // a pipeline stage before each backward pass of a micro-batch, with the micro-batch's index.
+  const std::function<void(int micro_batch)>* before_stage_backward = nullptr;
 };
 
 class PolicyTrainer {

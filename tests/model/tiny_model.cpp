@@ -110,9 +110,11 @@ void fill_random_weights(model::Weights& w, uint64_t seed) {
   }
 }
 
-int64_t write_tiny_smollm2_hf(const std::string& dir, uint64_t seed) {
+int64_t write_tiny_smollm2_hf(const std::string& dir, uint64_t seed, int64_t layers, bool tied) {
   model::ModelConfig c = tiny_model_config(TinyKind::llama_tied);
   c.vocab_size = 49152;
+  c.num_layers = layers;
+  c.tie_word_embeddings = tied;
   c.bos_token_id = 1;
   c.eos_token_ids = {2};
   model::Weights w(c, DType::f32);

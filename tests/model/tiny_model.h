@@ -25,9 +25,10 @@ std::vector<std::vector<int32_t>> random_sequences(const std::vector<int>& lengt
 // Every storage tensor uniform in [-1, 1), tensor i from seed + 1 + i: values for optimizer and
 // checkpoint tests, where no forward needs them well scaled.
 void fill_uniform(model::Weights& w, uint64_t seed);
-// A tiny random Llama (C=64, 2 layers, weights of `seed`) with SmolLM2's tokenizer and chat
-// template (its vocabulary), as a Hugging Face directory `dir` that `tandem train` loads; returns
-// the bytes its parameters take in bf16.
-int64_t write_tiny_smollm2_hf(const std::string& dir, uint64_t seed = 17);
+// A tiny random Llama (C=64, 2 layers, tied embeddings, weights of `seed`) with SmolLM2's
+// tokenizer and chat template (its vocabulary), as a Hugging Face directory `dir` that `tandem
+// train` loads; returns the bytes its parameters take in bf16. `layers` and `tied` change those.
+int64_t write_tiny_smollm2_hf(const std::string& dir, uint64_t seed = 17, int64_t layers = 2,
+                              bool tied = true);
 
 }  // namespace tandem::test

@@ -4,6 +4,7 @@
 //
 //   tandem_job_worker JOB.toml [key=value ...] [--stall-checkpoint RANK:STAGE:STEP]
 //                     [--corrupt-engine-weights RANK:VERSION:PARAMETER] [--kill-in-gather RANK:N]
+//                     [--kill-in-pipeline RANK:N]
 //
 // --stall-checkpoint: that rank stops at that stage of that step's checkpoint save, says so on
 //   stderr ("stalls at checkpoint stage") and sleeps, for the test to kill it there; not killed
@@ -16,6 +17,9 @@
 // --kill-in-gather: at trainer.shard = "parameters", that rank, on its communication thread just
 //   before its Nth all-gather of a unit's weights (1: the first), says so on stderr ("dies before
 //   gather") and kills itself with SIGKILL, as a rank lost in the middle of a step would die.
+// --kill-in-pipeline: with trainer.pp > 1, that rank, before its Nth backward pass of a
+//   micro-batch through its stage (1: the first), says so on stderr ("dies before backward") and
+//   kills itself with SIGKILL, as a stage lost in the middle of the 1F1B schedule would die.
 #include <fmt/format.h>
 
 #include <atomic>
@@ -107,6 +111,21 @@ void kill_in_gather(trainer::JobHooks& hooks, const std::string& spec) {
   };
 }
 
+void kill_in_pipeline(trainer::JobHooks& hooks, const std::string& spec) {
+  const size_t colon = spec.find(':');
+  TANDEM_CHECK(colon != std::string::npos, "--kill-in-pipeline '{}': expected RANK:N", spec);
+  const int victim = std::stoi(spec.substr(0, colon));
+  const int64_t nth = std::stoll(spec.substr(colon + 1));
+  auto seen = std::make_shared<int64_t>(0);
+  hooks.before_stage_backward = [victim, nth, seen](int rank, int micro_batch) {
+    if (rank != victim || ++*seen != nth) return;
+    std::fprintf(stderr, "tandem: rank %d dies before backward %lld (micro-batch %d)\n", rank,
+                 static_cast<long long>(nth), micro_batch);
+    std::fflush(stderr);
+    std::raise(SIGKILL);
+  };
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -114,7 +133,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: tandem_job_worker JOB.toml [key=value ...] [--stall-checkpoint "
                  "RANK:STAGE:STEP] [--corrupt-engine-weights RANK:VERSION:PARAMETER] "
-                 "[--kill-in-gather RANK:N]\n");
+                 "[--kill-in-gather RANK:N] [--kill-in-pipeline RANK:N]\n");
     return 2;
   }
   try {
@@ -124,7 +143,7 @@ int main(int argc, char** argv) {
     for (int i = 2; i < argc; ++i) {
       const std::string arg = argv[i];
       const bool valued = arg == "--stall-checkpoint" || arg == "--corrupt-engine-weights" ||
-                          arg == "--kill-in-gather";
+                          arg == "--kill-in-gather" || arg == "--kill-in-pipeline";
       TANDEM_CHECK(!valued || i + 1 < argc, "{} needs a value", arg);
       if (arg == "--stall-checkpoint")
         stall_checkpoint(hooks, argv[++i]);
@@ -132,6 +151,8 @@ int main(int argc, char** argv) {
         corrupt_engine_weights(hooks, argv[++i]);
       else if (arg == "--kill-in-gather")
         kill_in_gather(hooks, argv[++i]);
+      else if (arg == "--kill-in-pipeline")
+        kill_in_pipeline(hooks, argv[++i]);
       else
         overrides.push_back(arg);
     }
