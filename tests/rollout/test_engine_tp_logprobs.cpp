@@ -38,10 +38,10 @@ std::vector<Request> requests(int64_t V, float temperature) {
     r.params.temperature = temperature;
     rs.push_back(std::move(r));
   };
-  add("plain", 5, 2, 31, 9);
-  add("top-k", 11, 3, 32, 7);
-  add("top-p", 3, 1, 33, 8);
-  add("min-p", 8, 2, 34, 6);
+  add("plain", 5, 3, 31, 24);
+  add("top-k", 11, 3, 32, 20);
+  add("top-p", 3, 2, 33, 24);
+  add("min-p", 8, 3, 34, 20);
   rs[1].params.top_k = 20;
   rs[2].params.top_p = 0.9f;
   rs[3].params.min_p = 0.05f;
@@ -53,6 +53,11 @@ std::vector<Request> requests(int64_t V, float temperature) {
 TEST_CASE("tensor-parallel rollout logprobs equal the tensor-parallel trainer's bitwise",
           "[unit]") {
   const float temperature = 0.7f;
+  // 2 ranks: the layers' all-reduces add two parts, an order-free sum. At 3 ranks Gloo's ring adds
+  // an element's parts in an order set by its place in the buffer, so decode's few rows and the
+  // training forward's many can differ in the hidden state itself (measured: 6 of 240 logprobs).
+  // The old head route (an all-reduced max and rescaled sums) agreed with the sampler on all of
+  // these tokens at 2 ranks; tests/model/test_tp_sample.cpp finds rows where it does not.
   const int tp = 2;
   for (const DType dtype : {DType::f32, DType::bf16}) {
     INFO("weights " << dtype_name(dtype));
@@ -76,7 +81,7 @@ TEST_CASE("tensor-parallel rollout logprobs equal the tensor-parallel trainer's 
       const std::unique_ptr<model::Weights> shard = model::cut_tp_shard(full, r, tp);
       EngineOptions o;
       o.block_size = 4;
-      o.num_blocks = 96;
+      o.num_blocks = 256;
       o.max_batch_tokens = 10;  // the 11-token prompt is prefilled in chunks
       o.max_seqs = 16;
       o.max_context = 64;
@@ -128,7 +133,7 @@ TEST_CASE("tensor-parallel rollout logprobs equal the tensor-parallel trainer's 
     for (int r = 0; r < tp; ++r) {
       INFO("rank " << r);
       const RankOut& ro = out[static_cast<size_t>(r)];
-      CHECK(ro.compared == 2 * 9 + 3 * 7 + 8 + 2 * 6);
+      CHECK(ro.compared == 3 * 24 + 3 * 20 + 2 * 24 + 3 * 20);
       CHECK(ro.forward_equal == ro.compared);  // bitwise
       CHECK(ro.score_equal == ro.compared);
     }
