@@ -64,18 +64,53 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
                                accumulate);
 }
 
+void logprob_shard_maxima(const Tensor& logits, const Tensor& maxima, const Stream& stream) {
+  const OpTimer timer("logprob_shard_maxima");
+  constexpr const char* op = "logprob_shard_maxima";
+  const auto [T, V] = check_logits(op, logits);
+  check_f32(op, "maxima", maxima, {T});
+  check_placement(op, logits.device(), {&logits, &maxima}, stream);
+  TANDEM_CHECK(logits.device().is_cpu(), "{}: a vocabulary-parallel head runs on the CPU only", op);
+  cpu::logprob_shard_maxima(logits, maxima);
+}
+
 void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
-                         const Tensor& stats, float temperature, const Stream& stream) {
+                         const Tensor& all_maxima, const Tensor& stats, float temperature,
+                         const Stream& stream) {
   const OpTimer timer("logprob_shard_stats");
   constexpr const char* op = "logprob_shard_stats";
   const auto [T, V] = check_logits(op, logits);
   check_tensor(op, "targets", targets, DType::i32, {T});
+  TANDEM_CHECK(all_maxima.ndim() == 2 && all_maxima.size(0) >= 1 && all_maxima.size(1) == T,
+               "{}: all_maxima must be (tp, T = {}), got {}", op, T, all_maxima.shape().str());
+  check_f32(op, "all_maxima", all_maxima, {all_maxima.size(0), T});
   check_f32(op, "stats", stats, {T, 4});
   check_temperature(op, temperature);
   TANDEM_CHECK(vocab_begin >= 0, "{}: vocab_begin {} is negative", op, vocab_begin);
-  check_placement(op, logits.device(), {&logits, &targets, &stats}, stream);
+  check_placement(op, logits.device(), {&logits, &targets, &all_maxima, &stats}, stream);
   TANDEM_CHECK(logits.device().is_cpu(), "{}: a vocabulary-parallel head runs on the CPU only", op);
-  cpu::logprob_shard_stats(logits, targets, vocab_begin, stats, temperature);
+  cpu::logprob_shard_stats(logits, targets, vocab_begin, all_maxima, stats, temperature);
+}
+
+void logprob_shard_combine(const Tensor& all_maxima, const Tensor& all_stats, const Tensor& logprob,
+                           const Tensor& lse, const Tensor& entropy, float temperature,
+                           const Stream& stream) {
+  const OpTimer timer("logprob_shard_combine");
+  constexpr const char* op = "logprob_shard_combine";
+  TANDEM_CHECK(all_maxima.ndim() == 2 && all_maxima.size(0) >= 1,
+               "{}: all_maxima must be (tp, T), got {}", op, all_maxima.shape().str());
+  const int64_t tp = all_maxima.size(0), T = all_maxima.size(1);
+  check_f32(op, "all_maxima", all_maxima, {tp, T});
+  check_f32(op, "all_stats", all_stats, {tp, T, 4});
+  check_f32(op, "logprob", logprob, {T});
+  check_f32(op, "lse", lse, {T});
+  if (entropy.defined()) check_f32(op, "entropy", entropy, {T});
+  check_temperature(op, temperature);
+  check_placement(op, all_maxima.device(), {&all_maxima, &all_stats, &logprob, &lse, &entropy},
+                  stream);
+  TANDEM_CHECK(all_maxima.device().is_cpu(), "{}: a vocabulary-parallel head runs on the CPU only",
+               op);
+  cpu::logprob_shard_combine(all_maxima, all_stats, logprob, lse, entropy, temperature);
 }
 
 void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,

@@ -315,11 +315,24 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
 // Vocabulary-parallel forms, for a head whose vocabulary is split over tensor-parallel ranks
 // (model/vocab_parallel.h combines them across the ranks, never gathering the logits): logits
 // (T, Vs) f32 are columns [vocab_begin, vocab_begin + Vs) of the vocabulary; targets (T) i32 are
-// ids of the whole vocabulary. CPU only for now.
-// stats (T, 4) f32, per row of z = logits / temperature: the shard's max z, sum exp(z - max),
-// sum exp(z - max) (z - max), and the target's z where the shard holds it, else 0.
+// ids of the whole vocabulary. The row's max, sums and lse are kernels/vocab_shards.h's, which
+// sampling over shards (sample_shard_*) shares: a rollout's logprob of a token and this head's
+// are the same bits for the same logits. CPU only for now.
+// maxima (T) f32: the shard's largest logit of each row.
+void logprob_shard_maxima(const Tensor& logits, const Tensor& maxima, const Stream& stream = {});
+// Given all_maxima (tp, T) f32, every rank's maxima in rank order: stats (T, 4) f32, per row of
+// z = logits / temperature with e = softmax_exp(z - max z) (max z: the whole row's): the shard's
+// sum of e (NaN where the shard holds a NaN logit), its sum of e (z - max z), the target's z where
+// the shard holds it, else 0, and 1 where it holds it, else 0.
 void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
-                         const Tensor& stats, float temperature = 1.0f, const Stream& stream = {});
+                         const Tensor& all_maxima, const Tensor& stats, float temperature = 1.0f,
+                         const Stream& stream = {});
+// Given all_maxima (tp, T) and all_stats (tp, T, 4) f32, every rank's maxima and stats in rank
+// order, each row's target held by one rank: logprob (T), lse (T) and entropy (T; undefined:
+// skipped) over the whole vocabulary, the ranks' sums added in rank order.
+void logprob_shard_combine(const Tensor& all_maxima, const Tensor& all_stats, const Tensor& logprob,
+                           const Tensor& lse, const Tensor& entropy, float temperature = 1.0f,
+                           const Stream& stream = {});
 // dlogits (T, Vs) [+]= the shard's columns of d(sum dlogprob * logprob + dentropy *
 // entropy)/dlogits, given the whole vocabulary's lse (T) and, with dentropy, entropy (T).
 void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,

@@ -12,12 +12,12 @@
 #include "kernels/cuda/logprob.h"  // scaled_logit, softmax_exp
 #include "kernels/float_order.h"
 #include "kernels/sample_kind.h"
+#include "kernels/vocab_shards.h"
 
 namespace tandem::ops {
 
-// Masses are summed over 16 lanes: lane j takes the elements i = j (mod 16) in increasing i, then
-// the lanes combine in a fixed tree (8, 4, 2, 1): row_softmax's order on the CPU.
-inline constexpr int kMassLanes = 16;
+// Masses are summed over 16 lanes (kMassLanes): lane j takes the elements i = j (mod 16) in
+// increasing i, then the lanes combine in a fixed tree (combine_lanes, kernels/vocab_shards.h).
 
 // Over n entries: how many have z >= t, how many z > t, and the sum of e over those with z >= t.
 TANDEM_HD int64_t count_at_least(const float* z, int64_t n, float t) {
@@ -30,13 +30,6 @@ TANDEM_HD int64_t count_greater(const float* z, int64_t n, float t) {
   int32_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += z[i] > t ? 1 : 0;
   return c;
-}
-
-// The lanes' sums combined in the fixed tree.
-TANDEM_HD float combine_lanes(float* acc) {
-  for (int w = kMassLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] = add_rn(acc[j], acc[j + w]);
-  return acc[0];
 }
 
 // In blocks of 16, so that CPU loops vectorise. e is read whatever z is: GCC 12's AVX2 build of a
@@ -61,14 +54,6 @@ TANDEM_HD float mass_at_least(const float* z, const float* e, int64_t n, float t
 namespace shards {
 
 constexpr float kInf = INFINITY;
-
-TANDEM_HD float log_f32(float x) {
-#if defined(__CUDA_ARCH__)
-  return logf(x);
-#else
-  return std::log(x);
-#endif
-}
 
 // One call's arguments on the device it runs on; the gathered inputs are null until their phase.
 struct ShardArgs {
@@ -103,33 +88,29 @@ TANDEM_HD float row_u(const ShardArgs& a, int64_t b) {
 }
 
 // The global maximum and its lowest id: ranks hold increasing ids, so the first rank with the
-// largest value (ops::sample's first argmax).
+// largest value (ops::sample's first argmax; vocab_shards::max_rank).
 struct RowMax {
   float value, id;
 };
 TANDEM_HD RowMax global_max(const ShardArgs& a, int64_t b) {
-  RowMax m{a.all_maxima[b * 2], a.all_maxima[b * 2 + 1]};
-  for (int r = 1; r < a.tp; ++r) {
-    const float* mr = a.all_maxima + (r * a.B + b) * 2;
-    if (mr[0] > m.value) m = RowMax{mr[0], mr[1]};
-  }
-  return m;
+  const float* m = a.all_maxima + b * 2;
+  const int64_t stride = a.B * 2;
+  const int r = vocab_shards::max_rank(m, a.tp, stride);
+  return RowMax{m[r * stride], m[r * stride + 1]};
 }
 
-// max z = (max x) / tau exactly, as row_softmax has it.
+// The row's max z, sum of e and log-sum-exp: kernels/vocab_shards.h's, which the
+// vocabulary-parallel head's logprobs (ops::logprob_shard_*) share.
 TANDEM_HD float row_zmax(const ShardArgs& a, int64_t b) {
-  return scaled_logit(global_max(a, b).value, row_tau(a, b));
+  return vocab_shards::row_zmax(a.all_maxima + b * 2, a.tp, a.B * 2, row_tau(a, b));
 }
 
-// The sum of e over the whole row: the ranks' sums added in rank order.
 TANDEM_HD float row_sum(const ShardArgs& a, int64_t b) {
-  float sum = 0.0f;
-  for (int r = 0; r < a.tp; ++r) sum = add_rn(sum, a.all_stats[(r * a.B + b) * 3]);
-  return sum;
+  return vocab_shards::ranks_sum(a.all_stats + b * 3, a.tp, a.B * 3);
 }
 
 TANDEM_HD float row_lse(const ShardArgs& a, int64_t b) {
-  return add_rn(row_zmax(a, b), log_f32(row_sum(a, b)));
+  return vocab_shards::row_lse(row_zmax(a, b), row_sum(a, b));
 }
 
 // Rank r's end of the running kept sum: rank 0's from the stats, the others' from the chain.
@@ -181,9 +162,7 @@ TANDEM_HD int64_t row_start(const ShardArgs& a, int r, int64_t b) {
 // Phase 1: the rank's largest logit of row b and its lowest global id; the row's kind.
 TANDEM_HD void maxima_row(const ShardArgs& a, int64_t b, float* maxima, uint8_t* kinds) {
   const float* x = a.x + b * a.Vs;
-  int64_t best = 0;
-  for (int64_t v = 1; v < a.Vs; ++v)
-    if (x[v] > x[best]) best = v;
+  const int64_t best = vocab_shards::shard_argmax(x, a.Vs);
   maxima[b * 2] = x[best];
   maxima[b * 2 + 1] = static_cast<float>(a.rank * a.Vs + best);
   kinds[b] = static_cast<uint8_t>(row_kind(a, b));
@@ -194,14 +173,9 @@ TANDEM_HD void maxima_row(const ShardArgs& a, int64_t b, float* maxima, uint8_t*
 TANDEM_HD void stats_row(const ShardArgs& a, int64_t b, float* z_out, float* e_out, float* stats) {
   const SampleRowKind kind = row_kind(a, b);
   const float tau = row_tau(a, b), zmax = row_zmax(a, b);
-  const float* x = a.x + b * a.Vs;
   float* z = z_out + b * a.Vs;
   float* e = e_out + b * a.Vs;
-  for (int64_t v = 0; v < a.Vs; ++v) {
-    z[v] = scaled_logit(x[v], tau);
-    e[v] = softmax_exp(sub_rn(z[v], zmax));
-  }
-  const float sum = mass_at_least(z, e, a.Vs, -kInf);
+  const float sum = vocab_shards::shard_sums<false>(a.x + b * a.Vs, a.Vs, tau, zmax, z, e).sum;
   float kept = 0.0f, threshold = zmax;
   if (kind == SampleRowKind::plain) {
     if (a.rank == 0) kept = fold_kept(0.0f, e, a.Vs, a.min_p[b]);
@@ -337,7 +311,7 @@ TANDEM_HD void decide_candidates(const ShardArgs& a, int64_t b, int32_t* token, 
   const auto for_each_top_k = [&](auto f) {
     int64_t left = ties;
     for_each_candidate(a, layout, [&](float z, int32_t id) {
-      if (!top_k || z > th_k || (z == th_k && left-- > 0)) f(z, softmax_exp(sub_rn(z, zmax)), id);
+      if (!top_k || z > th_k || (z == th_k && left-- > 0)) f(z, vocab_shards::entry_e(z, zmax), id);
     });
   };
   int64_t n = 0;

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "kernels/vocab_shards.h"
 
 namespace tandem::ops::cpu {
 namespace {
@@ -187,24 +188,73 @@ void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, con
   });
 }
 
-void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
-                         const Tensor& stats, float temperature) {
+void logprob_shard_maxima(const Tensor& logits, const Tensor& maxima) {
   const int64_t T = logits.size(0), V = logits.size(1);
   const float* x = logits.data_as<float>();
-  const int32_t* tg = targets.data_as<int32_t>();
-  float* st = stats.data_as<float>();
+  float* m = maxima.data_as<float>();
   parallel_for(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = x + t * V;
-      const RowSoftmax r = row_softmax(row, V, temperature, true);
-      const int64_t local = tg[t] - vocab_begin;
-      float* o = st + t * 4;
-      o[0] = r.max;
-      o[1] = r.sum;
-      o[2] = r.ey;
-      o[3] = local >= 0 && local < V ? scaled_logit(row[local], temperature) : 0.0f;
+      m[t] = row[vocab_shards::shard_argmax(row, V)];
     }
   });
+}
+
+namespace {
+
+TANDEM_CPU_CLONES void shard_stats_row(const float* row, int64_t V, int64_t local,
+                                       const float* all_maxima, int tp, int64_t stride,
+                                       float temperature, float* o) {
+  const float zmax = vocab_shards::row_zmax(all_maxima, tp, stride, temperature);
+  const vocab_shards::ShardSums s = vocab_shards::shard_sums<true>(row, V, temperature, zmax);
+  // The shared sums leave NaN entries out (sampling's masses do); a trainer's row with NaN gets a
+  // NaN lse, so that the loss shows it.
+  bool nan = false;
+  for (int64_t v = 0; v < V; ++v) nan |= row[v] != row[v];
+  const bool held = local >= 0 && local < V;
+  o[0] = nan ? std::numeric_limits<float>::quiet_NaN() : s.sum;
+  o[1] = s.ey;
+  o[2] = held ? scaled_logit(row[local], temperature) : 0.0f;
+  o[3] = held ? 1.0f : 0.0f;
+}
+
+}  // namespace
+
+void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
+                         const Tensor& all_maxima, const Tensor& stats, float temperature) {
+  const int64_t T = logits.size(0), V = logits.size(1);
+  const int tp = static_cast<int>(all_maxima.size(0));
+  const float* x = logits.data_as<float>();
+  const int32_t* tg = targets.data_as<int32_t>();
+  const float* m = all_maxima.data_as<float>();
+  float* st = stats.data_as<float>();
+  parallel_for(T, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      shard_stats_row(x + t * V, V, tg[t] - vocab_begin, m + t, tp, T, temperature, st + t * 4);
+  });
+}
+
+void logprob_shard_combine(const Tensor& all_maxima, const Tensor& all_stats, const Tensor& logprob,
+                           const Tensor& lse, const Tensor& entropy, float temperature) {
+  namespace vs = vocab_shards;
+  const int tp = static_cast<int>(all_maxima.size(0));
+  const int64_t T = all_maxima.size(1);
+  const float* m = all_maxima.data_as<float>();
+  const float* g = all_stats.data_as<float>();
+  float* lp = logprob.data_as<float>();
+  float* ls = lse.data_as<float>();
+  float* ent = entropy.defined() ? entropy.data_as<float>() : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    // Rank r's [sum of e, sum of e (z - max z), target's z, holds the target] at g + 4 (r T + t).
+    const float* row = g + t * 4;
+    float target_z = 0.0f;
+    for (int r = 0; r < tp; ++r)
+      if (row[r * T * 4 + 3] != 0.0f) target_z = row[r * T * 4 + 2];
+    const float sum = vs::ranks_sum(row, tp, T * 4);
+    ls[t] = vs::row_lse(vs::row_zmax(m + t, tp, T, temperature), sum);
+    lp[t] = sub_rn(target_z, ls[t]);
+    if (ent) ent[t] = vs::log_f32(sum) - vs::ranks_sum(row + 1, tp, T * 4) / sum;
+  }
 }
 
 void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,

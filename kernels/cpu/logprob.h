@@ -25,8 +25,11 @@ void logprob_gather(const Tensor& logits, const Tensor& targets, const Tensor& l
 void logprob_gather_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
                              const Tensor& targets, const Tensor& lse, const Tensor& dlogits,
                              float temperature, bool accumulate);
+void logprob_shard_maxima(const Tensor& logits, const Tensor& maxima);
 void logprob_shard_stats(const Tensor& logits, const Tensor& targets, int64_t vocab_begin,
-                         const Tensor& stats, float temperature);
+                         const Tensor& all_maxima, const Tensor& stats, float temperature);
+void logprob_shard_combine(const Tensor& all_maxima, const Tensor& all_stats, const Tensor& logprob,
+                           const Tensor& lse, const Tensor& entropy, float temperature);
 void logprob_shard_backward(const Tensor& dlogprob, const Tensor& dentropy, const Tensor& logits,
                             const Tensor& targets, int64_t vocab_begin, const Tensor& lse,
                             const Tensor& entropy, const Tensor& dlogits, float temperature,

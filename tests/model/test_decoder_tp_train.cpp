@@ -291,9 +291,10 @@ TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bit
         // score's chunk of score_rows = 256 rows is forward's head rows: the same sums.
         CHECK(same_bits(o.scored[2 * b], p.logprob));
         CHECK(same_bits(o.scored[2 * b + 1], p.entropy));
-        // Chunks of 5 rows: the group's sums over other buffers, in another order.
-        check_close(o.chunked[2 * b], p.logprob);
-        check_close(o.chunked[2 * b + 1], p.entropy);
+        // Chunks of 5 rows: the head's statistics are gathered and added in rank order whatever
+        // the rows beside them (kernels/vocab_shards.h), so the same bits too.
+        CHECK(same_bits(o.chunked[2 * b], p.logprob));
+        CHECK(same_bits(o.chunked[2 * b + 1], p.entropy));
         CHECK(same_bits(q.logprob, p.logprob));
         for (size_t i = 0; i < p.grads.size(); ++i) {
           INFO("gradient storage " << i);

@@ -1,18 +1,22 @@
 // Sampling over vocabulary shards (model/tp_sample.h) against ops::sample on the full logits:
 // tp = 1, 2, 3 and 4 ranks simulated in one process (each collective done by hand between the
-// ranks' phases), random rows and settings, and the bytes a step moves.
+// ranks' phases), random rows and settings, and the bytes a step moves; the vocabulary-parallel
+// head (model/vocab_parallel.h) gives the sampled tokens the sampler's logprobs bit for bit.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "core/philox.h"
 #include "kernels/ops.h"
 #include "model/tp_sample.h"
+#include "model/vocab_parallel.h"
 #include "tests/kernels/sampling_rows.h"
 #include "tests/testutil.h"
+#include "tests/trainer/on_ranks.h"
 
 using namespace tandem;
 using namespace tandem::test;
@@ -158,6 +162,61 @@ TEST_CASE("sampling over vocabulary shards draws the tokens of the full-vocabula
                             &full.logprob[static_cast<size_t>(b)], sizeof(float)) == 0);
       }
     }
+  }
+}
+
+TEST_CASE(
+    "the vocabulary-parallel head gives a token sampled over shards the sampler's logprob "
+    "bitwise",
+    "[unit]") {
+  // A tensor-parallel rollout's logprob of a token and the tensor-parallel trainer's for it: one
+  // definition of the row's max and lse (kernels/vocab_shards.h), so the same bits at every tp.
+  // The whole row's logprob_gather adds the row's sum in another order: on these rows it differs
+  // in the last bits from the sharded one somewhere, so a route of other sums would be caught.
+  const int64_t B = 64, V = 240;
+  for (const int tp : {2, 3, 4}) {
+    const uint64_t seed = 500 + static_cast<uint64_t>(tp);
+    const Tensor logits = random_logits(B, V, seed);
+    const std::vector<RowSpec> rows = random_settings(B, V, seed);
+    const Drawn drawn = sample_sharded(logits, rows, tp);
+    const Tensor tokens = Tensor::wrap(const_cast<int32_t*>(drawn.token.data()), {B}, DType::i32);
+    // The trainer's temperature: the row's, 1 for greedy rows (their logprob is at temperature 1).
+    int64_t compared = 0, unlike_whole_row = 0;
+    for (const float temperature : {0.6f, 1.0f, 1.4f}) {
+      Tensor whole = Tensor::empty({B}, DType::f32), whole_lse = Tensor::empty({B}, DType::f32);
+      ops::logprob_gather(logits, tokens, whole, whole_lse, Tensor(), temperature);
+      std::vector<std::vector<float>> got(static_cast<size_t>(tp));
+      const TempDir tmp("tp-sample-head");
+      std::mutex mu;
+      on_ranks(tp, tmp.file("store"), [&](int r, Communicator& comm) {
+        const int64_t Vs = V / tp;
+        Tensor shard = Tensor::empty({B, Vs}, DType::f32);
+        for (int64_t b = 0; b < B; ++b)
+          std::memcpy(shard.data_as<float>() + b * Vs, logits.data_as<float>() + b * V + r * Vs,
+                      static_cast<size_t>(Vs) * sizeof(float));
+        Tensor lp = Tensor::empty({B}, DType::f32), lse = Tensor::empty({B}, DType::f32),
+               ent = Tensor::empty({B}, DType::f32);
+        model::vocab_parallel_logprob(comm, shard, tokens, r * Vs, V, lp, lse, ent, temperature);
+        const std::lock_guard<std::mutex> lock(mu);
+        got[static_cast<size_t>(r)].assign(lp.data_as<float>(), lp.data_as<float>() + B);
+      });
+      for (int64_t b = 0; b < B; ++b) {
+        const RowSpec& s = rows[static_cast<size_t>(b)];
+        if ((s.temperature > 0.0f ? s.temperature : 1.0f) != temperature) continue;
+        INFO("tp " << tp << " row " << b << ": temperature " << s.temperature << " top_k "
+                   << s.top_k << " top_p " << s.top_p << " min_p " << s.min_p);
+        const float want = drawn.logprob[static_cast<size_t>(b)];
+        for (int r = 0; r < tp; ++r)
+          CHECK(std::memcmp(&got[static_cast<size_t>(r)][static_cast<size_t>(b)], &want,
+                            sizeof(float)) == 0);
+        unlike_whole_row +=
+            std::memcmp(whole.data_as<float>() + b, &want, sizeof(float)) != 0 ? 1 : 0;
+        ++compared;
+      }
+    }
+    INFO("tp " << tp);
+    CHECK(compared == B);
+    CHECK(unlike_whole_row > 0);
   }
 }
 
