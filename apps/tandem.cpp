@@ -61,10 +61,11 @@ int main(int argc, char** argv) {
   bench
       ->add_option(
           "what", bench_what,
-          "what to measure: kernels, generate, rollout, train, step, comm, sync, serve, pipeline")
+          "what to measure: kernels, generate, rollout, train, step, comm, sync, serve, pipeline, "
+          "tp")
       ->required()
       ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm", "sync",
-                             "serve", "pipeline"}));
+                             "serve", "pipeline", "tp"}));
   bench->add_option("--model", bench_model,
                     "generate, rollout, train, step, serve: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
@@ -137,6 +138,7 @@ int main(int argc, char** argv) {
       if (bench_what == "comm") return tandem::bench::run_comm_bench(bench_opt);
       if (bench_what == "sync") return tandem::bench::run_sync_bench(bench_opt);
       if (bench_what == "pipeline") return tandem::bench::run_pipeline_bench(bench_opt);
+      if (bench_what == "tp") return tandem::bench::run_tp_bench(bench_opt);
       if (bench_what == "serve") return tandem::bench::run_serve_bench(bench_opt, bench_model);
       if (bench_what == "train" && bench_opt.ranks > 0)
         return tandem::bench::run_sharded_train_bench(bench_opt, bench_model);

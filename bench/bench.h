@@ -163,6 +163,10 @@ int run_sync_bench(const Options& opt);
 // `tandem bench pipeline`: the pipeline runner's bubble on 2 stages (processes) under 1F1B and
 // GPipe beside the theory (P - 1) / (m + P - 1); returns the exit code.
 int run_pipeline_bench(const Options& opt);
+// `tandem bench tp`: a training step on TP = 2 ranks (processes) beside one rank, with the TP
+// group's collectives' seconds, count, share of the step and bytes beside the analytic count;
+// returns the exit code.
+int run_tp_bench(const Options& opt);
 
 // The model shapes the kernel benchmarks use.
 struct ModelShape {

@@ -27,6 +27,16 @@ double EmulatedLink::seconds(double bytes, int steps) const {
   return bytes * 8 / (gbps * 1e9) + steps * latency_us * 1e-6;
 }
 
+CallStats::Tally CallStats::total() const {
+  Tally sum;
+  for (const auto& [call, t] : by_call) {
+    sum.calls += t.calls;
+    sum.bytes += t.bytes;
+    sum.seconds += t.seconds;
+  }
+  return sum;
+}
+
 namespace comm_detail {
 
 std::string Group::peer(int r) const {
@@ -150,6 +160,15 @@ void Communicator::hold_for_link(std::chrono::steady_clock::time_point start, do
                                 std::chrono::duration_cast<std::chrono::nanoseconds>(modeled));
 }
 
+void Communicator::count_call(const char* what, std::chrono::steady_clock::time_point start,
+                              int64_t bytes) const {
+  if (call_stats_ == nullptr) return;
+  CallStats::Tally& t = call_stats_->by_call[what];
+  ++t.calls;
+  t.bytes += bytes;
+  t.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 template <class Fn>
 void Communicator::guarded(const char* what, Fn&& fn) {
   try {
@@ -170,6 +189,7 @@ void Communicator::all_reduce(const Tensor& t, ReduceOp op) {
           [&] { b.all_reduce(t.data(), static_cast<size_t>(t.numel()), t.dtype(), op); });
   // Ring reduce-scatter then ring all-gather.
   hold_for_link(start, 2 * ring_share(size_) * static_cast<double>(t.nbytes()), 2 * (size_ - 1));
+  count_call("all_reduce", start, static_cast<int64_t>(t.nbytes()));
 }
 
 void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) {
@@ -184,6 +204,7 @@ void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp 
     b.reduce_scatter(in.data(), out.data(), static_cast<size_t>(out.numel()), in.dtype(), op);
   });
   hold_for_link(start, ring_share(size_) * static_cast<double>(in.nbytes()), (size_ - 1));
+  count_call("reduce_scatter", start, static_cast<int64_t>(in.nbytes()));
 }
 
 void Communicator::all_gather(const Tensor& in, const Tensor& out) {
@@ -207,6 +228,7 @@ void Communicator::all_gather_v(const Tensor& in, const Tensor& out,
   std::vector<size_t> sizes(counts.begin(), counts.end());
   guarded("all_gather", [&] { b.all_gather_v(in.data(), out.data(), sizes, in.dtype()); });
   hold_for_link(start, ring_share(size_) * static_cast<double>(out.nbytes()), (size_ - 1));
+  count_call("all_gather", start, static_cast<int64_t>(out.nbytes()));
 }
 
 void Communicator::broadcast(const Tensor& t, int root) {
@@ -219,6 +241,7 @@ void Communicator::broadcast(const Tensor& t, int root) {
   // A pipelined ring from the root: every rank but the last sends the bytes once, and no rank has
   // them before the root has sent them.
   hold_for_link(start, static_cast<double>(t.nbytes()), (size_ - 1));
+  count_call("broadcast", start, static_cast<int64_t>(t.nbytes()));
 }
 
 void Communicator::send_recv(std::span<const P2POp> ops) {
@@ -235,6 +258,7 @@ void Communicator::send_recv(std::span<const P2POp> ops) {
   for (const auto& op : ops)
     (op.kind == P2POp::Kind::send ? sent : received) += static_cast<double>(op.tensor.nbytes());
   hold_for_link(start, std::max(sent, received), 1);
+  count_call("send_recv", start, static_cast<int64_t>(sent + received));
 }
 
 void Communicator::barrier() {
@@ -245,6 +269,7 @@ void Communicator::barrier() {
   int rounds = 0;
   while ((1 << rounds) < size_) ++rounds;
   hold_for_link(start, 0, rounds);
+  count_call("barrier", start, 0);
 }
 
 std::unique_ptr<Communicator> Communicator::split(const std::string& name,

@@ -53,6 +53,22 @@ struct P2POp {
 inline P2POp send_to(int peer, const Tensor& t) { return {P2POp::Kind::send, peer, t}; }
 inline P2POp recv_from(int peer, const Tensor& t) { return {P2POp::Kind::recv, peer, t}; }
 
+// What a communicator's calls did while counted (Communicator::set_call_stats), by call:
+// "all_reduce", "reduce_scatter", "all_gather" (all_gather_v too), "broadcast", "send_recv",
+// "barrier". Bytes are the payload: the tensor of all_reduce and broadcast, reduce_scatter's input,
+// all_gather's output, send_recv's sent plus received. Seconds run from entry to return: the wait
+// for slower peers and an emulated link's hold included. A bench's measure of a group's share of
+// a step; a failed call is not counted.
+struct CallStats {
+  struct Tally {
+    int64_t calls = 0;
+    int64_t bytes = 0;
+    double seconds = 0;
+  };
+  std::map<std::string, Tally> by_call;
+  Tally total() const;
+};
+
 namespace comm_detail {
 class Backend;
 }
@@ -89,6 +105,9 @@ class Communicator {
   // (an event, as the sharded optimizer's communication thread does) sets this: its calls then
   // start at once and overlap the compute queued after the inputs. Not inherited by splits.
   void set_cuda_inputs_ready(bool ready);
+  // Adds every later successful call of this group to *stats (null: stops counting). The caller
+  // keeps stats alive while set; off by default (a pointer test a call); not inherited by splits.
+  void set_call_stats(CallStats* stats) { call_stats_ = stats; }
 
   // t = op over the ranks' t, in place.
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum);
@@ -121,6 +140,9 @@ class Communicator {
   // With an emulated link in a group of more than one rank: sleeps until `start` plus the link's
   // time for `bytes` sent in `steps` ring steps.
   void hold_for_link(std::chrono::steady_clock::time_point start, double bytes, int steps) const;
+  // With call stats set: adds one call of `what` carrying `bytes`, begun at `start`.
+  void count_call(const char* what, std::chrono::steady_clock::time_point start,
+                  int64_t bytes) const;
 
   int rank_ = 0, size_ = 1;
   std::string name_;
@@ -133,6 +155,7 @@ class Communicator {
   std::unique_ptr<comm_detail::Backend> nccl_;  // null unless options.device is CUDA
   std::map<std::string, int> splits_;           // name -> times split, for unique store keys
   std::string broken_;                          // the first failure, once one happened
+  CallStats* call_stats_ = nullptr;             // set_call_stats; null: not counted
 };
 
 // Checks that every rank runs the same config (`text`, e.g. the resolved TOML): all-gathers a

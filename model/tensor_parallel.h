@@ -49,6 +49,21 @@ struct TpSlice {
 // Throws naming the parameter when the name is not one of the model's.
 TpSlice tp_slice(const ModelConfig& full, const TpSplit& split, std::string_view name);
 
+// The all-reduces over the TP group of one training forward and backward (model::Decoder with
+// DecoderOptions::tp_group) of a micro-batch of T packed rows, R of them through the head (R = T
+// when the batch lists no head rows), all f32 in place: the embedding's rows (T, C); per layer the
+// heads' and the MLP columns' outputs (T, C), and in backward their input gradients (T, C) (the
+// heads' with the q/k norm weights' parts, 2 D, under qk_norm), recompute running the forward's
+// two again; the vocabulary-parallel row statistics, maxima (R) then sums (R, 4); the head's input
+// gradient (R, C). The same on every rank and for every group size; `config` the full model's or
+// a shard's (C, L, D and qk_norm are both's).
+struct TpCollectives {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+TpCollectives tp_training_all_reduces(const ModelConfig& config, int64_t T, int64_t R,
+                                      bool recompute);
+
 // New Weights holding rank `rank` of `size`'s shard of `full` (same dtype and device), copied
 // slice by slice (tp_slice).
 std::unique_ptr<Weights> cut_tp_shard(const Weights& full, int rank, int size);

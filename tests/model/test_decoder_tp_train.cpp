@@ -2,7 +2,8 @@
 // on 2 and 3 ranks each rank's forward gives the whole model's logprobs and entropies and its
 // backward the cut_tp_shard of the whole model's gradients, within f32 rounding; score gives
 // forward's bits, recompute the same bits, a group of one rank the plain decoder's bits; KV heads
-// replicated over ranks are refused in training naming the sizes.
+// replicated over ranks are refused in training naming the sizes; the group's all-reduces are
+// tp_training_all_reduces' count and bytes.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -138,6 +139,21 @@ Tensor row_weights(int64_t T, uint64_t seed) {
   return test::random_tensor({T}, DType::f32, seed, -1.0, 1.0);
 }
 
+// The all-reduces tp_training_all_reduces counts for one forward and backward of the batch.
+TpCollectives expected_all_reduces(const ModelConfig& c, const PackedBatch& batch, bool recompute) {
+  const int64_t T = batch.num_tokens();
+  const int64_t R = batch.head_rows.empty() ? T : static_cast<int64_t>(batch.head_rows.size());
+  return tp_training_all_reduces(c, T, R, recompute);
+}
+
+// What a rank's group did in one train_step: only all-reduces, the count and bytes expected.
+void check_all_reduces(const CallStats& calls, const TpCollectives& want) {
+  const CallStats::Tally all = calls.total();
+  CHECK(calls.by_call.size() == 1);
+  CHECK(all.calls == want.calls);
+  CHECK(all.bytes == want.bytes);
+}
+
 // The decoder options of a rank of tp training the model of `full`.
 DecoderOptions tp_options(const ModelConfig& full, Communicator& comm, bool recompute = false) {
   DecoderOptions o;
@@ -181,13 +197,18 @@ TEST_CASE(
     }
 
     std::vector<std::vector<Result>> got(static_cast<size_t>(k.tp));
+    std::vector<std::vector<CallStats>> calls(static_cast<size_t>(k.tp));
     const test::TempDir tmp("decoder-tp-train");
     test::on_ranks(k.tp, tmp.file("store"), [&](int r, Communicator& comm) {
       const std::unique_ptr<Weights> shard = cut_tp_shard(full, r, k.tp);
       Decoder dec(*shard, tp_options(c, comm));
-      for (const PackedBatch& batch : batches)
+      for (const PackedBatch& batch : batches) {
+        CallStats& counted = calls[static_cast<size_t>(r)].emplace_back();
+        comm.set_call_stats(&counted);
         got[static_cast<size_t>(r)].push_back(
             train_step(dec, shard->config(), batch, dl, de, temperature));
+        comm.set_call_stats(nullptr);
+      }
     });
 
     for (size_t b = 0; b < batches.size(); ++b) {
@@ -195,6 +216,8 @@ TEST_CASE(
       for (int r = 0; r < k.tp; ++r) {
         INFO("rank " << r);
         const Result& g = got[static_cast<size_t>(r)][b];
+        check_all_reduces(calls[static_cast<size_t>(r)][b],
+                          expected_all_reduces(c, batches[b], false));
         REQUIRE(g.grads.size() == want_shards[b][static_cast<size_t>(r)]->storage().size());
         check_close(g.logprob, want[b].logprob);
         check_close(g.entropy, want[b].entropy);
@@ -250,6 +273,7 @@ TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bit
       std::vector<Result> plain, recomputed;
       std::vector<std::vector<float>> scored, chunked;  // logprob then entropy, per batch
       std::vector<std::string> calls;
+      std::vector<CallStats> recompute_calls;  // per batch
     };
     std::vector<RankOut> out(static_cast<size_t>(k.tp));
     const test::TempDir tmp("decoder-tp-score");
@@ -265,7 +289,9 @@ TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bit
       for (const PackedBatch& batch : batches) {
         o.plain.push_back(train_step(plain, sc, batch, dl, de, temperature));
         // Without entropy_out: backward's entropy term still has the forward's entropies.
+        comm.set_call_stats(&o.recompute_calls.emplace_back());
         o.recomputed.push_back(train_step(recompute, sc, batch, dl, de, temperature, false));
+        comm.set_call_stats(nullptr);
         Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
         plain.score(batch, lp, ent, temperature);
         o.scored.push_back(values(lp));
@@ -296,6 +322,7 @@ TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bit
         CHECK(same_bits(o.chunked[2 * b], p.logprob));
         CHECK(same_bits(o.chunked[2 * b + 1], p.entropy));
         CHECK(same_bits(q.logprob, p.logprob));
+        check_all_reduces(o.recompute_calls[b], expected_all_reduces(c, batches[b], true));
         for (size_t i = 0; i < p.grads.size(); ++i) {
           INFO("gradient storage " << i);
           CHECK(same_bits(q.grads[i], p.grads[i]));
