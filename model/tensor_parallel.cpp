@@ -134,10 +134,9 @@ TpCollectives tp_training_all_reduces(const ModelConfig& config, int64_t T, int6
   const int64_t C = config.hidden_size, L = config.num_layers;
   const int64_t forwards = recompute ? 2 : 1;  // each layer's two forward all-reduces
   TpCollectives c;
-  c.calls = 1 + 2 * L * forwards + 2 + 1 + 2 * L;
+  c.calls = 1 + 2 * L * forwards + 1 + 2 * L;
   const int64_t floats = T * C                       // embedding rows
                          + 2 * L * forwards * T * C  // heads' and MLP outputs
-                         + R + 4 * R                 // row maxima and sums
                          + R * C                     // head input gradient
                          + 2 * L * T * C             // input gradients
                          + (config.qk_norm ? L * 2 * config.head_dim : 0);  // q/k norm parts

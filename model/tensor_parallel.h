@@ -54,9 +54,10 @@ TpSlice tp_slice(const ModelConfig& full, const TpSplit& split, std::string_view
 // when the batch lists no head rows), all f32 in place: the embedding's rows (T, C); per layer the
 // heads' and the MLP columns' outputs (T, C), and in backward their input gradients (T, C) (the
 // heads' with the q/k norm weights' parts, 2 D, under qk_norm), recompute running the forward's
-// two again; the vocabulary-parallel row statistics, maxima (R) then sums (R, 4); the head's input
-// gradient (R, C). The same on every rank and for every group size; `config` the full model's or
-// a shard's (C, L, D and qk_norm are both's).
+// two again; the head's input gradient (R, C). (The vocabulary-parallel row statistics go as two
+// all-gathers, maxima (R) then sums (R, 4) from every rank: model::vocab_parallel_logprob.) The
+// same on every rank and for every group size; `config` the full model's or a shard's (C, L, D and
+// qk_norm are both's).
 struct TpCollectives {
   int64_t calls = 0;
   int64_t bytes = 0;

@@ -62,13 +62,16 @@ void check_rollout_tp(const JobConfig& job, int64_t world, const model::ModelCon
   }
 }
 
-RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights& policy, Communicator* world)
-    : policy_(&policy),
+RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights* policy, Communicator* world)
+    : policy_(policy),
       rank_(world != nullptr ? world->rank() : 0),
       world_(world != nullptr ? world->size() : 1),
       tp_(static_cast<int>(job.placement.rollout_tp)),
       replica_(rank_ / tp_),
-      dtype_(dtype_from_name(job.rollout.dtype.c_str())) {
+      dtype_(dtype_from_name(job.rollout.dtype.c_str())) {}
+
+RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights& policy, Communicator* world)
+    : RolloutGroup(job, &policy, world) {
   if (tp_ > 1 || dtype_ != policy.dtype()) make_engine(policy.config(), world);
   // Source: every rank's trainer holds the full weights. The plan takes every piece from the
   // destination rank itself.
@@ -80,12 +83,7 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::Weights& policy, C
 RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
                            const model::ShardLayout& shards, const Tensor& local,
                            Communicator* world)
-    : policy_(nullptr),
-      rank_(world != nullptr ? world->rank() : 0),
-      world_(world != nullptr ? world->size() : 1),
-      tp_(static_cast<int>(job.placement.rollout_tp)),
-      replica_(rank_ / tp_),
-      dtype_(dtype_from_name(job.rollout.dtype.c_str())) {
+    : RolloutGroup(job, nullptr, world) {
   TANDEM_CHECK(shards.world() == world_,
                "rollout: the trainer's parameters are split over {} ranks, the job has {}",
                shards.world(), world_);
@@ -111,12 +109,7 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& confi
 RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
                            const weight_sync::Layout& grid, const model::Weights& part,
                            Communicator* world)
-    : policy_(nullptr),
-      rank_(world != nullptr ? world->rank() : 0),
-      world_(world != nullptr ? world->size() : 1),
-      tp_(static_cast<int>(job.placement.rollout_tp)),
-      replica_(rank_ / tp_),
-      dtype_(dtype_from_name(job.rollout.dtype.c_str())) {
+    : RolloutGroup(job, nullptr, world) {
   TANDEM_CHECK(grid.world() == world_, "rollout: the trainer's grid has {} ranks, the job has {}",
                grid.world(), world_);
   make_engine(config, world);

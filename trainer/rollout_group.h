@@ -95,6 +95,8 @@ class RolloutGroup {
 
  private:
   enum class Kind { shared, copied, cast };
+  // The members every constructor sets: the placement's sizes of this rank.
+  RolloutGroup(const JobConfig& job, const model::Weights* policy, Communicator* world);
   // Allocates the engine weights and the tensor-parallel group.
   void make_engine(const model::ModelConfig& config, Communicator* world);
   // The plan from `src` (this rank's tensors `from`) into the engines' layout of the model

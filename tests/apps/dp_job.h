@@ -5,11 +5,14 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "model/hf.h"
 #include "tests/testutil.h"
 
 namespace tandem::test::dp_job {
@@ -28,6 +31,20 @@ inline std::vector<nlohmann::json> step_lines(const std::filesystem::path& metri
     if (j.contains("loss")) out.push_back(std::move(j));
   }
   return out;
+}
+
+// The largest |a - b| over every parameter of two HF directories.
+inline double max_weight_diff(const std::string& a, const std::string& b) {
+  const auto x = tandem::model::load_hf(a);
+  const auto y = tandem::model::load_hf(b);
+  double d = 0;
+  for (size_t t = 0; t < x->storage().size(); ++t) {
+    const float* p = x->storage()[t].tensor.data_as<float>();
+    const float* q = y->storage()[t].tensor.data_as<float>();
+    for (int64_t i = 0; i < x->storage()[t].tensor.numel(); ++i)
+      d = std::max(d, static_cast<double>(std::abs(p[i] - q[i])));
+  }
+  return d;
 }
 
 // A tiny random model's 3-step job: 4 prompts x 4 samples a step, a regex reward. `trainer_keys`

@@ -34,27 +34,6 @@ using namespace tandem::test::dp_job;
 
 const fs::path kRepo = TANDEM_SOURCE_DIR;
 
-std::string read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// The largest |a - b| over every parameter of two HF directories.
-double max_weight_diff(const std::string& a, const std::string& b) {
-  const auto x = tandem::model::load_hf(a);
-  const auto y = tandem::model::load_hf(b);
-  double d = 0;
-  for (size_t t = 0; t < x->storage().size(); ++t) {
-    const float* p = x->storage()[t].tensor.data_as<float>();
-    const float* q = y->storage()[t].tensor.data_as<float>();
-    for (int64_t i = 0; i < x->storage()[t].tensor.numel(); ++i)
-      d = std::max(d, static_cast<double>(std::abs(p[i] - q[i])));
-  }
-  return d;
-}
-
 // Runs the job on 1 rank, then on each of `ranks`, with `overrides`; checks every step's batch,
 // metrics and optimizer memory (`state_factor` x 1 rank's / ranks), and that the weights after
 // 3 steps are those of 1 rank bitwise.
@@ -177,7 +156,7 @@ TEST_CASE("a rank killed mid-job makes the other exit with an error naming it", 
       tandem::test::free_port(), train, tmp.file("rank1.log"), train, tmp.file("rank0.log"),
       tmp.file("rank0.log"));
   const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
-  const std::string out0 = read_bytes(tmp.file("rank0.log"));
+  const std::string out0 = tandem::test::read_text(tmp.file("rank0.log"));
   INFO(r.out << "\nrank 0:\n" << out0);
   CHECK(out0.find("step 1/20") != std::string::npos);
   CHECK(out0.find("step 20/20") == std::string::npos);
@@ -209,7 +188,7 @@ void check_resume(const std::string& name, const std::string& first, const std::
   // Each rank wrote its range of the optimizer state; rank 0 the marker naming both.
   const fs::path step2 = tmp.file("run/ckpt/step-2");
   REQUIRE(fs::exists(step2 / "COMMITTED"));
-  const auto marker = nlohmann::json::parse(read_bytes(step2 / "COMMITTED"));
+  const auto marker = nlohmann::json::parse(tandem::test::read_text(step2 / "COMMITTED"));
   CHECK(marker["world_size"] == 2);
   CHECK(fs::exists(step2 / "optimizer/rank-00000-of-00002.safetensors"));
   CHECK(fs::exists(step2 / "optimizer/rank-00001-of-00002.safetensors"));
@@ -226,7 +205,7 @@ void check_resume(const std::string& name, const std::string& first, const std::
     CHECK(rest.out.find("resumed from " + tmp.file(std::string(dir) + "/ckpt/step-2")) !=
           std::string::npos);
     const fs::path step3 = tmp.file(std::string(dir) + "/ckpt/step-3");
-    CHECK(nlohmann::json::parse(read_bytes(step3 / "COMMITTED"))["world_size"] == n);
+    CHECK(nlohmann::json::parse(tandem::test::read_text(step3 / "COMMITTED"))["world_size"] == n);
     CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"), (step3 / "policy").string()) == 0);
   }
 }
@@ -275,8 +254,8 @@ TEST_CASE(
       "echo status $status $s1 seconds $(( $(date +%s) - start ))",
       tandem::test::free_port(), command, tmp.file("rank1.log"), command, tmp.file("rank0.log"));
   const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
-  const std::string out0 = read_bytes(tmp.file("rank0.log")),
-                    out1 = read_bytes(tmp.file("rank1.log"));
+  const std::string out0 = tandem::test::read_text(tmp.file("rank0.log")),
+                    out1 = tandem::test::read_text(tmp.file("rank1.log"));
   INFO(r.out << "\nrank 0:\n" << out0 << "\nrank 1:\n" << out1);
   CHECK(out1.find(fmt::format("rank 1 dies before gather {}", kGatherToDieIn)) !=
         std::string::npos);
@@ -321,7 +300,7 @@ TEST_CASE(
         "kill -9 $p{}; wait $p0; s0=$?; wait $p1; echo status $s0 $?",
         tandem::test::free_port(), command, log1, command, log0, victim == 0 ? log0 : log1, victim);
     const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
-    const std::string out0 = read_bytes(log0), out1 = read_bytes(log1);
+    const std::string out0 = tandem::test::read_text(log0), out1 = tandem::test::read_text(log1);
     INFO(r.out << "\nrank 0:\n" << out0 << "\nrank 1:\n" << out1);
     CHECK((victim == 0 ? out0 : out1).find("stalls at checkpoint stage") != std::string::npos);
     CHECK(r.out.find("status 0") == std::string::npos);

@@ -12,12 +12,9 @@
 #include <cmath>
 #include <csignal>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include "model/hf.h"
 #include "tests/apps/dp_job.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
@@ -28,6 +25,7 @@ namespace {
 
 using tandem::test::TempDir;
 using tandem::test::dp_job::job_worker_bin;
+using tandem::test::dp_job::max_weight_diff;
 using tandem::test::dp_job::step_lines;
 using tandem::test::dp_job::write_job;
 
@@ -40,27 +38,6 @@ void write_model(const TempDir& tmp) {
 }
 
 const std::string kDet = "trainer.deterministic=true rollout.seed=5";
-
-std::string read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// The largest |a - b| over every parameter of two HF directories.
-double max_weight_diff(const std::string& a, const std::string& b) {
-  const auto x = tandem::model::load_hf(a);
-  const auto y = tandem::model::load_hf(b);
-  double d = 0;
-  for (size_t t = 0; t < x->storage().size(); ++t) {
-    const float* p = x->storage()[t].tensor.data_as<float>();
-    const float* q = y->storage()[t].tensor.data_as<float>();
-    for (int64_t i = 0; i < x->storage()[t].tensor.numel(); ++i)
-      d = std::max(d, static_cast<double>(std::abs(p[i] - q[i])));
-  }
-  return d;
-}
 
 struct Layout {
   int dp, tp, pp;
@@ -215,7 +192,8 @@ TEST_CASE(
       "echo status $s0 $s1 $s2 $s3 seconds $(( $(date +%s) - start ))";
   const auto r = tandem::test::run_shell("timeout 120 bash -c '" + script + "'");
   std::vector<std::string> logs;
-  for (int k = 0; k < 4; ++k) logs.push_back(read_bytes(tmp.file(fmt::format("rank{}.log", k))));
+  for (int k = 0; k < 4; ++k)
+    logs.push_back(tandem::test::read_text(tmp.file(fmt::format("rank{}.log", k))));
   INFO(r.out << "\nrank 0:\n"
              << logs[0] << "\nrank 1:\n"
              << logs[1] << "\nrank 2:\n"

@@ -139,6 +139,11 @@ Tensor row_weights(int64_t T, uint64_t seed) {
   return test::random_tensor({T}, DType::f32, seed, -1.0, 1.0);
 }
 
+int64_t head_rows(const PackedBatch& batch) {
+  return batch.head_rows.empty() ? batch.num_tokens()
+                                 : static_cast<int64_t>(batch.head_rows.size());
+}
+
 // The all-reduces tp_training_all_reduces counts for one forward and backward of the batch.
 TpCollectives expected_all_reduces(const ModelConfig& c, const PackedBatch& batch, bool recompute) {
   const int64_t T = batch.num_tokens();
@@ -146,12 +151,18 @@ TpCollectives expected_all_reduces(const ModelConfig& c, const PackedBatch& batc
   return tp_training_all_reduces(c, T, R, recompute);
 }
 
-// What a rank's group did in one train_step: only all-reduces, the count and bytes expected.
-void check_all_reduces(const CallStats& calls, const TpCollectives& want) {
-  const CallStats::Tally all = calls.total();
-  CHECK(calls.by_call.size() == 1);
-  CHECK(all.calls == want.calls);
-  CHECK(all.bytes == want.bytes);
+// What a rank's group did in one train_step: the all-reduces expected, and the two all-gathers of
+// the head's row statistics (maxima, then 4 sums a row, from every rank).
+void check_all_reduces(const CallStats& calls, const TpCollectives& want, int64_t R, int tp) {
+  REQUIRE(calls.by_call.count("all_reduce") == 1);
+  const CallStats::Tally reduces = calls.by_call.at("all_reduce");
+  CHECK(reduces.calls == want.calls);
+  CHECK(reduces.bytes == want.bytes);
+  REQUIRE(calls.by_call.count("all_gather") == 1);
+  const CallStats::Tally gathers = calls.by_call.at("all_gather");
+  CHECK(gathers.calls == 2);
+  CHECK(gathers.bytes == int64_t{tp} * 5 * R * static_cast<int64_t>(sizeof(float)));
+  CHECK(calls.by_call.size() == 2);
 }
 
 // The decoder options of a rank of tp training the model of `full`.
@@ -217,7 +228,7 @@ TEST_CASE(
         INFO("rank " << r);
         const Result& g = got[static_cast<size_t>(r)][b];
         check_all_reduces(calls[static_cast<size_t>(r)][b],
-                          expected_all_reduces(c, batches[b], false));
+                          expected_all_reduces(c, batches[b], false), head_rows(batches[b]), k.tp);
         REQUIRE(g.grads.size() == want_shards[b][static_cast<size_t>(r)]->storage().size());
         check_close(g.logprob, want[b].logprob);
         check_close(g.entropy, want[b].entropy);
@@ -322,7 +333,8 @@ TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bit
         CHECK(same_bits(o.chunked[2 * b], p.logprob));
         CHECK(same_bits(o.chunked[2 * b + 1], p.entropy));
         CHECK(same_bits(q.logprob, p.logprob));
-        check_all_reduces(o.recompute_calls[b], expected_all_reduces(c, batches[b], true));
+        check_all_reduces(o.recompute_calls[b], expected_all_reduces(c, batches[b], true),
+                          head_rows(batches[b]), k.tp);
         for (size_t i = 0; i < p.grads.size(); ++i) {
           INFO("gradient storage " << i);
           CHECK(same_bits(q.grads[i], p.grads[i]));
