@@ -169,8 +169,8 @@ TEST_CASE("a checkpoint written under one trainer layout resumes under another",
 }
 
 TEST_CASE(
-    "a pipeline stage killed mid-schedule makes every rank exit within the timeout, its "
-    "neighbour naming it",
+    "a pipeline stage killed mid-schedule makes every rank exit within the timeout and its "
+    "neighbour name it",
     "[multiproc]") {
   const TempDir tmp("grid-kill-stage");
   write_model(tmp);

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "trainer/job_config.h"
+#include "trainer/job_grid.h"
 #include "trainer/rollout_group.h"
 
 using namespace tandem::trainer;
@@ -300,4 +301,53 @@ TEST_CASE("job config weight_sync section reaches the publisher and names bad va
   // Off, the probe's length is not checked.
   CHECK(parse_job_config(kMinimal + "[rollout]\nmax_new_tokens = 8\n", "job.toml")
             .weight_sync.canary_tokens == 16);
+}
+
+TEST_CASE("job config refuses trainer layouts the grid trainer does not run yet and names the key",
+          "[unit]") {
+  const JobConfig j = parse_job_config(kMinimal, "job.toml",
+                                       std::vector<std::string>{"trainer.tp=2", "trainer.pp=3"});
+  CHECK(j.trainer.tp == 2);
+  CHECK(j.trainer.pp == 3);
+  CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "trainer.shard=\"gradients\""}),
+             Catch::Contains("trainer.shard") && Catch::Contains("trainer.pp = 2"));
+  CHECK_THAT(error_of(kMinimal, {"trainer.tp=2", "trainer.shard=\"parameters\""}),
+             Catch::Contains("trainer.shard") && Catch::Contains("trainer.tp = 2"));
+  CHECK_THAT(error_of(kMinimal, {"trainer.tp=2", "weight_sync.canary=true"}),
+             Catch::Contains("weight_sync.canary") && Catch::Contains("not available yet"));
+  CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "placement.device=\"cuda\""}),
+             Catch::Contains("trainer.pp") && Catch::Contains("cpu only"));
+  CHECK_THAT(error_of(kMinimal, {"trainer.tp=0"}), Catch::Contains("trainer.tp"));
+}
+
+TEST_CASE("the grid trainer's sizes are checked against the world and the model", "[unit]") {
+  tandem::model::ModelConfig c;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.vocab_size = 96;
+  const auto error_for = [&](std::vector<std::string> overrides, int64_t world) -> std::string {
+    try {
+      check_trainer_grid(parse_job_config(kMinimal, "job.toml", overrides), world, c);
+    } catch (const tandem::Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  CHECK(error_for({"trainer.tp=2", "trainer.pp=2"}, 4) == "(no error)");
+  CHECK(error_for({"trainer.tp=2", "trainer.pp=2"}, 8) == "(no error)");
+  CHECK_THAT(error_for({"trainer.tp=2", "trainer.pp=2"}, 6),
+             Catch::Contains("does not divide the 6 ranks started"));
+  // 4 prompts a step (the default) over 3 data-parallel replicas.
+  CHECK_THAT(error_for({"trainer.tp=2", "rollout.prompts_per_step=4"}, 6),
+             Catch::Contains("3 data-parallel replicas"));
+  // 4 heads and 2 KV heads: tp 4 divides the heads but replicates the KV heads.
+  CHECK_THAT(error_for({"trainer.tp=4"}, 4), Catch::Contains("does not divide the model's 2 "
+                                                             "key-value heads"));
+  CHECK_THAT(error_for({"trainer.tp=3"}, 3), Catch::Contains("trainer.tp = 3 does not fit"));
+  CHECK_THAT(error_for({"trainer.pp=3"}, 3),
+             Catch::Contains("trainer.pp = 3 does not fit") && Catch::Contains("of 2 layers"));
 }
