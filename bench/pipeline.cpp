@@ -6,8 +6,6 @@
 // holds for any forward/backward ratio as long as every stage has the same one (the makespan is
 // (m + P - 1)(f + b)), and assumes free transfers: here a (T, C) f32 activation of 256 KiB.
 #include <fmt/format.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 #include <random>
 
 #include "bench/bench.h"
+#include "bench/forked_ranks.h"
 #include "bench/peers.h"
 #include "core/comm.h"
 #include "core/error.h"
@@ -206,38 +205,8 @@ void run_stage(int stage, const std::string& store_dir, const Options& opt) {
 int run_pipeline_bench(const Options& opt) {
   TANDEM_CHECK(opt.device.is_cpu(), "bench pipeline runs on the CPU; drop --device {}",
                opt.device.str());
-  const fs::path dir =
-      fs::temp_directory_path() / fmt::format("tandem-bench-pipeline-{}", ::getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  std::fflush(nullptr);
-  std::vector<pid_t> children;
-  for (int stage = 0; stage < kStages; ++stage) {
-    const pid_t pid = ::fork();
-    TANDEM_CHECK(pid >= 0, "bench pipeline: fork failed for stage {}", stage);
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      int rc = 0;
-      try {
-        run_stage(stage, dir.string(), opt);
-      } catch (...) {
-        std::fprintf(stderr, "tandem bench pipeline: stage %d: %s\n", stage,
-                     current_error_line(false).c_str());
-        rc = 1;
-      }
-      std::fflush(nullptr);
-      ::_exit(rc);
-    }
-    children.push_back(pid);
-  }
-  bool ok = true;
-  for (pid_t pid : children) {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  fs::remove_all(dir);
-  return ok ? 0 : 1;
+  return run_forked_ranks("pipeline", "stage", kStages,
+                          [&](int stage, const std::string& dir) { run_stage(stage, dir, opt); });
 }
 
 }  // namespace tandem::bench

@@ -8,8 +8,6 @@
 // wait for the other rank, so the share is what the step spends in collectives, transfer and
 // imbalance together.
 #include <fmt/format.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +22,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/forked_ranks.h"
 #include "bench/peers.h"
 #include "core/comm.h"
 #include "core/error.h"
@@ -296,37 +295,8 @@ void run_rank(int rank, const std::string& store_dir, const Options& opt) {
 
 int run_tp_bench(const Options& opt) {
   TANDEM_CHECK(opt.device.is_cpu(), "bench tp runs on the CPU; drop --device {}", opt.device.str());
-  const fs::path dir = fs::temp_directory_path() / fmt::format("tandem-bench-tp-{}", ::getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  std::fflush(nullptr);
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < kTp; ++rank) {
-    const pid_t pid = ::fork();
-    TANDEM_CHECK(pid >= 0, "bench tp: fork failed for rank {}", rank);
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      int rc = 0;
-      try {
-        run_rank(rank, dir.string(), opt);
-      } catch (...) {
-        std::fprintf(stderr, "tandem bench tp: rank %d: %s\n", rank,
-                     current_error_line(false).c_str());
-        rc = 1;
-      }
-      std::fflush(nullptr);
-      ::_exit(rc);
-    }
-    children.push_back(pid);
-  }
-  bool ok = true;
-  for (pid_t pid : children) {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  fs::remove_all(dir);
-  return ok ? 0 : 1;
+  return run_forked_ranks("tp", "rank", kTp,
+                          [&](int rank, const std::string& dir) { run_rank(rank, dir, opt); });
 }
 
 }  // namespace tandem::bench

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tests/model/tiny_model.h"
 #include "trainer/job_config.h"
 #include "trainer/job_grid.h"
 #include "trainer/rollout_group.h"
@@ -321,13 +322,9 @@ TEST_CASE("job config refuses trainer layouts the grid trainer does not run yet 
 }
 
 TEST_CASE("the grid trainer's sizes are checked against the world and the model", "[unit]") {
-  tandem::model::ModelConfig c;
-  c.hidden_size = 64;
-  c.intermediate_size = 96;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 16;
+  // 2 layers, 4 heads, 2 KV heads, F = 96; a vocabulary 2 and 4 split.
+  tandem::model::ModelConfig c =
+      tandem::test::tiny_model_config(tandem::test::TinyKind::llama_tied);
   c.vocab_size = 96;
   const auto error_for = [&](std::vector<std::string> overrides, int64_t world) -> std::string {
     try {
