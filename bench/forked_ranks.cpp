@@ -11,11 +11,12 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace tandem::bench {
 
-int run_forked_ranks(const std::string& what, const std::string& unit, int ranks,
-                     const std::function<void(int rank, const std::string& dir)>& body) {
+int run_forked_ranks(const std::string& what, const std::string& unit, int ranks, double timeout_s,
+                     const std::function<void(Communicator& comm)>& body) {
   namespace fs = std::filesystem;
   const fs::path dir =
       fs::temp_directory_path() / fmt::format("tandem-bench-{}-{}", what, ::getpid());
@@ -30,7 +31,16 @@ int run_forked_ranks(const std::string& what, const std::string& unit, int ranks
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       int rc = 0;
       try {
-        body(rank, dir.string());
+        set_num_threads(1);
+        rendezvous::RankInfo info;
+        info.rank = rank;
+        info.world_size = ranks;
+        info.master_addr = "127.0.0.1";
+        info.launcher = "bench";
+        CommOptions co;
+        co.timeout_s = timeout_s;
+        co.store = "file:" + dir.string();
+        body(*Communicator::create(info, co));
       } catch (...) {
         std::fprintf(stderr, "tandem bench %s: %s %d: %s\n", what.c_str(), unit.c_str(), rank,
                      current_error_line(false).c_str());

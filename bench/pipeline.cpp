@@ -123,22 +123,13 @@ double mean_compute_ms(const trainer::PipeStageReport& r, trainer::PipePass pass
 }
 
 // One stage's part of every case; stage 0 prints the rows.
-void run_stage(int stage, const std::string& store_dir, const Options& opt) {
-  set_num_threads(1);
-  rendezvous::RankInfo info;
-  info.rank = stage;
-  info.world_size = kStages;
-  info.master_addr = "127.0.0.1";
-  info.launcher = "bench";
-  CommOptions co;
-  co.timeout_s = 120;
-  co.store = "file:" + store_dir;
-  std::unique_ptr<Communicator> pipe = Communicator::create(info, co);
+void run_stage(Communicator& pipe, const Options& opt) {
+  const int stage = pipe.rank();
 
   // Stage 0's calibration, the same on both stages: broadcast of one i64 over the pipeline group.
   Tensor layers = Tensor::empty({1}, DType::i64);
   layers.data_as<int64_t>()[0] = stage == 0 ? layers_for(opt.quick ? 0.01 : 0.03) : 0;
-  pipe->broadcast(layers, 0);
+  pipe.broadcast(layers, 0);
   const int L = static_cast<int>(layers.data_as<int64_t>()[0]);
   const int reps = opt.quick ? 1 : 5;
   const std::vector<int> micro_batches =
@@ -152,10 +143,10 @@ void run_stage(int stage, const std::string& store_dir, const Options& opt) {
       if (!opt.filter.empty() && case_name.find(opt.filter) == std::string::npos) continue;
       MatmulStage st(stage, L, m);
       const trainer::PipeStage callbacks = st.callbacks();
-      trainer::run_pipeline(*pipe, schedule, m, callbacks);  // warm-up
+      trainer::run_pipeline(pipe, schedule, m, callbacks);  // warm-up
       std::vector<double> bubble, stage_bubble, step_ms, fwd_ms, bwd_ms, wait_ms;
       for (int rep = 0; rep < reps; ++rep) {
-        const trainer::PipeStageReport r = trainer::run_pipeline(*pipe, schedule, m, callbacks);
+        const trainer::PipeStageReport r = trainer::run_pipeline(pipe, schedule, m, callbacks);
         bubble.push_back(r.pipeline_bubble_fraction());
         stage_bubble.push_back(r.bubble_fraction());
         step_ms.push_back(1e3 * r.step_wall_s);
@@ -169,7 +160,7 @@ void run_stage(int stage, const std::string& store_dir, const Options& opt) {
                             static_cast<float>(median(fwd_ms)), static_cast<float>(median(bwd_ms)),
                             static_cast<float>(median(wait_ms))};
       std::copy(own, own + 4, mine.data_as<float>());
-      pipe->all_gather(mine, all);
+      pipe.all_gather(mine, all);
       if (stage != 0) continue;
       auto per_stage = [&](int k) {
         std::vector<double> v;
@@ -205,8 +196,8 @@ void run_stage(int stage, const std::string& store_dir, const Options& opt) {
 int run_pipeline_bench(const Options& opt) {
   TANDEM_CHECK(opt.device.is_cpu(), "bench pipeline runs on the CPU; drop --device {}",
                opt.device.str());
-  return run_forked_ranks("pipeline", "stage", kStages,
-                          [&](int stage, const std::string& dir) { run_stage(stage, dir, opt); });
+  return run_forked_ranks("pipeline", "stage", kStages, 120,
+                          [&](Communicator& comm) { run_stage(comm, opt); });
 }
 
 }  // namespace tandem::bench

@@ -164,17 +164,8 @@ double median_of(size_t steps, F f) {
 }
 
 // One rank's part; rank 0 also runs the one-rank step first, and prints the rows.
-void run_rank(int rank, const std::string& store_dir, const Options& opt) {
-  set_num_threads(1);
-  rendezvous::RankInfo info;
-  info.rank = rank;
-  info.world_size = kTp;
-  info.master_addr = "127.0.0.1";
-  info.launcher = "bench";
-  CommOptions co;
-  co.timeout_s = 300;
-  co.store = "file:" + store_dir;
-  std::unique_ptr<Communicator> tp = Communicator::create(info, co);
+void run_rank(Communicator& tp, const Options& opt) {
+  const int rank = tp.rank();
 
   const Shape s = shape_for(opt);
   const model::ModelConfig cfg = config_of(s);
@@ -185,9 +176,9 @@ void run_rank(int rank, const std::string& store_dir, const Options& opt) {
 
   Steps one;
   if (rank == 0) one = train_steps(full, 0, nullptr, reps, s, batch);
-  tp->barrier();  // rank 1 waits for the one-rank steps
+  tp.barrier();  // rank 1 waits for the one-rank steps
   const std::unique_ptr<model::Weights> shard = model::cut_tp_shard(full, rank, kTp);
-  const Steps two = train_steps(*shard, cfg.num_kv_heads, tp.get(), reps, s, batch);
+  const Steps two = train_steps(*shard, cfg.num_kv_heads, &tp, reps, s, batch);
   TANDEM_CHECK(two.packed_tokens == s.groups * s.rows(),
                "bench tp: the step packed {} rows, the analytic count assumes {} micro-batches of "
                "{}",
@@ -204,7 +195,7 @@ void run_rank(int rank, const std::string& store_dir, const Options& opt) {
   mine.data_as<float>()[0] = static_cast<float>(step_s);
   mine.data_as<float>()[1] = static_cast<float>(comm_s);
   mine.data_as<float>()[2] = static_cast<float>(share);
-  tp->all_gather(mine, all);
+  tp.all_gather(mine, all);
   if (rank != 0) return;
   auto per_rank = [&](int k) {
     std::vector<double> v;
@@ -295,8 +286,7 @@ void run_rank(int rank, const std::string& store_dir, const Options& opt) {
 
 int run_tp_bench(const Options& opt) {
   TANDEM_CHECK(opt.device.is_cpu(), "bench tp runs on the CPU; drop --device {}", opt.device.str());
-  return run_forked_ranks("tp", "rank", kTp,
-                          [&](int rank, const std::string& dir) { run_rank(rank, dir, opt); });
+  return run_forked_ranks("tp", "rank", kTp, 300, [&](Communicator& comm) { run_rank(comm, opt); });
 }
 
 }  // namespace tandem::bench
