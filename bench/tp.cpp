@@ -4,9 +4,9 @@
 // 2-core machine) over Gloo on loopback, beside the same step of the whole model on one rank
 // (tp = 1, one thread: rank 0 runs it while rank 1 waits). The TP group's calls are counted
 // (Communicator::set_call_stats): their seconds, count and bytes a step, their share of the step,
-// and the bytes all-reduced beside model::tp_training_all_reduces. A call's seconds include the
-// wait for the other rank, so the share is what the step spends in collectives, transfer and
-// imbalance together.
+// and the bytes all-reduced and all-gathered beside model::tp_training_collectives. A call's
+// seconds include the wait for the other rank, so the share is what the step spends in collectives,
+// transfer and imbalance together.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -218,15 +218,19 @@ void run_rank(Communicator& tp, const Options& opt) {
                         const auto it = two.calls[i].by_call.find(call);
                         return it == two.calls[i].by_call.end() ? 0.0 : it->second.seconds;
                       })}};
-  const auto reduces = calls.by_call.find("all_reduce");
-  const CallStats::Tally all_reduce =
-      reduces == calls.by_call.end() ? CallStats::Tally{} : reduces->second;
+  auto tally = [&](const char* call) {
+    const auto it = calls.by_call.find(call);
+    return it == calls.by_call.end() ? CallStats::Tally{} : it->second;
+  };
+  const CallStats::Tally all_reduce = tally("all_reduce"), all_gather = tally("all_gather");
   model::TpCollectives analytic;
   for (int g = 0; g < s.groups; ++g) {
     const model::TpCollectives mb =
-        model::tp_training_all_reduces(cfg, s.rows(), s.head_rows(), false);
-    analytic.calls += mb.calls;
-    analytic.bytes += mb.bytes;
+        model::tp_training_collectives(cfg, s.rows(), s.head_rows(), kTp, false);
+    analytic.reduce_calls += mb.reduce_calls;
+    analytic.reduce_bytes += mb.reduce_bytes;
+    analytic.gather_calls += mb.gather_calls;
+    analytic.gather_bytes += mb.gather_bytes;
   }
 
   const std::string model_name =
@@ -270,16 +274,27 @@ void run_rank(Communicator& tp, const Options& opt) {
   nlohmann::ordered_json bytes =
       row(fmt::format("tp=2 all-reduced bytes a step ({})", model_name), "all_reduce_bytes",
           "bytes", static_cast<double>(all_reduce.bytes));
-  bytes["analytic"] = analytic.bytes;
+  bytes["analytic"] = analytic.reduce_bytes;
   bytes["analytic_formula"] =
-      "4 (T C (1 + 4 L) + R C) a micro-batch: embedding rows, 2 a layer forward and 2 backward of "
-      "(T, C), head input gradient (R, C); the vocabulary row maxima (R) and sums (R, 4) go as 2 "
-      "all-gathers";
+      "4 (T C (1 + 2 L) + R C) a micro-batch: embedding rows, 2 (T, C) a layer backward, the head "
+      "input gradient (R, C)";
   bytes["all_reduces"] = all_reduce.calls;
-  bytes["analytic_all_reduces"] = analytic.calls;
+  bytes["analytic_all_reduces"] = analytic.reduce_calls;
   bytes["ratio_to_analytic"] =
-      static_cast<double>(all_reduce.bytes) / static_cast<double>(analytic.bytes);
+      static_cast<double>(all_reduce.bytes) / static_cast<double>(analytic.reduce_bytes);
   finish(bytes);
+
+  nlohmann::ordered_json gathered =
+      row(fmt::format("tp=2 all-gathered bytes a step ({})", model_name), "all_gather_bytes",
+          "bytes", static_cast<double>(all_gather.bytes));
+  gathered["analytic"] = analytic.gather_bytes;
+  gathered["analytic_formula"] =
+      "4 tp (2 L T C + 5 R) a micro-batch: the heads' and MLP columns' outputs, 2 (T, C) from "
+      "each rank a layer forward (added in rank order), the vocabulary row maxima (R) and sums "
+      "(R, 4); the gradient norm's 2 all-gathers a step come on top";
+  gathered["all_gathers"] = all_gather.calls;
+  gathered["analytic_all_gathers"] = analytic.gather_calls;
+  finish(gathered);
 }
 
 }  // namespace

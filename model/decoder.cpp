@@ -47,6 +47,7 @@ struct Buffers {
   Tensor tokens, positions, cu_seqlens, targets;  // i32 (T), (T), (B + 1), (T)
   Tensor prefix;                                  // i32 (B): PackedBatch::prefix (training)
   Tensor ones;                                    // (T, 1) f32 of ones (biases only)
+  Tensor tp_parts;  // (tp T C) f32: the forward's tensor-parallel sums gather here (tp > 1)
   std::vector<Tensor> resid;    // (T, C) each: L + 1 layer inputs (training), or 2 (ping-pong)
   std::vector<LayerActs> acts;  // L (training, no recompute) or 1
   Tensor xf, rstdf;             // (T, C), (T): final rmsnorm
@@ -132,6 +133,7 @@ void plan(Planner& p, const ModelConfig& c, int64_t T, int64_t B, Mode mode, boo
     b.rstdf = p.take({R});
   }
   if (tp > 1) {
+    b.tp_parts = p.take({tp * T * C});
     b.emb_ids = p.take({T}, DType::i32);
     b.emb_rows = p.take({T}, DType::i32);
   }
@@ -527,7 +529,7 @@ struct Decoder::Impl {
     upload(b.cu_seqlens, batch.cu_seqlens);
     b.prefix = upload_prefix(b.prefix, batch);
     if (b.ones.defined()) fill_ones(b.ones, ones_host);
-    return {b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
+    return {b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix, b.tp_parts};
   }
 
   // Uploads the batch (b from begin in the logits or scoring mode) and runs the embedding and
@@ -912,7 +914,8 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
                grads.layers.size(), grads.part().str(gc));
   m.slots[slot].micro = -1;
   const Stream& s = m.net.stream();
-  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr, {}, {}, {}, b.ones, b.prefix};
+  const AttentionInputs in{b.positions, b.cu_seqlens, nullptr,  {},        {},
+                           {},          b.ones,       b.prefix, b.tp_parts};
   LayerGrads& g = b.grads;
   const UnitCalls units(m.options.unit_hooks, L, c.tie_word_embeddings);
   units.begin_gradients(units.head());
@@ -1067,7 +1070,7 @@ void Decoder::prefill(std::span<const int32_t> tokens, std::span<const int32_t> 
   upload(buf.positions, positions);
   upload(buf.cu_seqlens, cu_seqlens);
   if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
-  AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones, {}};
+  AttentionInputs in{buf.positions, buf.cu_seqlens, &kv, {}, {}, {}, buf.ones, {}, buf.tp_parts};
   if (!fresh) {
     // Continuing chunks: every query row becomes a one-query "sequence" over the cached tokens
     // up to and including itself, for paged_attention_decode (the same key order as
@@ -1147,7 +1150,7 @@ void Decoder::decode(std::span<const int32_t> tokens, std::span<const int32_t> p
   upload(buf.positions, positions);
   if (buf.ones.defined()) fill_ones(buf.ones, m.ones_host);
   const AttentionInputs in{buf.positions,  {},       &kv, kv.kv_indptr, kv.kv_indices,
-                           kv.kv_last_len, buf.ones, {}};
+                           kv.kv_last_len, buf.ones, {},  buf.tp_parts};
   m.embed(buf, *weights_, tokens);
   for (int64_t l = 0; l < c.num_layers; ++l)
     m.net.layer_forward(l, buf.acts[0], buf.resid[static_cast<size_t>(l % 2)],

@@ -50,6 +50,8 @@ struct AttentionInputs {
   Tensor indptr, indices, last_len;
   Tensor ones;    // (T, 1) for the bias adds
   Tensor prefix;  // (B) i32 or undefined: the packed sequences' shared prefixes
+  // Tensor parallel: (tp T C) f32, the forward's sums gather every rank's part here (Net::tp_sum).
+  Tensor tp_parts;
 };
 
 // A layer's projection weights packed for AMX (DecoderOptions::pack_weights).
@@ -84,6 +86,13 @@ class Net {
   // xf = final rmsnorm(h), logits = xf · lm_head^T. Row-wise, so B gathered rows give the same
   // bits as the same rows of a packed batch.
   void head(const Tensor& h, const Tensor& xf, const Tensor& rstdf, const Tensor& logits) const;
+
+  // Tensor parallel: t (T, C) f32 = the sum of the group's t, rank 0's part plus rank 1's and so
+  // on (all-gathered into parts, at least tp T C f32), never the library's all-reduce: a ring adds
+  // an element's parts in an order set by its place in the buffer, so the engine's few decode rows
+  // and the trainer's many packed rows would get other bits from 3 ranks on. The forward's two
+  // sums a layer go this way; backward's all-reduce (gradients, no logprob reads them).
+  void tp_sum(const Tensor& t, const Tensor& parts) const;
 
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(c_->head_dim)); }
   const Stream& stream() const { return s_; }

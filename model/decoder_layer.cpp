@@ -65,7 +65,7 @@ void Net::layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tenso
     ops::attention(a.q, a.k, a.v, in.cu_seqlens, in.prefix, a.att, a.lse, scale(), s_);
   }
   linear(a.att.view({T, H * D}), w.o, p ? &p->o : nullptr, a.o_out, false);
-  if (tp_ != nullptr) tp_->all_reduce(a.o_out);  // the TP group's heads: (T, C) f32 summed
+  if (tp_ != nullptr) tp_sum(a.o_out, in.tp_parts);  // the TP group's heads: (T, C) f32
   ops::add_rmsnorm(h_in, a.o_out, w.post_norm, a.h_mid, a.x2, a.rstd2, eps, s_);
   linear(a.x2, w.gate_up, p ? &p->gate_up : nullptr, a.gate_up, false);
   ops::swiglu(a.gate_up, a.act, s_);
@@ -77,9 +77,21 @@ void Net::layer_forward(int64_t l, LayerActs& a, const Tensor& h_in, const Tenso
   // The group's MLP columns summed into o_out (free again: backward does not read it), then
   // h_out = h_mid + it (one f32 add, as add_rmsnorm's; x2 and rstd2 stay for backward).
   linear(a.act, w.down, p ? &p->down : nullptr, a.o_out, false);
-  tp_->all_reduce(a.o_out);  // the TP group's MLP columns: (T, C) f32 summed
+  tp_sum(a.o_out, in.tp_parts);  // the TP group's MLP columns: (T, C) f32
   Tensor(h_out).copy_from(a.h_mid);
   ops::add(a.o_out, h_out, s_);
+}
+
+void Net::tp_sum(const Tensor& t, const Tensor& parts) const {
+  const int tp = tp_->size();
+  const int64_t n = t.numel();
+  TANDEM_CHECK(t.dtype() == DType::f32 && parts.dtype() == DType::f32 && parts.numel() >= tp * n,
+               "tensor-parallel sum: {} needs {} f32 of gather space, got {}", t.str(), tp * n,
+               parts.str());
+  const Tensor all = parts.view({parts.numel()}).narrow(0, tp * n);
+  tp_->all_gather(t.view({n}), all);  // tp x (T, C) f32
+  Tensor(t).copy_from(all.narrow(0, n).view(t.shape()));
+  for (int r = 1; r < tp; ++r) ops::add(all.narrow(r * n, n).view(t.shape()), t, s_);
 }
 
 void Net::layer_backward(int64_t l, const LayerActs& a, const Tensor& h_in,

@@ -125,22 +125,26 @@ std::unique_ptr<Weights> cut_tp_shard(const Weights& full, int rank, int size) {
   return out;
 }
 
-TpCollectives tp_training_all_reduces(const ModelConfig& config, int64_t T, int64_t R,
+TpCollectives tp_training_collectives(const ModelConfig& config, int64_t T, int64_t R, int tp,
                                       bool recompute) {
-  TANDEM_CHECK(T >= 1 && R >= 1 && R <= T,
-               "tp_training_all_reduces: a micro-batch of T = {} rows with R = {} head rows needs "
-               "1 <= R <= T",
-               T, R);
-  const int64_t C = config.hidden_size, L = config.num_layers;
-  const int64_t forwards = recompute ? 2 : 1;  // each layer's two forward all-reduces
+  TANDEM_CHECK(T >= 1 && R >= 1 && R <= T && tp >= 2,
+               "tp_training_collectives: a micro-batch of T = {} rows with R = {} head rows over "
+               "tp = {} ranks needs 1 <= R <= T and tp >= 2",
+               T, R, tp);
+  const int64_t C = config.hidden_size, L = config.num_layers, f32 = sizeof(float);
+  const int64_t forwards = recompute ? 2 : 1;  // each layer's forward runs again in backward
   TpCollectives c;
-  c.calls = 1 + 2 * L * forwards + 1 + 2 * L;
-  const int64_t floats = T * C                       // embedding rows
-                         + 2 * L * forwards * T * C  // heads' and MLP outputs
-                         + R * C                     // head input gradient
-                         + 2 * L * T * C             // input gradients
-                         + (config.qk_norm ? L * 2 * config.head_dim : 0);  // q/k norm parts
-  c.bytes = floats * static_cast<int64_t>(sizeof(float));
+  c.reduce_calls = 1 + 2 * L + 1;
+  c.reduce_bytes = (T * C                                             // embedding rows
+                    + 2 * L * T * C                                   // input gradients
+                    + (config.qk_norm ? L * 2 * config.head_dim : 0)  // q/k norm parts
+                    + R * C) *                                        // head input gradient
+                   f32;
+  c.gather_calls = 2 * L * forwards + 2;
+  c.gather_bytes = tp *
+                   (2 * L * forwards * T * C  // heads' and MLP columns' outputs
+                    + R + 4 * R) *            // row maxima and sums
+                   f32;
   return c;
 }
 

@@ -49,20 +49,21 @@ struct TpSlice {
 // Throws naming the parameter when the name is not one of the model's.
 TpSlice tp_slice(const ModelConfig& full, const TpSplit& split, std::string_view name);
 
-// The all-reduces over the TP group of one training forward and backward (model::Decoder with
+// The collectives over the TP group of one training forward and backward (model::Decoder with
 // DecoderOptions::tp_group) of a micro-batch of T packed rows, R of them through the head (R = T
-// when the batch lists no head rows), all f32 in place: the embedding's rows (T, C); per layer the
-// heads' and the MLP columns' outputs (T, C), and in backward their input gradients (T, C) (the
-// heads' with the q/k norm weights' parts, 2 D, under qk_norm), recompute running the forward's
-// two again; the head's input gradient (R, C). (The vocabulary-parallel row statistics go as two
-// all-gathers, maxima (R) then sums (R, 4) from every rank: model::vocab_parallel_logprob.) The
-// same on every rank and for every group size; `config` the full model's or a shard's (C, L, D and
-// qk_norm are both's).
+// when the batch lists no head rows), all f32; bytes as CallStats counts them (an all-reduce's
+// tensor, an all-gather's output: tp times a rank's part). All-reduces, in place: the embedding's
+// rows (T, C); in backward per layer the MLP columns' and the heads' input gradients (T, C) (the
+// heads' with the q/k norm weights' parts, 2 D, under qk_norm), and the head's input gradient
+// (R, C). All-gathers: per layer forward the heads' and the MLP columns' outputs, tp (T, C) each
+// (added in rank order: Net::tp_sum), recompute running them again; the vocabulary-parallel row
+// statistics, maxima tp (R) then sums tp (R, 4) (model::vocab_parallel_logprob). The same on every
+// rank; `config` the full model's or a shard's (C, L, D and qk_norm are both's).
 struct TpCollectives {
-  int64_t calls = 0;
-  int64_t bytes = 0;
+  int64_t reduce_calls = 0, reduce_bytes = 0;
+  int64_t gather_calls = 0, gather_bytes = 0;
 };
-TpCollectives tp_training_all_reduces(const ModelConfig& config, int64_t T, int64_t R,
+TpCollectives tp_training_collectives(const ModelConfig& config, int64_t T, int64_t R, int tp,
                                       bool recompute);
 
 // New Weights holding rank `rank` of `size`'s shard of `full` (same dtype and device), copied

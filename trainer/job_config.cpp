@@ -266,11 +266,13 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "MiB of f32 one collective of the sharded optimizer carries at most (a layer's "
               "larger ones go in pieces)."))
       .range(1, 4096);
-  add(bind<J>("trainer.tp", TANDEM_MEMBER(trainer.tp),
-              "Tensor-parallel trainer ranks: each layer's heads, MLP width and vocabulary split "
-              "over tp consecutive ranks (one all-reduce per block forward and backward). Must "
-              "divide the model's query and key-value heads, MLP width and vocabulary; "
-              "independent of placement.rollout_tp (docs/distributed.md)."))
+  add(bind<J>(
+          "trainer.tp", TANDEM_MEMBER(trainer.tp),
+          "Tensor-parallel trainer ranks: each layer's heads, MLP width and vocabulary split "
+          "over tp consecutive ranks (per block one all-gather added in rank order forward, one "
+          "all-reduce backward). Must "
+          "divide the model's query and key-value heads, MLP width and vocabulary; "
+          "independent of placement.rollout_tp (docs/distributed.md)."))
       .range(1, 4096);
   add(bind<J>("trainer.pp", TANDEM_MEMBER(trainer.pp),
               "Pipeline stages of the trainer: the layers in pp contiguous stages (the embedding "

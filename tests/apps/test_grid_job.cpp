@@ -41,9 +41,15 @@ const std::string kDet = "trainer.deterministic=true rollout.seed=5";
 
 struct Layout {
   int dp, tp, pp;
+  int rollout_tp = 1;  // placement.rollout_tp
   int ranks() const { return dp * tp * pp; }
-  std::string keys() const { return fmt::format("trainer.tp={} trainer.pp={}", tp, pp); }
-  std::string name() const { return fmt::format("dp{}-tp{}-pp{}", dp, tp, pp); }
+  std::string keys() const {
+    return fmt::format("trainer.tp={} trainer.pp={} placement.rollout_tp={}", tp, pp, rollout_tp);
+  }
+  std::string name() const {
+    return fmt::format("dp{}-tp{}-pp{}{}", dp, tp, pp,
+                       rollout_tp > 1 ? fmt::format("-rtp{}", rollout_tp) : "");
+  }
 };
 
 // The 3 step lines of a run that must succeed.
@@ -66,7 +72,9 @@ std::vector<nlohmann::json> run(const TempDir& tmp, const std::string& job, cons
 }
 
 // Checks a layout's 3 steps and final weights against the one-rank run's: pipeline stages alone
-// bitwise, tensor parallelism within the rounding of its split sums.
+// bitwise, tensor parallelism within the rounding of its split sums. The engines' logprobs are
+// the trainer's bitwise when the engines split the model as the trainer does (the same ranks'
+// parts added in rank order) or neither splits it.
 void check_layout(const TempDir& tmp, const std::string& job, const Layout& l,
                   const std::vector<nlohmann::json>& one) {
   INFO(l.name());
@@ -82,19 +90,21 @@ void check_layout(const TempDir& tmp, const std::string& job, const Layout& l,
     CHECK(b[i]["response_tokens"] == one[i]["response_tokens"]);
     CHECK(b[i]["reward/mean"].get<double>() == Approx(one[i]["reward/mean"].get<double>()));
     // Every engine holds its own copy, filled from the ranks' parts: the trainer recomputes the
-    // old logprobs; they are the engine's bitwise unless tensor parallelism split the sums.
+    // old logprobs; they are the engine's bitwise unless the two split the sums differently.
     CHECK(b[i]["old_logp_recomputed"] == 1);
     CHECK(b[i]["weight_sync/copied_tensors"].get<int64_t>() > 0);
     const double logp = b[i]["rollout_trainer_logp/max_abs"].get<double>();
     const double loss = b[i]["loss"].get<double>(), loss1 = one[i]["loss"].get<double>();
     const double norm = b[i]["grad_norm"].get<double>(), norm1 = one[i]["grad_norm"].get<double>();
-    if (exact) {
+    if (l.rollout_tp == l.tp)
       CHECK(logp == 0);
+    else
+      CHECK(logp < 1e-4);
+    if (exact) {
       CHECK(norm == norm1);
       // (The reported loss adds the micro-batches' parts in the last stage's order.)
       CHECK(std::abs(loss - loss1) <= 1e-12 * (std::abs(loss1) + 1));
     } else {
-      CHECK(logp < 1e-4);
       CHECK(std::abs(norm - norm1) <= 1e-4 * norm1);
       CHECK(std::abs(loss - loss1) <= 1e-4 * (std::abs(loss1) + 1e-3));
     }
@@ -129,7 +139,8 @@ TEST_CASE(
   write_model(tmp);
   const std::string job = write_job(tmp, tmp.file("model"));
   const auto one = run(tmp, job, {1, 1, 1}, kDet);
-  for (const Layout& l : {Layout{1, 2, 1}, Layout{2, 2, 1}, Layout{1, 2, 2}})
+  // Engines split as the trainer (rollout TP 2) and whole (rollout TP 1, data 2 x tensor 2).
+  for (const Layout& l : {Layout{1, 2, 1, 2}, Layout{2, 2, 1}, Layout{1, 2, 2, 2}})
     check_layout(tmp, job, l, one);
 }
 

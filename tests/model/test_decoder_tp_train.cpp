@@ -2,8 +2,8 @@
 // on 2 and 3 ranks each rank's forward gives the whole model's logprobs and entropies and its
 // backward the cut_tp_shard of the whole model's gradients, within f32 rounding; score gives
 // forward's bits, recompute the same bits, a group of one rank the plain decoder's bits; KV heads
-// replicated over ranks are refused in training naming the sizes; the group's all-reduces are
-// tp_training_all_reduces' count and bytes.
+// replicated over ranks are refused in training naming the sizes; the group's all-reduces and
+// all-gathers are tp_training_collectives' counts and bytes.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -139,29 +139,21 @@ Tensor row_weights(int64_t T, uint64_t seed) {
   return test::random_tensor({T}, DType::f32, seed, -1.0, 1.0);
 }
 
-int64_t head_rows(const PackedBatch& batch) {
-  return batch.head_rows.empty() ? batch.num_tokens()
-                                 : static_cast<int64_t>(batch.head_rows.size());
-}
-
-// The all-reduces tp_training_all_reduces counts for one forward and backward of the batch.
-TpCollectives expected_all_reduces(const ModelConfig& c, const PackedBatch& batch, bool recompute) {
+// What a rank's group did in one forward and backward of the batch: tp_training_collectives'
+// all-reduces and all-gathers, nothing else.
+void check_collectives(const CallStats& calls, const ModelConfig& c, const PackedBatch& batch,
+                       int tp, bool recompute) {
   const int64_t T = batch.num_tokens();
   const int64_t R = batch.head_rows.empty() ? T : static_cast<int64_t>(batch.head_rows.size());
-  return tp_training_all_reduces(c, T, R, recompute);
-}
-
-// What a rank's group did in one train_step: the all-reduces expected, and the two all-gathers of
-// the head's row statistics (maxima, then 4 sums a row, from every rank).
-void check_all_reduces(const CallStats& calls, const TpCollectives& want, int64_t R, int tp) {
+  const TpCollectives want = tp_training_collectives(c, T, R, tp, recompute);
   REQUIRE(calls.by_call.count("all_reduce") == 1);
   const CallStats::Tally reduces = calls.by_call.at("all_reduce");
-  CHECK(reduces.calls == want.calls);
-  CHECK(reduces.bytes == want.bytes);
+  CHECK(reduces.calls == want.reduce_calls);
+  CHECK(reduces.bytes == want.reduce_bytes);
   REQUIRE(calls.by_call.count("all_gather") == 1);
   const CallStats::Tally gathers = calls.by_call.at("all_gather");
-  CHECK(gathers.calls == 2);
-  CHECK(gathers.bytes == int64_t{tp} * 5 * R * static_cast<int64_t>(sizeof(float)));
+  CHECK(gathers.calls == want.gather_calls);
+  CHECK(gathers.bytes == want.gather_bytes);
   CHECK(calls.by_call.size() == 2);
 }
 
@@ -227,8 +219,7 @@ TEST_CASE(
       for (int r = 0; r < k.tp; ++r) {
         INFO("rank " << r);
         const Result& g = got[static_cast<size_t>(r)][b];
-        check_all_reduces(calls[static_cast<size_t>(r)][b],
-                          expected_all_reduces(c, batches[b], false), head_rows(batches[b]), k.tp);
+        check_collectives(calls[static_cast<size_t>(r)][b], c, batches[b], k.tp, false);
         REQUIRE(g.grads.size() == want_shards[b][static_cast<size_t>(r)]->storage().size());
         check_close(g.logprob, want[b].logprob);
         check_close(g.entropy, want[b].entropy);
@@ -333,8 +324,7 @@ TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bit
         CHECK(same_bits(o.chunked[2 * b], p.logprob));
         CHECK(same_bits(o.chunked[2 * b + 1], p.entropy));
         CHECK(same_bits(q.logprob, p.logprob));
-        check_all_reduces(o.recompute_calls[b], expected_all_reduces(c, batches[b], true),
-                          head_rows(batches[b]), k.tp);
+        check_collectives(o.recompute_calls[b], c, batches[b], k.tp, true);
         for (size_t i = 0; i < p.grads.size(); ++i) {
           INFO("gradient storage " << i);
           CHECK(same_bits(q.grads[i], p.grads[i]));
