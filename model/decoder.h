@@ -102,13 +102,14 @@ struct DecoderOptions {
   // Tensor parallelism: the weights are rank tp_group->rank()'s shard of tp_group->size()
   // (model/tensor_parallel.h). Every rank of the group makes the same calls (prefill and decode;
   // forward, backward and score, on the CPU for now) with the same arguments; each runs its
-  // heads, MLP columns and vocabulary rows, and the partial outputs meet in all-reduces
-  // (embedding, o_proj, down_proj: 2 L + 1 per call of (T, C) f32; training adds the head's and
-  // the backward's, docs/model-decoder.md). Prefill and decode return the logits of the rank's
-  // vocabulary rows, (B, V/tp): the sampler works on the shards (model/tp_sample.h); forward and
-  // score return the logprobs and entropies over the whole vocabulary on every rank; backward
-  // adds to grads the gradient of the rank's shard (replicated norms: the whole gradient, the
-  // same on every rank). Null, or a group of one rank: the whole model, no collective.
+  // heads, MLP columns and vocabulary rows, and the partial outputs meet in collectives (the
+  // embedding's all-reduce of (T, C) f32; o_proj's and down_proj's all-gathers of tp (T, C),
+  // added in rank order; training adds the head's and the backward's, docs/model-decoder.md).
+  // Prefill and decode return the logits of the rank's vocabulary rows, (B, V/tp): the sampler
+  // works on the shards (model/tp_sample.h); forward and score return the logprobs and entropies
+  // over the whole vocabulary on every rank; backward adds to grads the gradient of the rank's
+  // shard (replicated norms: the whole gradient, the same on every rank). Null, or a group of one
+  // rank: the whole model, no collective.
   Communicator* tp_group = nullptr;
   // Tensor-parallel training of a shard that holds a single KV head: the model's
   // num_key_value_heads (Hkv), which the shard's shapes do not tell. Hkv = tp (each rank its own

@@ -200,9 +200,19 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   }
   if (grid_ != nullptr) {
     // The whole loaded weights go (their table stays for the config); the engines are filled
-    // from every rank's part.
+    // from every rank's part, or at trainer.shard = "parameters" from its pieces of it (the part
+    // goes too).
     m_.weights = model::Weights::unbound(m_.config(), DType::f32);
-    rollout_ = std::make_unique<RolloutGroup>(job, m_.config(), grid_->layout(), *policy_, comm);
+    const weight_sync::Layout layout = grid_->layout();
+    std::vector<Tensor> from;
+    if (grid_->sharded_params()) {
+      from = weight_sync::bind_local(layout, rank_, sharded_->local_params());
+      part_ = nullptr;
+      policy_ = nullptr;
+    } else {
+      from = weight_sync::bind(layout, rank_, params_of(*policy_));
+    }
+    rollout_ = std::make_unique<RolloutGroup>(job, m_.config(), layout, std::move(from), comm);
   } else if (sharded_ != nullptr && sharded_->options().level == ShardLevel::parameters) {
     // ZeRO-3: the optimizer holds this rank's pieces; the loaded whole weights go (their table
     // stays for the config) and the rollout engines are filled from the pieces.

@@ -718,12 +718,6 @@ void check_job(const Config& c, JobConfig& j) {
              fmt::format("pipeline stages (trainer.pp = {}) shard the optimizer state only for "
                          "now: set trainer.shard = \"optimizer\"",
                          t.pp));
-    if (t.shard.level == ShardLevel::parameters)
-      c.fail("trainer.shard",
-             fmt::format("tensor-parallel training (trainer.tp = {}) shards the optimizer state "
-                         "or the gradients for now: set trainer.shard = \"optimizer\" or "
-                         "\"gradients\"",
-                         t.tp));
     if (j.weight_sync.canary)
       c.fail("weight_sync.canary",
              fmt::format("the canary scores its probe with one rank's whole trainer; with "

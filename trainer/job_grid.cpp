@@ -54,6 +54,7 @@ void check_trainer_grid(const JobConfig& job, int64_t world, const model::ModelC
 JobGrid::JobGrid(const JobConfig& job, Communicator& world, const model::ModelConfig& whole)
     : grid_(world.size(), static_cast<int>(job.trainer.tp), static_cast<int>(job.trainer.pp)),
       at_(grid_.coord(world.rank())),
+      sharded_params_(job.trainer.shard.level == ShardLevel::parameters),
       whole_(whole),
       layers_(stage_layers(static_cast<int>(whole.num_layers), at_.pp, grid_.pp_size())) {
   const int r = world.rank(), tp = grid_.tp_size(), pp = grid_.pp_size();
@@ -72,11 +73,14 @@ JobGrid::JobGrid(const JobConfig& job, Communicator& world, const model::ModelCo
                        {grid_.rank({at_.dp, at_.tp, 0}), grid_.rank({at_.dp, at_.tp, pp - 1})});
 }
 
-std::unique_ptr<model::Weights> JobGrid::part_table() const {
+std::unique_ptr<model::Weights> JobGrid::part_table() const { return part_table(at_.pp); }
+
+std::unique_ptr<model::Weights> JobGrid::part_table(int stage) const {
   const model::ModelConfig c =
       grid_.tp_size() > 1 ? model::tp_shard_config(whole_, grid_.tp_size()) : whole_;
-  return model::Weights::unbound(
-      c, model::ModelPart::stage(c, layers_.first, layers_.end - layers_.first), DType::f32);
+  const StageLayers l = stage_layers(static_cast<int>(whole_.num_layers), stage, grid_.pp_size());
+  return model::Weights::unbound(c, model::ModelPart::stage(c, l.first, l.end - l.first),
+                                 DType::f32);
 }
 
 std::unique_ptr<model::Weights> JobGrid::cut(const model::Weights& whole) const {
@@ -108,15 +112,32 @@ ModelParallel JobGrid::model_parallel() const {
   return {.tp = tp_.get(), .pp = pp_.get(), .tp_kv_heads = whole_.num_kv_heads};
 }
 
-weight_sync::Layout JobGrid::layout() const {
+std::vector<weight_sync::LayerRange> JobGrid::stage_ranges() const {
   std::vector<weight_sync::LayerRange> stages;
   for (int s = 0; s < grid_.pp_size(); ++s) {
     const StageLayers l = stage_layers(static_cast<int>(whole_.num_layers), s, grid_.pp_size());
     stages.push_back({l.first, l.end});
   }
+  return stages;
+}
+
+weight_sync::Layout JobGrid::parts_layout() const {
   return weight_sync::Layout::grid(tp_dims(whole_),
                                    param_specs(*model::Weights::unbound(whole_, DType::f32)),
-                                   grid_.tp_size(), grid_.dp_size(), stages);
+                                   grid_.tp_size(), grid_.dp_size(), stage_ranges());
+}
+
+weight_sync::Layout JobGrid::layout() const {
+  if (!sharded_params_) return parts_layout();
+  // Every tensor-parallel rank of a stage holds a table of the same shapes.
+  std::vector<model::ShardLayout> shards;
+  for (int s = 0; s < grid_.pp_size(); ++s) {
+    const model::ShardLayout stage(*part_table(s), grid_.dp_size());
+    for (int t = 0; t < grid_.tp_size(); ++t) shards.push_back(stage);
+  }
+  return weight_sync::Layout::grid_zero(tp_dims(whole_),
+                                        param_specs(*model::Weights::unbound(whole_, DType::f32)),
+                                        grid_.tp_size(), stage_ranges(), shards);
 }
 
 }  // namespace tandem::trainer

@@ -43,13 +43,29 @@ class JobGrid {
   // sums over, the replicas this rank leaves out of it, the tied embedding's copies.
   ShardOptions shard_options(ShardOptions base) const;
   ModelParallel model_parallel() const;
-  // The whole model's parameters over the grid's ranks (weight_sync::Layout::grid), in f32.
+  // The whole model's parameters over the grid's ranks, every rank its whole part, in f32
+  // (weight_sync::Layout::grid): where the weights lie below trainer.shard = "parameters", and
+  // the moments a checkpoint gathers (ShardedAdamW::gather_moments) at every level.
+  weight_sync::Layout parts_layout() const;
+  // Where the weights lie, in f32: parts_layout(), or at trainer.shard = "parameters"
+  // weight_sync::Layout::grid_zero (each position's part split over its
+  // data-parallel group as ShardedAdamW splits it: model::ShardLayout of its part's table), whose
+  // local tensor on a rank is its optimizer's local_params().
   weight_sync::Layout layout() const;
+  // Whether the grid's ranks keep only their data-parallel group's pieces of their part
+  // (trainer.shard = "parameters").
+  bool sharded_params() const { return sharded_params_; }
   const model::ModelConfig& whole_config() const { return whole_; }
 
  private:
+  // Stage s's part's table (the tensor-parallel shard's layers of the stage).
+  std::unique_ptr<model::Weights> part_table(int stage) const;
+  // Each stage's layers.
+  std::vector<weight_sync::LayerRange> stage_ranges() const;
+
   ParallelGrid grid_;
   GridCoord at_;
+  bool sharded_params_ = false;
   model::ModelConfig whole_;
   StageLayers layers_;
   std::unique_ptr<Communicator> dp_, tp_, pp_, mp_, tie_;

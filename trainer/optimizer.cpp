@@ -1104,20 +1104,39 @@ void ShardedAdamW::gather_moments(model::Weights& m_out, model::Weights& v_out) 
   }
 }
 
+namespace {
+
+// This rank's pieces of `in` (a table of the layout's tensors) into its local buffer `local`,
+// zeros past each unit's real elements.
+void set_pieces(const model::ShardLayout& layout, int rank, const model::Weights& in,
+                float* local) {
+  for (size_t unit = 0; unit < layout.units().size(); ++unit) {
+    const model::ShardUnit& u = layout.units()[unit];
+    float* piece = local + u.local;
+    std::fill(piece, piece + u.shard, 0.0f);
+    copy_flat(in, layout.tensor_starts(), layout.range(unit, rank), piece, false);
+  }
+}
+
+}  // namespace
+
 void ShardedAdamW::set_moments(const model::Weights& m_in, const model::Weights& v_in) {
   Impl& m = *impl_;
   TANDEM_CHECK(m.dev.device().is_cpu(), "optimizer: set_moments runs on the CPU only");
   check_moment_table(m.layout, m_in, "set_moments");
   check_moment_table(m.layout, v_in, "set_moments");
-  for (size_t unit = 0; unit < m.units(); ++unit) {
-    const model::ShardUnit& u = m.layout.units()[unit];
-    const model::FlatRange range = m.layout.range(unit, m.rank);
-    for (auto [local, in] : {std::pair{&m.m, &m_in}, std::pair{&m.v, &v_in}}) {
-      float* piece = local->f32() + u.local;
-      std::fill(piece, piece + u.shard, 0.0f);
-      copy_flat(*in, m.layout.tensor_starts(), range, piece, false);
-    }
-  }
+  set_pieces(m.layout, m.rank, m_in, m.m.f32());
+  set_pieces(m.layout, m.rank, v_in, m.v.f32());
+}
+
+void ShardedAdamW::set_local_params(const model::Weights& params) {
+  Impl& m = *impl_;
+  TANDEM_CHECK(m.options.level == ShardLevel::parameters,
+               "optimizer: set_local_params is for trainer.shard = \"parameters\"; below it set "
+               "params() itself");
+  TANDEM_CHECK(m.dev.device().is_cpu(), "optimizer: set_local_params runs on the CPU only");
+  check_moment_table(m.layout, params, "set_local_params");
+  set_pieces(m.layout, m.rank, params, m.params_local.f32());
 }
 
 void AdamW::begin_step() {

@@ -272,6 +272,10 @@ class ShardedAdamW final : public Optimizer {
   void gather_moments(model::Weights& m, model::Weights& v);
   // The reverse, not collective: this rank's pieces of the moments taken from whole ones.
   void set_moments(const model::Weights& m, const model::Weights& v);
+  // ShardLevel::parameters, not collective: this rank's pieces of the f32 master weights taken
+  // from whole ones (a table of the optimizer's weights, f32 on the CPU), as a checkpoint of a
+  // model-parallel trainer is restored.
+  void set_local_params(const model::Weights& params);
   int64_t step_count() const { return counters_.step; }
   // The training state this rank held at most (bytes) since the last reset: f32 weights (whole or
   // its pieces, and the units gathered), gradients (whole, or its pieces and the buckets in

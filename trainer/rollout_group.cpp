@@ -107,13 +107,13 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& confi
 }
 
 RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
-                           const weight_sync::Layout& grid, const model::Weights& part,
+                           const weight_sync::Layout& grid, std::vector<Tensor> from,
                            Communicator* world)
     : RolloutGroup(job, nullptr, world) {
   TANDEM_CHECK(grid.world() == world_, "rollout: the trainer's grid has {} ranks, the job has {}",
                grid.world(), world_);
   make_engine(config, world);
-  make_publisher(job, config, grid, weight_sync::bind(grid, rank_, params_of(part)), world);
+  make_publisher(job, config, grid, std::move(from), world);
 }
 
 void RolloutGroup::make_engine(const model::ModelConfig& config, Communicator* world) {

@@ -61,12 +61,13 @@ class RolloutGroup {
                const model::ShardLayout& shards, const Tensor& local, Communicator* world);
   // The same for a trainer laid out as a data x tensor x pipeline parallel grid (trainer.tp,
   // trainer.pp): `grid` is the whole model's parameters over the job's ranks
-  // (weight_sync::Layout::grid) and `part` this rank's part of them (its stage's layers of its
-  // tensor-parallel shard; outlives the group, refilled in place by each step). Each engine's
-  // elements come from the ranks that hold them, spread over the data-parallel replicas; the
-  // engine always holds its own copy.
+  // (trainer::JobGrid::layout: weight_sync::Layout::grid, or grid_zero at trainer.shard =
+  // "parameters") and `from` this rank's tensors of it (weight_sync::bind of its part, or
+  // bind_local of its optimizer's pieces; their memory outlives the group and is refilled in
+  // place by each step). Each engine's elements come from the ranks that hold them, spread over
+  // the data-parallel replicas; the engine always holds its own copy.
   RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
-               const weight_sync::Layout& grid, const model::Weights& part, Communicator* world);
+               const weight_sync::Layout& grid, std::vector<Tensor> from, Communicator* world);
 
   // What the engine is built on: its weights and its tensor-parallel group (null at tp = 1).
   const model::Weights& weights() const { return engine_weights_ ? *engine_weights_ : *policy_; }

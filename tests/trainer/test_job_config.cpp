@@ -1,5 +1,6 @@
 // Tests of the tandem job config: defaults, the error of each kind of bad input with its line or
 // override, overrides, the shipped configs, printing back, and docs/config.md covering the schema.
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
@@ -312,8 +313,14 @@ TEST_CASE("job config refuses trainer layouts the grid trainer does not run yet 
   CHECK(j.trainer.pp == 3);
   CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "trainer.shard=\"gradients\""}),
              Catch::Contains("trainer.shard") && Catch::Contains("trainer.pp = 2"));
-  CHECK_THAT(error_of(kMinimal, {"trainer.tp=2", "trainer.shard=\"parameters\""}),
-             Catch::Contains("trainer.shard") && Catch::Contains("trainer.tp = 2"));
+  CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "trainer.shard=\"parameters\""}),
+             Catch::Contains("trainer.shard") && Catch::Contains("trainer.pp = 2"));
+  // Tensor parallelism runs at every level.
+  for (const char* level : {"optimizer", "gradients", "parameters"})
+    CHECK(parse_job_config(
+              kMinimal, "job.toml",
+              std::vector<std::string>{"trainer.tp=2", fmt::format("trainer.shard=\"{}\"", level)})
+              .trainer.tp == 2);
   CHECK_THAT(error_of(kMinimal, {"trainer.tp=2", "weight_sync.canary=true"}),
              Catch::Contains("weight_sync.canary") && Catch::Contains("not available yet"));
   CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "placement.device=\"cuda\""}),
