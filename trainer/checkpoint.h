@@ -42,8 +42,9 @@ struct CheckpointOptions {
   std::map<std::string, std::string> extra_files;
   // Called with a stage name after each part is written into the temporary directory: "policy"
   // and "trainer_state" (rank 0), "optimizer" (every rank, its own part), "committed" (rank 0,
-  // the marker written, before the rename); for tests that simulate a failure mid-save by
-  // throwing, or stop a rank there to kill it.
+  // the marker written, before the rename); under a grid (save_grid_checkpoint) rank 0 writes
+  // every part and alone calls it. For tests that simulate a failure mid-save by throwing, or
+  // stop a rank there to kill it.
   std::function<void(const std::string& stage)> on_stage;
 };
 

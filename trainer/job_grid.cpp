@@ -21,11 +21,13 @@ constexpr const char* kEmbed = "model.embed_tokens.weight";
 
 void check_trainer_grid(const JobConfig& job, int64_t world, const model::ModelConfig& config) {
   const int64_t tp = job.trainer.tp, pp = job.trainer.pp;
-  TANDEM_CHECK(world % (tp * pp) == 0,
-               "trainer.tp = {} x trainer.pp = {} = {} ranks does not divide the {} ranks "
-               "started: start a multiple of {} ranks ({}, {})",
-               tp, pp, tp * pp, world, tp * pp, job.where("trainer.tp"), job.where("trainer.pp"));
-  const int64_t dp = world / (tp * pp);
+  int64_t dp = 0;
+  try {
+    dp =
+        ParallelGrid(static_cast<int>(world), static_cast<int>(tp), static_cast<int>(pp)).dp_size();
+  } catch (const Error& e) {
+    TANDEM_FAIL("{} ({}, {})", e.what(), job.where("trainer.tp"), job.where("trainer.pp"));
+  }
   TANDEM_CHECK(job.rollout.prompts_per_step % dp == 0,
                "rollout.prompts_per_step = {} is not a multiple of the {} data-parallel replicas "
                "({} ranks / trainer.tp {} / trainer.pp {}): each replica trains whole groups ({})",
