@@ -27,26 +27,32 @@ Canary::Canary(const JobConfig& job, std::vector<int32_t> probe, Communicator* w
     probe_.resize(static_cast<size_t>(job.data.max_prompt_tokens));
 }
 
-// The largest |engine - trainer| logprob of one engine's probe (NaN: infinite).
-double Canary::difference(const rollout::RequestOutput& out, const std::string& engine,
-                          PolicyTrainer& trainer, const model::Weights& policy) const {
-  TANDEM_CHECK(out.status == rollout::RequestStatus::done && out.samples.size() == 1,
-               "weight_sync canary: {} did not generate the probe: {}", engine, out.error);
-  const rollout::SampleOutput& s = out.samples[0];
-  TrainSample sample;
-  sample.prompt = probe_;
-  sample.completion = s.tokens;
-  sample.rollout_logp = s.logprobs;
-  const std::vector<float> scored = trainer.logprobs(policy, std::span(&sample, 1));
-  if (job_.placement.release_memory) trainer.release_activations();
-  TANDEM_CHECK(scored.size() == s.logprobs.size() && !scored.empty(),
-               "weight_sync canary: {} gave {} logprobs for {} tokens, the trainer {}", engine,
-               s.logprobs.size(), s.tokens.size(), scored.size());
-  double worst = 0;
-  for (size_t i = 0; i < scored.size(); ++i) {
-    const double d = std::abs(static_cast<double>(scored[i]) - s.logprobs[i]);
-    worst = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(worst, d);
+// Each engine's largest |engine - trainer| logprob of its probe (NaN: infinite), the probes scored
+// in one call; -1 each on a pipeline stage that computes no logprobs.
+std::vector<double> Canary::differences(std::span<const rollout::SampleOutput> outs,
+                                        PolicyTrainer& trainer,
+                                        const model::Weights& policy) const {
+  std::vector<TrainSample> samples(outs.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    samples[i].prompt = probe_;
+    samples[i].completion = outs[i].tokens;
+    samples[i].rollout_logp = outs[i].logprobs;
   }
+  size_t tokens = 0;
+  for (const rollout::SampleOutput& o : outs) tokens += o.logprobs.size();
+  const std::vector<float> scored = trainer.logprobs(policy, samples);
+  if (job_.placement.release_memory) trainer.release_activations();
+  TANDEM_CHECK(scored.size() == tokens,
+               "weight_sync canary: the trainer gave {} logprobs for the probes' {} tokens",
+               scored.size(), tokens);
+  std::vector<double> worst(outs.size(), trainer.computes_logprobs() ? 0.0 : -1.0);
+  size_t at = 0;
+  for (size_t i = 0; i < outs.size(); ++i)
+    for (const float engine : outs[i].logprobs) {
+      const double d = std::abs(static_cast<double>(scored[at++]) - engine);
+      if (worst[i] < 0) continue;
+      worst[i] = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(worst[i], d);
+    }
   return worst;
 }
 
@@ -62,37 +68,85 @@ CanaryResult Canary::check(rollout::Engine& engine, PolicyTrainer& trainer,
   request.params.n = 1;
   request.params.temperature = static_cast<float>(job_.rollout.temperature);
   request.params.top_k = 1;
-  request.params.max_tokens = static_cast<int>(job_.weight_sync.canary_tokens);
+  const int64_t n = job_.weight_sync.canary_tokens;
+  request.params.max_tokens = static_cast<int>(n);
   const std::vector<rollout::RequestOutput> out = engine.generate({request});
-  TANDEM_CHECK(out.size() == 1, "weight_sync canary: the rollout engine gave {} outputs, not 1",
-               out.size());
-  const double mine = difference(out[0], "the rollout engine", trainer, policy);
+  // A rank whose engine did not finish the probe (an error) sends none: its replica fails below.
+  const rollout::SampleOutput none;
+  const rollout::SampleOutput& mine =
+      out.size() == 1 && out[0].status == rollout::RequestStatus::done &&
+              out[0].samples.size() == 1 &&
+              out[0].samples[0].logprobs.size() == out[0].samples[0].tokens.size() &&
+              static_cast<int64_t>(out[0].samples[0].tokens.size()) <= n
+          ? out[0].samples[0]
+          : none;
 
-  // world: one double from every rank.
-  const std::vector<double> all = world_ != nullptr
-                                      ? gather_doubles(*world_, std::span<const double>(&mine, 1))
-                                      : std::vector<double>{mine};
-  CanaryResult r;
+  // Every replica's probe on every rank (its first rank's: a replica's ranks generate the same),
+  // scored by every rank in the same call, so that a trainer split over ranks (tensor-parallel
+  // ranks, pipeline stages, data-parallel replicas in step) makes the same collectives: per rank
+  // the token count, then n tokens and n logprobs.
+  std::vector<double> row(static_cast<size_t>(1 + 2 * n), 0.0);
+  row[0] = static_cast<double>(mine.tokens.size());
+  for (size_t i = 0; i < mine.tokens.size(); ++i) {
+    row[1 + i] = mine.tokens[i];
+    row[static_cast<size_t>(1 + n) + i] = mine.logprobs[i];
+  }
+  const std::vector<double> all = world_ != nullptr ? gather_doubles(*world_, row) : row;
+  const size_t ranks = all.size() / row.size(), replicas = ranks / static_cast<size_t>(tp_);
+  std::vector<rollout::SampleOutput> probes(replicas);
+  std::vector<bool> generated(replicas);
+  for (size_t r = 0; r < replicas; ++r) {
+    const double* at = all.data() + r * static_cast<size_t>(tp_) * row.size();
+    const auto count = static_cast<size_t>(at[0]);
+    generated[r] = count > 0;
+    for (size_t i = 0; i < count; ++i) {
+      probes[r].tokens.push_back(static_cast<int32_t>(at[1 + i]));
+      probes[r].logprobs.push_back(static_cast<float>(at[static_cast<size_t>(1 + n) + i]));
+    }
+  }
   const double tolerance = job_.weight_sync.canary_tolerance;
   std::string failed;
-  for (size_t first = 0; first < all.size(); first += static_cast<size_t>(tp_)) {
-    const double worst = *std::max_element(all.begin() + static_cast<ptrdiff_t>(first),
-                                           all.begin() + static_cast<ptrdiff_t>(first) + tp_);
-    r.max_abs = std::max(r.max_abs, worst);
-    if (worst <= tolerance) continue;
-    const std::string ranks = tp_ == 1 ? fmt::format("rank {}", first)
-                                       : fmt::format("ranks {}-{}", first, first + tp_ - 1);
-    failed += fmt::format("{}replica {} ({}) by up to {:.3g}", failed.empty() ? "" : ", ",
-                          first / static_cast<size_t>(tp_), ranks, worst);
+  auto ranks_of = [&](size_t replica) {
+    const size_t first = replica * static_cast<size_t>(tp_);
+    return tp_ == 1 ? fmt::format("rank {}", first)
+                    : fmt::format("ranks {}-{}", first, first + tp_ - 1);
+  };
+  auto fail = [&](const std::string& what) { failed += (failed.empty() ? "" : ", ") + what; };
+  for (size_t i = 0; i < replicas; ++i)
+    if (!generated[i]) fail(fmt::format("replica {} ({}) generated no probe", i, ranks_of(i)));
+  TANDEM_CHECK(failed.empty(),
+               "weight_sync canary: after the publish of step {} (weight version "
+               "{}) {}: the job stops before training on that engine's samples",
+               step, version, failed);
+  std::vector<double> worst = differences(probes, trainer, policy);
+  // The ranks that computed the logprobs (every one but the first pipeline stages) give them.
+  if (world_ != nullptr) {
+    const std::vector<double> every = gather_doubles(*world_, worst);
+    for (size_t k = 0; k < every.size(); ++k)
+      worst[k % replicas] = std::max(worst[k % replicas], every[k]);
+  }
+
+  CanaryResult r;
+  for (size_t i = 0; i < replicas; ++i) {
+    r.max_abs = std::max(r.max_abs, worst[i]);
+    if (worst[i] > tolerance)
+      fail(fmt::format("replica {} ({}) by up to {:.3g}", i, ranks_of(i), worst[i]));
   }
   // Disaggregated: each worker's engine too (the job is one rank).
   if (workers != nullptr) {
+    std::vector<std::string> names;
+    std::vector<rollout::SampleOutput> answers;
     for (const auto& [address, answer] : workers->generate_on_each(request)) {
       const std::string name = fmt::format("rollout worker {}", address);
-      const double worst = difference(answer, name, trainer, policy);
-      r.max_abs = std::max(r.max_abs, worst);
-      if (worst > tolerance)
-        failed += fmt::format("{}{} by up to {:.3g}", failed.empty() ? "" : ", ", name, worst);
+      TANDEM_CHECK(answer.status == rollout::RequestStatus::done && answer.samples.size() == 1,
+                   "weight_sync canary: {} did not generate the probe: {}", name, answer.error);
+      names.push_back(name);
+      answers.push_back(answer.samples[0]);
+    }
+    const std::vector<double> d = differences(answers, trainer, policy);
+    for (size_t i = 0; i < d.size(); ++i) {
+      r.max_abs = std::max(r.max_abs, d[i]);
+      if (d[i] > tolerance) fail(fmt::format("{} by up to {:.3g}", names[i], d[i]));
     }
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

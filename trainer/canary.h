@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -31,21 +32,23 @@ class Canary {
   Canary(const JobConfig& job, std::vector<int32_t> probe, Communicator* world, int tp);
 
   // Generates weight_sync.canary_tokens tokens of the probe with `engine` (the top token at each
-  // step, no stop token, its logprob under rollout.temperature as every sample's), scores them
-  // with trainer.logprobs under `policy`, and gathers every rank's largest difference. Every rank
-  // calls it after the same publish (the engine's ranks make the same engine calls, and the
-  // exchange is a collective over world). step: the training step that made `version` (0: the
-  // weights the job started or resumed with). workers (disaggregated, one rank): the same probe
-  // on each rollout worker that holds the weights pushed last, each scored alike. Throws
-  // tandem::Error on every rank when a rank's or a worker's difference is above the tolerance (or
-  // not a number), naming the step, the version, each such replica with its ranks or worker, and
-  // the difference.
+  // step, no stop token, its logprob under rollout.temperature as every sample's), gathers every
+  // rollout replica's probe on every rank, scores them all with trainer.logprobs under `policy`
+  // (every rank the same call, so that a trainer split over tensor-parallel ranks, pipeline
+  // stages or data-parallel replicas runs it as it runs its old logprobs) and gathers the ranks'
+  // differences. Every rank calls it after the same publish (the engine's ranks make the same
+  // engine calls, and the exchanges are collectives over world). step: the training step that
+  // made `version` (0: the weights the job started or resumed with). workers (disaggregated, one
+  // rank): the same probe on each rollout worker that holds the weights pushed last, each scored
+  // alike. Throws tandem::Error on every rank when a replica's or a worker's difference is above
+  // the tolerance (or not a number), or a replica generated no probe, naming the step, the
+  // version, each such replica with its ranks or worker, and the difference.
   CanaryResult check(rollout::Engine& engine, PolicyTrainer& trainer, const model::Weights& policy,
                      int64_t step, uint64_t version, RemoteRollout* workers = nullptr);
 
  private:
-  double difference(const rollout::RequestOutput& out, const std::string& engine,
-                    PolicyTrainer& trainer, const model::Weights& policy) const;
+  std::vector<double> differences(std::span<const rollout::SampleOutput> outs,
+                                  PolicyTrainer& trainer, const model::Weights& policy) const;
 
   const JobConfig& job_;
   std::vector<int32_t> probe_;

@@ -718,11 +718,6 @@ void check_job(const Config& c, JobConfig& j) {
              fmt::format("pipeline stages (trainer.pp = {}) shard the optimizer state only for "
                          "now: set trainer.shard = \"optimizer\"",
                          t.pp));
-    if (j.weight_sync.canary)
-      c.fail("weight_sync.canary",
-             fmt::format("the canary scores its probe with one rank's whole trainer; with "
-                         "trainer.tp = {} and trainer.pp = {} it is not available yet",
-                         t.tp, t.pp));
   }
 
   WeightSyncSection& ws = j.weight_sync;

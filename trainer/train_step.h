@@ -116,6 +116,11 @@ class PolicyTrainer {
   // sharded optimizer, collective (each rank its samples).
   std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
                               std::vector<float>* entropy = nullptr);
+  // Whether logprobs() returns this rank's values (not the zeros of a pipeline stage before the
+  // last).
+  bool computes_logprobs() const {
+    return parallel_.pp == nullptr || parallel_.pp->rank() == parallel_.pp->size() - 1;
+  }
   // Gives the decoders' activation arenas back between steps (the rollout of a colocated job
   // wants the memory); the next step takes them again.
   void release_activations();

@@ -3,11 +3,13 @@
 // engine shard corrupted after a publish with checksums off (the job worker's
 // --corrupt-engine-weights) stops the job, naming the step, the version, the replica and the
 // difference, before any step trains on that engine's samples; at one rank, on one of two
-// data-parallel replicas, and in a tensor-parallel replica of 2 ranks.
+// data-parallel replicas, in a tensor-parallel replica of 2 ranks, and beside a trainer of 2
+// pipeline stages (a tensor-parallel trainer's and a pipeline's canary logs 0).
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -136,5 +138,34 @@ TEST_CASE("the weight_sync canary catches a corrupted shard of a tensor-parallel
   CHECK_THAT(bad.out, Catch::Contains("weight_sync canary: after the publish of step 1 (weight "
                                       "version 1)"));
   CHECK_THAT(bad.out, Catch::Contains("on replica 0 (ranks 0-1) by up to "));
+  CHECK(step_lines(tmp.file("bad/metrics.jsonl")).empty());
+}
+
+TEST_CASE("the weight_sync canary checks the engines of a tensor- and pipeline-parallel trainer",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("canary-grid");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  // Engines split as the trainer (tensor 2), and whole engines beside 2 pipeline stages: every
+  // rank scores both replicas' probes in one call, the last stage's values count; the same bits.
+  for (const std::string& layout :
+       {std::string("trainer.tp=2 placement.rollout_tp=2"), std::string("trainer.pp=2")}) {
+    INFO(layout);
+    const auto ok = train(tmp, 2, "ok", layout + " rollout.seed=5");
+    INFO(ok.out);
+    REQUIRE(ok.status == 0);
+    const auto steps = step_lines(tmp.file("ok/metrics.jsonl"));
+    REQUIRE(steps.size() == 2);
+    for (const auto& m : steps) CHECK(m["weight_sync/canary_max_abs"].get<double>() == 0);
+    std::filesystem::remove_all(tmp.file("ok"));
+  }
+
+  // Stage 1's engine (rank 1, replica 1) corrupted after the first publish: stage 0 does not
+  // compute the logprobs, stage 1 does, and every rank stops naming replica 1.
+  const auto bad = train(tmp, 2, "bad", "trainer.pp=2 rollout.seed=5", "1:1:model.norm.weight");
+  INFO(bad.out);
+  CHECK(bad.status != 0);
+  CHECK_THAT(bad.out, Catch::Contains("after the publish of step 1 (weight version 1)"));
+  CHECK_THAT(bad.out, Catch::Contains("on replica 1 (rank 1) by up to "));
+  CHECK_THAT(bad.out, !Catch::Contains("replica 0"));
   CHECK(step_lines(tmp.file("bad/metrics.jsonl")).empty());
 }

@@ -321,8 +321,6 @@ TEST_CASE("job config refuses trainer layouts the grid trainer does not run yet 
               kMinimal, "job.toml",
               std::vector<std::string>{"trainer.tp=2", fmt::format("trainer.shard=\"{}\"", level)})
               .trainer.tp == 2);
-  CHECK_THAT(error_of(kMinimal, {"trainer.tp=2", "weight_sync.canary=true"}),
-             Catch::Contains("weight_sync.canary") && Catch::Contains("not available yet"));
   CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "placement.device=\"cuda\""}),
              Catch::Contains("trainer.pp") && Catch::Contains("cpu only"));
   CHECK_THAT(error_of(kMinimal, {"trainer.tp=0"}), Catch::Contains("trainer.tp"));
