@@ -173,6 +173,7 @@ uint64_t Engine::Impl::submit(Request r) {
   const int max_tokens = g->request.params.max_tokens;
   for (SampleOutput& out : g->out.samples) {
     out.tokens.reserve(static_cast<size_t>(max_tokens));
+    out.token_versions.reserve(static_cast<size_t>(max_tokens));
     if (g->request.params.logprobs) out.logprobs.reserve(static_cast<size_t>(max_tokens));
   }
   auto s = std::make_unique<Sample>();

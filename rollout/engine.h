@@ -71,6 +71,10 @@ struct SampleOutput {
   std::string stop_string;            // the stop string that ended it, if one did
   uint64_t weight_version = 0;        // weights that produced the last token
   uint64_t first_weight_version = 0;  // weights that produced the first token
+  // Per token, the weights that produced it (its logprob is under those weights): a sample
+  // running across set_weights continues on the new version (a partial rollout), so its tokens
+  // carry two or more versions, in order.
+  std::vector<uint64_t> token_versions;
 };
 
 struct RequestOutput {

@@ -278,6 +278,7 @@ void Engine::Impl::append_token(Sample* s, int32_t token, float logprob,
   out.weight_version = version;
   s->tokens.push_back(token);
   out.tokens.push_back(token);
+  out.token_versions.push_back(version);
   if (p.logprobs) out.logprobs.push_back(logprob);
   if (p.top_logprobs > 0) out.top_logprobs.push_back(std::move(top));
   if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end())

@@ -522,12 +522,81 @@ TEST_CASE("engine weight swap flushes the prefix cache and stamps the new versio
   const RequestOutput mid = e.poll().at(0);
   CHECK(mid.samples[0].first_weight_version == 0);
   CHECK(mid.samples[0].weight_version == 7);
+  CHECK(mid.samples[0].token_versions.size() == mid.samples[0].tokens.size());
   const RequestOutput after = e.generate({rs[1]})[0];
   CHECK(after.num_cached_prompt_tokens == 0);
   CHECK(after.samples[0].weight_version == 7);
   CHECK(after.samples[0].first_weight_version == 7);
   Engine fresh(w2, small_options());
   check_same_samples(after, fresh.generate({rs[1]})[0]);
+}
+
+TEST_CASE(
+    "engine samples running across a weight swap continue on the new weights with per-token "
+    "versions and logprobs",
+    "[unit]") {
+  // A partial rollout: every sample of every request is paused at a step boundary, the weights
+  // swapped, and resumed on the new ones. Each token carries the version that produced it, and its
+  // logprob is the training forward's under that version's weights, bitwise: what the trainer's
+  // per-token importance ratio needs as the behaviour logprob.
+  const model::ModelConfig c = tiny_config();
+  model::Weights w1(c, DType::f32), w2(c, DType::f32);
+  fill_random(w1, 811);
+  fill_random(w2, 812);
+  std::vector<Request> rs = mixed_requests(c.vocab_size);
+  for (Request& r : rs) r.params.temperature = 0.7f;
+  Engine e(w1, small_options());
+  for (const Request& r : rs) e.submit(r);
+  for (int i = 0; i < 4; ++i) e.step();
+  e.set_weights(w2, 3);
+  while (e.has_work()) e.step();
+  std::map<std::string, RequestOutput> got = by_id(e.poll());
+  std::vector<RequestOutput> outs;
+  for (const Request& r : rs) outs.push_back(got.at(r.id));
+
+  int64_t old_tokens = 0, new_tokens = 0, partial = 0;
+  for (const RequestOutput& o : outs)
+    for (const SampleOutput& smp : o.samples) {
+      INFO(o.id << " sample " << smp.index);
+      REQUIRE(smp.token_versions.size() == smp.tokens.size());
+      CHECK(std::is_sorted(smp.token_versions.begin(), smp.token_versions.end()));
+      CHECK(smp.token_versions.front() == smp.first_weight_version);
+      CHECK(smp.token_versions.back() == smp.weight_version);
+      const auto n1 = std::count(smp.token_versions.begin(), smp.token_versions.end(), 0u);
+      CHECK(n1 + std::count(smp.token_versions.begin(), smp.token_versions.end(), 3u) ==
+            static_cast<int64_t>(smp.tokens.size()));
+      old_tokens += n1;
+      new_tokens += static_cast<int64_t>(smp.tokens.size()) - n1;
+      partial += n1 > 0 && n1 < static_cast<int64_t>(smp.tokens.size()) ? 1 : 0;
+    }
+  CHECK(old_tokens > 0);
+  CHECK(partial > 0);
+  // Each token's logprob equals the forward under its own version's weights: every token counted
+  // once by one of the two comparisons.
+  const auto equal_under = [&](const model::Weights& w, uint64_t version) {
+    int64_t equal = 0;
+    for (size_t r = 0; r < outs.size(); ++r) {
+      for (const SampleOutput& smp : outs[r].samples) {
+        std::vector<std::vector<int32_t>> seq = {rs[r].prompt};
+        seq[0].insert(seq[0].end(), smp.tokens.begin(), smp.tokens.end());
+        model::Decoder dec(w, {.max_tokens = 256});
+        const model::PackedBatch batch = model::PackedBatch::from_sequences(seq);
+        Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
+        dec.forward(batch, lp, Tensor(), 0.7f);
+        const int64_t n = static_cast<int64_t>(rs[r].prompt.size());
+        for (size_t t = 0; t < smp.tokens.size(); ++t)
+          if (smp.token_versions[t] == version)
+            equal += std::memcmp(&smp.logprobs[t],
+                                 lp.data_as<float>() + batch.row_of(0, n + static_cast<int64_t>(t)),
+                                 4) == 0
+                         ? 1
+                         : 0;
+      }
+    }
+    return equal;
+  };
+  CHECK(equal_under(w1, 0) == old_tokens);
+  CHECK(equal_under(w2, 3) == new_tokens);
 }
 
 TEST_CASE("engine releases its memory between rollouts and then generates as a new engine",
