@@ -271,30 +271,28 @@ void run_rank(Communicator& tp, const Options& opt) {
   comm["by_call"] = by_call;
   finish(comm);
 
-  nlohmann::ordered_json bytes =
-      row(fmt::format("tp=2 all-reduced bytes a step ({})", model_name), "all_reduce_bytes",
-          "bytes", static_cast<double>(all_reduce.bytes));
-  bytes["analytic"] = analytic.reduce_bytes;
-  bytes["analytic_formula"] =
-      "4 (T C (1 + 2 L) + R C) a micro-batch: embedding rows, 2 (T, C) a layer backward, the head "
-      "input gradient (R, C)";
-  bytes["all_reduces"] = all_reduce.calls;
-  bytes["analytic_all_reduces"] = analytic.reduce_calls;
-  bytes["ratio_to_analytic"] =
-      static_cast<double>(all_reduce.bytes) / static_cast<double>(analytic.reduce_bytes);
-  finish(bytes);
-
-  nlohmann::ordered_json gathered =
-      row(fmt::format("tp=2 all-gathered bytes a step ({})", model_name), "all_gather_bytes",
-          "bytes", static_cast<double>(all_gather.bytes));
-  gathered["analytic"] = analytic.gather_bytes;
-  gathered["analytic_formula"] =
-      "4 tp (2 L T C + 5 R) a micro-batch: the heads' and MLP columns' outputs, 2 (T, C) from "
-      "each rank a layer forward (added in rank order), the vocabulary row maxima (R) and sums "
-      "(R, 4); the gradient norm's 2 all-gathers a step come on top";
-  gathered["all_gathers"] = all_gather.calls;
-  gathered["analytic_all_gathers"] = analytic.gather_calls;
-  finish(gathered);
+  // The bytes a kind of collective carried beside the analytic count.
+  auto bytes_row = [&](const char* what, const char* metric, const CallStats::Tally& measured,
+                       int64_t analytic_bytes, int64_t analytic_calls, const char* formula) {
+    nlohmann::ordered_json j = row(fmt::format("tp=2 {} bytes a step ({})", what, model_name),
+                                   metric, "bytes", static_cast<double>(measured.bytes));
+    j["analytic"] = analytic_bytes;
+    j["analytic_formula"] = formula;
+    j["calls"] = measured.calls;
+    j["analytic_calls"] = analytic_calls;
+    j["ratio_to_analytic"] =
+        static_cast<double>(measured.bytes) / static_cast<double>(analytic_bytes);
+    finish(j);
+  };
+  bytes_row("all-reduced", "all_reduce_bytes", all_reduce, analytic.reduce_bytes,
+            analytic.reduce_calls,
+            "4 (T C (1 + 2 L) + R C) a micro-batch: embedding rows, 2 (T, C) a layer backward, the "
+            "head input gradient (R, C)");
+  bytes_row("all-gathered", "all_gather_bytes", all_gather, analytic.gather_bytes,
+            analytic.gather_calls,
+            "4 tp (2 L T C + 5 R) a micro-batch: the heads' and MLP columns' outputs, 2 (T, C) "
+            "from each rank a layer forward (added in rank order), the vocabulary row maxima (R) "
+            "and sums (R, 4); the gradient norm's 2 all-gathers a step come on top");
 }
 
 }  // namespace

@@ -42,6 +42,18 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, int ranks,
       fmt::format("launch --nproc {} --grace-s 2 -- {}", ranks, command), true, 120);
 }
 
+// A run the canary stopped after the first step's publish, naming `replica` alone, before that
+// step's metrics line.
+void check_stopped(const tandem::test::CommandResult& r, const std::string& metrics,
+                   const std::string& replica) {
+  INFO(r.out);
+  CHECK(r.status != 0);
+  CHECK_THAT(r.out, Catch::Contains("after the publish of step 1 (weight version 1)"));
+  CHECK_THAT(r.out, Catch::Contains("on " + replica + " by up to "));
+  CHECK_THAT(r.out, !Catch::Contains("replica 0"));
+  CHECK(step_lines(metrics).empty());
+}
+
 }  // namespace
 
 TEST_CASE("the weight_sync canary logs 0 at one f32 rank and passes a bf16 engine", "[e2e]") {
@@ -105,13 +117,8 @@ TEST_CASE("the weight_sync canary names the one replica of 2 data-parallel ranks
   const tandem::test::TempDir tmp("canary-dp");
   tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
   // Two replicas of one rank, bf16 engines; rank 1's copy corrupted after the first publish.
-  const auto r = train(tmp, 2, "run", "rollout.dtype=bf16", "1:1:model.norm.weight");
-  INFO(r.out);
-  CHECK(r.status != 0);
-  CHECK_THAT(r.out, Catch::Contains("after the publish of step 1 (weight version 1)"));
-  CHECK_THAT(r.out, Catch::Contains("on replica 1 (rank 1) by up to "));
-  CHECK_THAT(r.out, !Catch::Contains("replica 0"));
-  CHECK(step_lines(tmp.file("run/metrics.jsonl")).empty());
+  check_stopped(train(tmp, 2, "run", "rollout.dtype=bf16", "1:1:model.norm.weight"),
+                tmp.file("run/metrics.jsonl"), "replica 1 (rank 1)");
 }
 
 TEST_CASE("the weight_sync canary catches a corrupted shard of a tensor-parallel engine",
@@ -161,11 +168,6 @@ TEST_CASE("the weight_sync canary checks the engines of a tensor- and pipeline-p
 
   // Stage 1's engine (rank 1, replica 1) corrupted after the first publish: stage 0 does not
   // compute the logprobs, stage 1 does, and every rank stops naming replica 1.
-  const auto bad = train(tmp, 2, "bad", "trainer.pp=2 rollout.seed=5", "1:1:model.norm.weight");
-  INFO(bad.out);
-  CHECK(bad.status != 0);
-  CHECK_THAT(bad.out, Catch::Contains("after the publish of step 1 (weight version 1)"));
-  CHECK_THAT(bad.out, Catch::Contains("on replica 1 (rank 1) by up to "));
-  CHECK_THAT(bad.out, !Catch::Contains("replica 0"));
-  CHECK(step_lines(tmp.file("bad/metrics.jsonl")).empty());
+  check_stopped(train(tmp, 2, "bad", "trainer.pp=2 rollout.seed=5", "1:1:model.norm.weight"),
+                tmp.file("bad/metrics.jsonl"), "replica 1 (rank 1)");
 }
