@@ -230,9 +230,10 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
        fmt::format("rollout.max_batch_tokens ({})", job.where("rollout.max_batch_tokens"))});
   engine_ =
       std::make_unique<rollout::Engine>(rollout_->weights(), eo, &m_.tok(), rollout_->tp_group());
-  // pi_old is the trainer's policy: an engine sampling from other-precision weights, or summing
-  // its tensor-parallel shards' partial products in another order, reports logprobs that are not
-  // the trainer's bitwise, so the trainer computes its own.
+  // pi_old is the trainer's policy: an engine sampling from other-precision weights, or splitting
+  // its sums over tensor-parallel shards other than the trainer's, reports logprobs that are not
+  // the trainer's bitwise, so an engine with its own weights has the trainer compute its own and
+  // log the difference (rollout_trainer_logp/*: 0 where the two compute alike).
   if (!rollout_->zero_copy() || rollout_->tp() > 1) step_config_.always_recompute_old = true;
   // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
   // far the workers' logprobs are from it (rollout_trainer_logp/*).
