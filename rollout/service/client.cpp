@@ -22,6 +22,8 @@ const char* call_failure_name(CallFailure f) {
       return "stale_weights";
     case CallFailure::unauthorized:
       return "unauthorized";
+    case CallFailure::weights_refused:
+      return "weights_refused";
     case CallFailure::internal:
       return "internal";
     case CallFailure::transport:
@@ -78,6 +80,10 @@ auto RolloutClient::with_retries(const char* what, Call&& call) {
     } catch (const rpc::InvalidRequest& e) {
       throw CallError(CallFailure::invalid,
                       fmt::format("{}: the worker refused the request: {}", where, e.message));
+    } catch (const rpc::WeightPushRefused& e) {
+      throw CallError(CallFailure::weights_refused,
+                      fmt::format("{}: the worker refused the weights ({}, it serves v{}): {}",
+                                  where, rpc::to_string(e.fault), e.worker_version, e.message));
     } catch (const rpc::Internal& e) {
       throw CallError(CallFailure::internal,
                       fmt::format("{}: the worker failed: {}", where, e.message));
@@ -145,6 +151,34 @@ int64_t RolloutClient::commit_weight_update(int64_t version, const std::string& 
   u.token = options_.token;
   return with_retries("commit_weight_update",
                       [&](rpc::RolloutServiceClient& c) { return c.commit_weight_update(u); });
+}
+
+rpc::WeightPushReady RolloutClient::begin_weight_push(int64_t version) {
+  rpc::WeightPushBegin b;
+  b.version = version;
+  b.token = options_.token;
+  return with_retries("begin_weight_push", [&](rpc::RolloutServiceClient& c) {
+    rpc::WeightPushReady ready;
+    c.begin_weight_push(ready, b);
+    return ready;
+  });
+}
+
+void RolloutClient::push_weight_bucket(rpc::WeightBucket& bucket) {
+  bucket.token = options_.token;
+  with_retries("push_weight_bucket", [&](rpc::RolloutServiceClient& c) {
+    c.push_weight_bucket(bucket);
+    return 0;
+  });
+}
+
+int64_t RolloutClient::commit_weight_push(int64_t version, int32_t buckets) {
+  rpc::WeightPushCommit commit;
+  commit.version = version;
+  commit.buckets = buckets;
+  commit.token = options_.token;
+  return with_retries("commit_weight_push",
+                      [&](rpc::RolloutServiceClient& c) { return c.commit_weight_push(commit); });
 }
 
 int64_t RolloutClient::weight_version() {

@@ -26,13 +26,14 @@ struct ClientOptions {
 // Why a call failed, for callers that act on it (a pool sends overloaded and transport failures
 // to another worker, waits on stale_weights, and gives up on the others).
 enum class CallFailure {
-  invalid,        // InvalidRequest: retrying will not help
-  overloaded,     // Overloaded after every retry
-  stale_weights,  // StaleWeights: the worker's weights are older than the request wants
-  unauthorized,   // Unauthorized: the token is wrong or missing
-  internal,       // Internal, or the worker's own Thrift exception
-  transport,      // cannot connect, connection lost, or the deadline passed
-  protocol,       // the peer does not speak framed binary RolloutService
+  invalid,          // InvalidRequest: retrying will not help
+  overloaded,       // Overloaded after every retry
+  stale_weights,    // StaleWeights: the worker's weights are older than the request wants
+  unauthorized,     // Unauthorized: the token is wrong or missing
+  weights_refused,  // WeightPushRefused: the worker refused a push of weights (what is wrong)
+  internal,         // Internal, or the worker's own Thrift exception
+  transport,        // cannot connect, connection lost, or the deadline passed
+  protocol,         // the peer does not speak framed binary RolloutService
 };
 const char* call_failure_name(CallFailure f);
 
@@ -62,6 +63,11 @@ class RolloutClient {
   void resume();
   void begin_weight_update(int64_t version);
   int64_t commit_weight_update(int64_t version, const std::string& checkpoint_path);
+  // Weights over the wire (rollout/service/weight_push.h sends a whole version through them).
+  // A bucket is idempotent by its index, so transport errors are retried like any call.
+  rpc::WeightPushReady begin_weight_push(int64_t version);
+  void push_weight_bucket(rpc::WeightBucket& bucket);  // sets bucket.token
+  int64_t commit_weight_push(int64_t version, int32_t buckets);
   int64_t weight_version();
   bool health();
   rpc::Stats stats();
