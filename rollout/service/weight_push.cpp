@@ -6,6 +6,8 @@
 #include <future>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "core/crc32c.h"
 #include "core/error.h"
 #include "core/half.h"
@@ -81,21 +83,46 @@ std::vector<std::vector<rpc::WeightPiece>> plan_weight_buckets(const model::Weig
   return buckets;
 }
 
+bool WeightSource::read(const std::function<void(const model::Weights&)>& fn) {
+  std::lock_guard lock(mutex_);
+  if (weights_ == nullptr) return false;
+  fn(*weights_);
+  return true;
+}
+
+void WeightSource::withdraw() {
+  std::lock_guard lock(mutex_);
+  weights_ = nullptr;
+}
+
 WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
                               int64_t max_bucket_bytes) {
+  return push_weights(client, std::make_shared<WeightSource>(w), version, max_bucket_bytes);
+}
+
+WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
+                              int64_t version, int64_t max_bucket_bytes) {
   WeightPushResult r;
   r.version = client.weight_version();
   if (r.version >= version) return r;
   const rpc::WeightPushReady ready = client.begin_weight_push(version);
   const DType to = dtype_of(ready.dtype);
   const int64_t bound = std::min(max_bucket_bytes, ready.max_bucket_bytes);
-  std::vector<std::vector<rpc::WeightPiece>> plan =
-      plan_weight_buckets(w, static_cast<int64_t>(dtype_size(to)), bound);
+  auto withdrawn = [&] {
+    return Error(fmt::format("weight push of v{} to {}: given up, its weights withdrawn", version,
+                             client.options().address));
+  };
+  std::vector<std::vector<rpc::WeightPiece>> plan;
+  if (!source->read([&](const model::Weights& w) {
+        plan = plan_weight_buckets(w, static_cast<int64_t>(dtype_size(to)), bound);
+      }))
+    throw withdrawn();
   // Two buckets in turn: the next one packed while this one is on the wire.
   rpc::WeightBucket buckets[2];
   auto pack_bucket = [&](size_t i) {
     rpc::WeightBucket& b = buckets[i % 2];
-    pack(w, to, std::move(plan[i]), b);
+    if (!source->read([&](const model::Weights& w) { pack(w, to, std::move(plan[i]), b); }))
+      throw withdrawn();
     b.version = version;
     b.index = static_cast<int32_t>(i);
   };
@@ -112,6 +139,7 @@ WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, in
     r.bytes += static_cast<int64_t>(buckets[i % 2].data.size());
     if (next.valid()) next.get();
   }
+  if (!source->read([](const model::Weights&) {})) throw withdrawn();
   r.buckets = static_cast<int64_t>(plan.size());
   r.version = client.commit_weight_push(version, static_cast<int32_t>(plan.size()));
   r.sent = true;

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "model/weights.h"
@@ -26,6 +29,21 @@ struct WeightPushResult {
   int64_t buckets = 0;
 };
 
+// The weights a push reads, which their owner withdraws before it changes them: a push given up
+// on (its worker set aside) may go on in the background, and must not read them after that.
+class WeightSource {
+ public:
+  explicit WeightSource(const model::Weights& w) : weights_(&w) {}
+  // Runs fn(weights) and returns true, unless they were withdrawn (false).
+  bool read(const std::function<void(const model::Weights&)>& fn);
+  // No read runs after it returns (one in progress is waited for).
+  void withdraw();
+
+ private:
+  std::mutex mutex_;
+  const model::Weights* weights_;
+};
+
 // Brings the worker behind `client` to `version` of `w` (f32 or bf16): nothing when it holds that
 // version or a newer one; else begin_weight_push, every bucket of plan_weight_buckets (at most
 // max_bucket_bytes and the worker's bound, data in the worker's dtype: f32 rounded to bf16 or bf16
@@ -33,5 +51,9 @@ struct WeightPushResult {
 // CallError as the calls do; a push that fails midway leaves the worker on the weights it had.
 WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
                               int64_t max_bucket_bytes);
+// The same from weights that may be withdrawn midway: then it stops before its commit, throwing
+// tandem::Error.
+WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
+                              int64_t version, int64_t max_bucket_bytes);
 
 }  // namespace tandem::rollout
