@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "bench/bench.h"
 #include "bench/peers.h"
 #include "core/clock.h"
+#include "core/crc32c.h"
 #include "model/hf.h"
 #include "model/loader.h"
 #include "model/prompt.h"
@@ -214,6 +216,28 @@ double directory_s(const std::vector<std::unique_ptr<rollout::RolloutClient>>& c
   return seconds_since(t0);
 }
 
+// What a push adds to the plain copy on each side, per byte: the CRC-32C of a bucket and its copy
+// (the sender's into the call's frame, the worker's into its staging weights), each from memory
+// to memory on one core; GB/s, best of a few runs over `bytes` in buckets of `bucket_bytes`.
+std::pair<double, double> checksum_and_copy_gbs(int64_t bytes, int64_t bucket_bytes) {
+  std::vector<char> from(static_cast<size_t>(bucket_bytes), 'x'), to(from.size(), 'y');
+  double crc_s = 1e30, copy_s = 1e30;
+  uint32_t crc = 0;
+  for (int r = 0; r < 3; ++r) {
+    Clock::time_point t0 = Clock::now();
+    for (int64_t done = 0; done < bytes; done += bucket_bytes)
+      crc = crc32c({from.data(), from.size()}, crc);
+    crc_s = std::min(crc_s, seconds_since(t0));
+    t0 = Clock::now();
+    for (int64_t done = 0; done < bytes; done += bucket_bytes) {
+      std::memcpy(to.data(), from.data(), from.size());
+      from[static_cast<size_t>(done / bucket_bytes) % from.size()] = static_cast<char>(crc);
+    }
+    copy_s = std::min(copy_s, seconds_since(t0));
+  }
+  return {static_cast<double>(bytes) / crc_s / 1e9, static_cast<double>(bytes) / copy_s / 1e9};
+}
+
 // Weights over the wire: the model's f32 weights (the trainer's) pushed to 1 and 2 f32 workers
 // in buckets bounded by the workers' 16 MiB frames, beside a plain loopback TCP copy of the same
 // bytes (the same streams at once) and beside the checkpoint directory. Best of `reps` each.
@@ -276,6 +300,21 @@ void run_weight_push(const Options& opt, const std::string& path, const std::str
                      {"ratio", directory / wire},
                      {"raw_loopback_s", raw}});
   }
+  const int64_t bytes = trainer.weights->num_parameters() * 4;
+  const auto [crc_gbs, copy_gbs] = checksum_and_copy_gbs(bytes, bucket_bytes);
+  for (const auto& [metric, value] :
+       {std::pair{"checksum_throughput", crc_gbs}, std::pair{"copy_throughput", copy_gbs}})
+    print_line(
+        opt,
+        {{"bench", "service"},
+         {"case", fmt::format("{} f32 weights, what a push adds on each side: {} of "
+                              "buckets of {} MiB, one core",
+                              model_name,
+                              std::string(metric) == "checksum_throughput" ? "CRC-32C" : "memcpy",
+                              bucket_bytes >> 20)},
+         {"metric", metric},
+         {"unit", "GB/s"},
+         {"value", value}});
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <spdlog/spdlog.h>
+#include <thrift/TApplicationException.h>
 #include <thrift/TProcessor.h>
 #include <thrift/Thrift.h>
 #include <thrift/server/TThreadedServer.h>
@@ -416,6 +417,17 @@ namespace {
 
 using Impl = RolloutServer::Impl;
 
+// A weight bucket as the handler takes it: its data where it was read (the connection's frame).
+struct BucketView {
+  int64_t version = 0;
+  int32_t index = 0;
+  int32_t dtype = 0;  // rpc::WeightDType, as sent
+  const std::vector<rpc::WeightPiece>& pieces;
+  std::string_view data;
+  int32_t crc32c = 0;
+  const std::string& token;
+};
+
 class RolloutHandler : public rpc::RolloutServiceIf {
  public:
   explicit RolloutHandler(Impl& m) : m_(m) {}
@@ -634,8 +646,15 @@ class RolloutHandler : public rpc::RolloutServiceIf {
                  m_.options.name, begin.version, have);
   }
 
-  // The bucket is checked whole before any of it is written: a refused bucket changes nothing.
   void push_weight_bucket(const rpc::WeightBucket& b) override {
+    take_bucket(
+        {b.version, b.index, static_cast<int32_t>(b.dtype), b.pieces, b.data, b.crc32c, b.token});
+  }
+
+  // Every piece is checked against the model, the push and the bucket's other pieces before any
+  // data is written, and the data is checksummed as it is copied (one pass): a refused bucket
+  // marks nothing received, so that nothing it wrote counts until a good bucket rewrites it.
+  void take_bucket(const BucketView& b) {
     authorize(b.token);
     const std::string which = fmt::format("bucket {} of v{}", b.index, b.version);
     int64_t element_bytes = 0;
@@ -645,8 +664,8 @@ class RolloutHandler : public rpc::RolloutServiceIf {
       element_bytes = 2;
     } else {
       refuse(rpc::WeightPushFault::DTYPE,
-             fmt::format("{}: data of dtype {} for weights of {}: send {} or f32", which,
-                         static_cast<int>(b.dtype), dtype_name(m_.dtype), dtype_name(m_.dtype)));
+             fmt::format("{}: data of dtype {} for weights of {}: send {} or f32", which, b.dtype,
+                         dtype_name(m_.dtype), dtype_name(m_.dtype)));
     }
     if (b.index < 0)
       refuse(rpc::WeightPushFault::SIZE, fmt::format("{}: a negative bucket index", which));
@@ -654,31 +673,26 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     for (const rpc::WeightPiece& piece : b.pieces) {
       if (piece.offset < 0 || piece.elements < 1 || piece.elements > (1ll << 40))
         refuse(rpc::WeightPushFault::SIZE,
-               fmt::format("{}: a piece of '{}' at element {} of {} elements", which, piece.name,
-                           piece.offset, piece.elements),
-               piece.name);
+               fmt::format("{}: a piece of '{}' at element {} of {} elements", which,
+                           to_valid_utf8(piece.name), piece.offset, piece.elements),
+               to_valid_utf8(piece.name));
       elements += piece.elements;
     }
     if (elements * element_bytes != static_cast<int64_t>(b.data.size()))
       refuse(rpc::WeightPushFault::SIZE,
              fmt::format("{}: {} bytes of data for pieces of {} elements of {} bytes", which,
                          b.data.size(), elements, element_bytes));
-    const uint32_t crc = crc32c(b.data);
-    if (crc != static_cast<uint32_t>(b.crc32c))
-      refuse(rpc::WeightPushFault::CHECKSUM,
-             fmt::format("{}: the data's CRC-32C is {:#010x}, the bucket says {:#010x}", which, crc,
-                         static_cast<uint32_t>(b.crc32c)));
 
     std::lock_guard lock(m_.push_mutex);
     check_push(b.version, which);
     Impl::Push& p = *m_.push;
     if (auto seen = p.buckets.find(b.index); seen != p.buckets.end()) {
-      if (seen->second == crc) return;  // sent again after a lost answer: taken once
+      if (seen->second == static_cast<uint32_t>(b.crc32c) &&
+          crc32c(b.data) == static_cast<uint32_t>(b.crc32c))
+        return;  // sent again after a lost answer: taken once
       refuse(rpc::WeightPushFault::OVERLAP,
              fmt::format("{} arrived already, with other data", which));
     }
-    // Where each piece goes, every piece checked against the tensors, what arrived and the
-    // bucket's other pieces before anything is written.
     std::vector<std::pair<size_t, const rpc::WeightPiece*>> targets;
     std::vector<std::map<int64_t, int64_t>> mine(p.received.size());
     for (const rpc::WeightPiece& piece : b.pieces) {
@@ -703,19 +717,33 @@ class RolloutHandler : public rpc::RolloutServiceIf {
       targets.emplace_back(it->second, &piece);
     }
     const char* src = b.data.data();
+    uint32_t crc = 0;
     for (const auto& [index, piece] : targets) {
       const Tensor& t = p.staging->named()[index].tensor;
-      if (m_.dtype == DType::f32 || element_bytes == 2) {
-        std::memcpy(static_cast<char*>(t.data()) + piece->offset * element_bytes, src,
-                    static_cast<size_t>(piece->elements * element_bytes));
-      } else {  // f32 data for bf16 weights
-        const auto* f = reinterpret_cast<const float*>(src);
-        uint16_t* d = static_cast<uint16_t*>(t.data()) + piece->offset;
-        for (int64_t i = 0; i < piece->elements; ++i) d[i] = f32_to_bf16_bits(f[i]);
+      // A chunk that stays in the cache between its checksum and its copy.
+      constexpr int64_t kChunk = 64 << 10;
+      for (int64_t first = 0; first < piece->elements; first += kChunk) {
+        const int64_t n = std::min(kChunk, piece->elements - first);
+        const char* from = src + first * element_bytes;
+        crc = crc32c({from, static_cast<size_t>(n * element_bytes)}, crc);
+        const int64_t at = piece->offset + first;
+        if (m_.dtype == DType::f32 || element_bytes == 2) {
+          std::memcpy(static_cast<char*>(t.data()) + at * element_bytes, from,
+                      static_cast<size_t>(n * element_bytes));
+        } else {  // f32 data for bf16 weights
+          const auto* f = reinterpret_cast<const float*>(from);
+          uint16_t* d = static_cast<uint16_t*>(t.data()) + at;
+          for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16_bits(f[i]);
+        }
       }
       src += piece->elements * element_bytes;
-      p.received[index][piece->offset] = piece->offset + piece->elements;
     }
+    if (crc != static_cast<uint32_t>(b.crc32c))
+      refuse(rpc::WeightPushFault::CHECKSUM,
+             fmt::format("{}: the data's CRC-32C is {:#010x}, the bucket says {:#010x}", which, crc,
+                         static_cast<uint32_t>(b.crc32c)));
+    for (const auto& [index, piece] : targets)
+      p.received[index][piece->offset] = piece->offset + piece->elements;
     p.buckets.emplace(b.index, crc);
     p.bytes += static_cast<int64_t>(b.data.size());
     p.deadline = m_.push_deadline();
@@ -963,14 +991,142 @@ class RolloutHandler : public rpc::RolloutServiceIf {
   std::string prompt_text_;  // the rendered prompt of the call in progress on this connection
 };
 
-// One handler per connection, so a connection's per-call state needs no lock.
-class HandlerFactory : public rpc::RolloutServiceIfFactory {
+// The generated processor, but a weight bucket is read by read_bucket below: its data is taken
+// where the framed transport read it (the connection's frame buffer, kept until the next
+// message) instead of copied into a string of its own, a fresh allocation of many MiB per bucket
+// whose page faults cost more than the copy.
+class Processor : public rpc::RolloutServiceProcessor {
  public:
-  explicit HandlerFactory(Impl& m) : m_(m) {}
-  rpc::RolloutServiceIf* getHandler(const at::TConnectionInfo&) override {
-    return new RolloutHandler(m_);
+  explicit Processor(std::shared_ptr<RolloutHandler> handler)
+      : RolloutServiceProcessor(handler), handler_(std::move(handler)) {}
+
+ protected:
+  bool dispatchCall(at::protocol::TProtocol* in, at::protocol::TProtocol* out,
+                    const std::string& name, int32_t seqid, void* call_context) override {
+    if (name != "push_weight_bucket")
+      return RolloutServiceProcessor::dispatchCall(in, out, name, seqid, call_context);
+    const char* const what = "RolloutService.push_weight_bucket";
+    void* ctx = eventHandler_ ? eventHandler_->getContext(what, call_context) : nullptr;
+    at::TProcessorContextFreer freer(eventHandler_.get(), ctx, what);
+    read_args(in);
+    in->readMessageEnd();
+    in->getTransport()->readEnd();
+    rpc::RolloutService_push_weight_bucket_result result;
+    try {
+      handler_->take_bucket({version_, index_, dtype_, pieces_, data_, crc_, token_});
+    } catch (rpc::WeightPushRefused& e) {
+      result.refused = std::move(e);
+      result.__isset.refused = true;
+    } catch (rpc::Unauthorized& e) {
+      result.unauthorized = std::move(e);
+      result.__isset.unauthorized = true;
+    } catch (const std::exception& e) {
+      at::TApplicationException x(e.what());
+      out->writeMessageBegin("push_weight_bucket", at::protocol::T_EXCEPTION, seqid);
+      x.write(out);
+      out->writeMessageEnd();
+      out->getTransport()->writeEnd();
+      out->getTransport()->flush();
+      return true;
+    }
+    out->writeMessageBegin("push_weight_bucket", at::protocol::T_REPLY, seqid);
+    result.write(out);
+    out->writeMessageEnd();
+    out->getTransport()->writeEnd();
+    out->getTransport()->flush();
+    return true;
   }
-  void releaseHandler(rpc::RolloutServiceIf* handler) override { delete handler; }
+
+ private:
+  // Reads a struct, handing each field to read(id, type), which returns false for one it does not
+  // take (skipped, as generated code skips unknown fields).
+  template <class Read>
+  static void read_struct(at::protocol::TProtocol* in, Read&& read) {
+    std::string name;
+    at::protocol::TType type;
+    int16_t id = 0;
+    in->readStructBegin(name);
+    for (;;) {
+      in->readFieldBegin(name, type, id);
+      if (type == at::protocol::T_STOP) break;
+      if (!read(id, type)) in->skip(type);
+      in->readFieldEnd();
+    }
+    in->readStructEnd();
+  }
+
+  // The call's arguments: a struct whose field 1 is the bucket.
+  void read_args(at::protocol::TProtocol* in) {
+    version_ = index_ = dtype_ = crc_ = 0;
+    pieces_.clear();
+    data_ = {};
+    token_.clear();
+    read_struct(in, [&](int16_t id, at::protocol::TType type) {
+      if (id != 1 || type != at::protocol::T_STRUCT) return false;
+      read_struct(in,
+                  [&](int16_t field, at::protocol::TType t) { return read_bucket(in, field, t); });
+      return true;
+    });
+  }
+
+  // A field of rpc::WeightBucket, as its generated read takes it, but `data` borrowed from the
+  // frame (its size checked against the frame by the transport: borrow fails unless the frame
+  // holds all of it).
+  bool read_bucket(at::protocol::TProtocol* in, int16_t id, at::protocol::TType type) {
+    namespace tp = at::protocol;
+    if (id == 1 && type == tp::T_I64) {
+      in->readI64(version_);
+    } else if (id == 2 && type == tp::T_I32) {
+      in->readI32(index_);
+    } else if (id == 3 && type == tp::T_I32) {
+      in->readI32(dtype_);
+    } else if (id == 4 && type == tp::T_LIST) {
+      tp::TType element;
+      uint32_t size = 0;
+      in->readListBegin(element, size);  // bounded by the protocol's limits
+      if (element != tp::T_STRUCT)
+        throw tp::TProtocolException(tp::TProtocolException::INVALID_DATA,
+                                     "weight bucket: pieces of another type");
+      pieces_.resize(size);
+      for (rpc::WeightPiece& p : pieces_) p.read(in);
+      in->readListEnd();
+    } else if (id == 5 && type == tp::T_STRING) {
+      int32_t size = 0;
+      in->readI32(size);
+      uint32_t len = static_cast<uint32_t>(size);
+      const uint8_t* at = size < 0 ? nullptr : in->getTransport()->borrow(nullptr, &len);
+      if (at == nullptr)
+        throw tp::TProtocolException(
+            tp::TProtocolException::SIZE_LIMIT,
+            fmt::format("weight bucket: data of {} bytes, more than its frame holds", size));
+      data_ = {reinterpret_cast<const char*>(at), static_cast<size_t>(size)};
+      in->getTransport()->consume(static_cast<uint32_t>(size));
+    } else if (id == 6 && type == tp::T_I32) {
+      in->readI32(crc_);
+    } else if (id == 7 && type == tp::T_STRING) {
+      in->readString(token_);
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  std::shared_ptr<RolloutHandler> handler_;
+  // The bucket being read: its data in the connection's frame, the rest kept between calls.
+  int64_t version_ = 0;
+  int32_t index_ = 0, dtype_ = 0, crc_ = 0;
+  std::vector<rpc::WeightPiece> pieces_;
+  std::string_view data_;
+  std::string token_;
+};
+
+// One handler (and processor) per connection, so a connection's per-call state needs no lock.
+class ProcessorFactory : public at::TProcessorFactory {
+ public:
+  explicit ProcessorFactory(Impl& m) : m_(m) {}
+  std::shared_ptr<at::TProcessor> getProcessor(const at::TConnectionInfo&) override {
+    return std::make_shared<Processor>(std::make_shared<RolloutHandler>(m_));
+  }
 
  private:
   Impl& m_;
@@ -1014,8 +1170,7 @@ RolloutServer::RolloutServer(model::LoadedModel model, model::PromptFormat forma
   m.socket = std::make_shared<at::transport::TServerSocket>(m.options.host, m.options.port);
   m.socket->setRecvTimeout(static_cast<int>(m.options.idle_timeout_ms));
   m.socket->setSendTimeout(static_cast<int>(m.options.idle_timeout_ms));
-  auto processor =
-      std::make_shared<rpc::RolloutServiceProcessorFactory>(std::make_shared<HandlerFactory>(m));
+  auto processor = std::make_shared<ProcessorFactory>(m);
   // The factory's processors count the calls they process, for drain().
   class CountingFactory : public at::TProcessorFactory {
    public:

@@ -2,9 +2,11 @@
 #include "rollout/service/weight_push.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
-#include <future>
+#include <exception>
 #include <string>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -20,37 +22,38 @@ DType dtype_of(rpc::WeightDType::type t) {
   return t == rpc::WeightDType::BF16 ? DType::bf16 : DType::f32;
 }
 
-// The bucket's pieces of `w` into bucket.data, in `to` (f32 or bf16), and its CRC-32C.
-void pack(const model::Weights& w, DType to, std::vector<rpc::WeightPiece> pieces,
-          rpc::WeightBucket& bucket) {
+// The data of `pieces` of `w` in dtype `to` (f32 or bf16), to emit in order: straight from the
+// weights where the dtypes agree, else cast a chunk at a time into `cast`.
+void emit_pieces(const model::Weights& w, DType to, const std::vector<rpc::WeightPiece>& pieces,
+                 std::vector<char>& cast, const std::function<void(const char*, size_t)>& emit) {
   const auto out_bytes = static_cast<int64_t>(dtype_size(to));
-  int64_t elements = 0;
-  for (const rpc::WeightPiece& p : pieces) elements += p.elements;
-  bucket.data.resize(static_cast<size_t>(elements * out_bytes));
-  char* dst = bucket.data.data();
   for (const rpc::WeightPiece& p : pieces) {
     const Tensor& t = w.at(p.name);
     const auto in_bytes = static_cast<int64_t>(dtype_size(t.dtype()));
     const char* src = static_cast<const char*>(t.data()) + p.offset * in_bytes;
     if (t.dtype() == to) {
-      std::memcpy(dst, src, static_cast<size_t>(p.elements * in_bytes));
-    } else if (t.dtype() == DType::f32 && to == DType::bf16) {
-      const auto* f = reinterpret_cast<const float*>(src);
-      auto* d = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < p.elements; ++i) d[i] = f32_to_bf16_bits(f[i]);
-    } else if (t.dtype() == DType::bf16 && to == DType::f32) {
-      const auto* h = reinterpret_cast<const uint16_t*>(src);
-      auto* d = reinterpret_cast<float*>(dst);
-      for (int64_t i = 0; i < p.elements; ++i) d[i] = bf16_bits_to_f32(h[i]);
-    } else {
-      TANDEM_FAIL("weight push: tensor '{}' is {}, the worker takes {}: push f32 or bf16 weights",
-                  p.name, dtype_name(t.dtype()), dtype_name(to));
+      emit(src, static_cast<size_t>(p.elements * in_bytes));
+      continue;
     }
-    dst += p.elements * out_bytes;
+    TANDEM_CHECK((t.dtype() == DType::f32 && to == DType::bf16) ||
+                     (t.dtype() == DType::bf16 && to == DType::f32),
+                 "weight push: tensor '{}' is {}, the worker takes {}: push f32 or bf16 weights",
+                 p.name, dtype_name(t.dtype()), dtype_name(to));
+    const int64_t chunk = static_cast<int64_t>(cast.size()) / out_bytes;
+    for (int64_t first = 0; first < p.elements; first += chunk) {
+      const int64_t n = std::min(chunk, p.elements - first);
+      if (to == DType::bf16) {
+        const auto* f = reinterpret_cast<const float*>(src) + first;
+        auto* d = reinterpret_cast<uint16_t*>(cast.data());
+        for (int64_t k = 0; k < n; ++k) d[k] = f32_to_bf16_bits(f[k]);
+      } else {
+        const auto* h = reinterpret_cast<const uint16_t*>(src) + first;
+        auto* d = reinterpret_cast<float*>(cast.data());
+        for (int64_t k = 0; k < n; ++k) d[k] = bf16_bits_to_f32(h[k]);
+      }
+      emit(cast.data(), static_cast<size_t>(n * out_bytes));
+    }
   }
-  bucket.pieces = std::move(pieces);
-  bucket.dtype = to == DType::bf16 ? rpc::WeightDType::BF16 : rpc::WeightDType::F32;
-  bucket.crc32c = static_cast<int32_t>(crc32c(bucket.data));
 }
 
 }  // namespace
@@ -117,29 +120,41 @@ WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<Weigh
         plan = plan_weight_buckets(w, static_cast<int64_t>(dtype_size(to)), bound);
       }))
     throw withdrawn();
-  // Two buckets in turn: the next one packed while this one is on the wire.
-  rpc::WeightBucket buckets[2];
-  auto pack_bucket = [&](size_t i) {
-    rpc::WeightBucket& b = buckets[i % 2];
-    if (!source->read([&](const model::Weights& w) { pack(w, to, std::move(plan[i]), b); }))
-      throw withdrawn();
-    b.version = version;
-    b.index = static_cast<int32_t>(i);
-  };
-  pack_bucket(0);
-  for (size_t i = 0; i < plan.size(); ++i) {
-    std::future<void> next;
-    if (i + 1 < plan.size()) next = std::async(std::launch::async, pack_bucket, i + 1);
+  // Each bucket is written from the weights straight into its call's frame (cast on the way where
+  // the dtypes differ, a chunk at a time through a small buffer), then sent: the weights are read
+  // only while no byte of it is on the wire, so that a source withdrawn waits for no network.
+  // Two calls are in flight (two connections): the worker checksums and copies one bucket while
+  // the next is packed and on the wire.
+  const auto out_bytes = static_cast<int64_t>(dtype_size(to));
+  std::atomic<size_t> next{0};
+  std::atomic<int64_t> sent{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  auto send = [&] {
+    std::vector<char> cast(64 << 10);
     try {
-      client.push_weight_bucket(buckets[i % 2]);
+      for (size_t i = next++; i < plan.size(); i = next++) {
+        int64_t bytes = 0;
+        for (const rpc::WeightPiece& p : plan[i]) bytes += p.elements * out_bytes;
+        client.push_weight_bucket(
+            version, static_cast<int32_t>(i), ready.dtype, plan[i], bytes, [&](const auto& emit) {
+              if (!source->read(
+                      [&](const model::Weights& w) { emit_pieces(w, to, plan[i], cast, emit); }))
+                throw withdrawn();
+            });
+        sent += bytes;
+      }
     } catch (...) {
-      if (next.valid()) next.wait();
-      throw;
+      next = plan.size();  // the other stream stops too
+      std::lock_guard lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
     }
-    r.bytes += static_cast<int64_t>(buckets[i % 2].data.size());
-    if (next.valid()) next.get();
-  }
-  if (!source->read([](const model::Weights&) {})) throw withdrawn();
+  };
+  std::thread second(send);
+  send();
+  second.join();
+  if (failure) std::rethrow_exception(failure);
+  r.bytes = sent;
   r.buckets = static_cast<int64_t>(plan.size());
   r.version = client.commit_weight_push(version, static_cast<int32_t>(plan.size()));
   r.sent = true;

@@ -145,6 +145,27 @@ void check_same_probe(const tandem::rollout::rpc::GenerateResponse& a,
   }
 }
 
+// `tandem train` of the workers' job for `steps` steps in tmp/run, in the background, with calls'
+// deadline `timeout_s` and health_checked's checks.
+struct BackgroundJob {
+  std::string metrics;
+  tandem::test::Subprocess run;
+  BackgroundJob(const tandem::test::TempDir& tmp, const TwoWorkers& w, int steps, int64_t timeout_s)
+      : metrics(tmp.file("run/metrics.jsonl")),
+        run({"/bin/sh", "-c",
+             fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
+                         "trainer.steps={} 2>&1",
+                         TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
+                         disaggregated(w.port0, w.port1), health_checked(timeout_s), steps)}) {}
+  // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
+  // written or `bound_s` passed; the step lines written.
+  size_t wait_for_steps(size_t steps, int bound_s) {
+    for (int i = 0; i < bound_s * 5 && step_lines(metrics).size() < steps; ++i)
+      run.wait_for_line("\x01", 200);
+    return step_lines(metrics).size();
+  }
+};
+
 // A loopback TCP proxy to a worker that forwards every connection until a client has sent a call
 // of `method` `nth` times; from then on it forwards nothing (a worker that stops answering in the
 // middle of that call, and after it).
@@ -334,19 +355,11 @@ TEST_CASE(
   const int port1 = w.port1;
   // A generate call's deadline of 60 s: a step that waited for the stopped worker would take it.
   const int64_t timeout_s = 60;
-  const std::string metrics = tmp.file("run/metrics.jsonl");
-  tandem::test::Subprocess run(
-      {"/bin/sh", "-c",
-       fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
-                   "trainer.steps=6 2>&1",
-                   TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
-                   disaggregated(w.port0, w.port1), health_checked(timeout_s))});
-  // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
-  // written or `bound_s` passed.
+  BackgroundJob job(tmp, w, 6, timeout_s);
+  tandem::test::Subprocess& run = job.run;
+  const std::string& metrics = job.metrics;
   auto wait_for_steps = [&](size_t steps, int bound_s) {
-    for (int i = 0; i < bound_s * 5 && step_lines(metrics).size() < steps; ++i)
-      run.wait_for_line("\x01", 200);
-    return step_lines(metrics).size();
+    return job.wait_for_steps(steps, bound_s);
   };
   REQUIRE(wait_for_steps(1, 120) >= 1);
   REQUIRE(::kill(w.w1->pid(), SIGSTOP) == 0);
@@ -596,17 +609,11 @@ TEST_CASE("a worker restarted during a disaggregated job gets the current weight
           "[multiproc]") {
   const tandem::test::TempDir tmp("disaggregated-restart");
   TwoWorkers w(tmp);
-  const std::string metrics = tmp.file("run/metrics.jsonl");
-  tandem::test::Subprocess run(
-      {"/bin/sh", "-c",
-       fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
-                   "trainer.steps=5 2>&1",
-                   TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
-                   disaggregated(w.port0, w.port1), health_checked(60))});
+  BackgroundJob job(tmp, w, 5, 60);
+  tandem::test::Subprocess& run = job.run;
+  const std::string& metrics = job.metrics;
   auto wait_for_steps = [&](size_t steps, int bound_s) {
-    for (int i = 0; i < bound_s * 5 && step_lines(metrics).size() < steps; ++i)
-      run.wait_for_line("\x01", 200);
-    return step_lines(metrics).size();
+    return job.wait_for_steps(steps, bound_s);
   };
   REQUIRE(wait_for_steps(1, 120) >= 1);
   // Worker 1 dies, and a new one (the model's own weights, version 0) starts on its port.
