@@ -59,8 +59,8 @@ struct RemoteRollout::Worker {
   std::shared_ptr<rollout::RolloutClient> client;
   int64_t version = 0;  // the weights it serves, as last seen
   bool stale = false;   // lacks the latest push
-  // Over the wire: answers again (its health check) but lacks the latest push, which only the
-  // next push can send (the policy changes meanwhile); that push includes it though set aside.
+  // Over the wire: answers again (its health check) but lacks the latest push and no copy of it
+  // is kept (it took that push, then restarted): the next push includes it though set aside.
   bool wants_push = false;
 };
 
@@ -254,6 +254,7 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
   for (std::thread& t : threads) t.join();
   source->withdraw();
   st.load_s = seconds_since(t1);
+  if (wire_) keep_copy(policy, st.version);
   if (wire_) st.bytes = *std::max_element(sent.begin(), sent.end());
   {
     std::lock_guard lock(mutex_);
@@ -263,6 +264,26 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
   if (!previous.empty() && previous != dir) fs::remove_all(previous, ec);
   last_push_ = st;
   return errors;
+}
+
+void RemoteRollout::keep_copy(const model::Weights& policy, int64_t version) {
+  std::shared_ptr<rollout::WeightSource> old;
+  bool needed = false;
+  {
+    std::lock_guard lock(mutex_);
+    old = std::move(copy_source_);
+    for (const auto& w : workers_) needed = needed || w->stale;
+  }
+  if (old) old->withdraw();  // no rejoin reads the copy from here on
+  if (!needed) {
+    copy_.reset();
+    return;
+  }
+  if (!copy_) copy_ = std::make_unique<model::Weights>(policy.config(), policy.dtype());
+  copy_->copy_from(policy);
+  std::lock_guard lock(mutex_);
+  copy_source_ = std::make_shared<rollout::WeightSource>(*copy_);
+  copy_version_ = version;
 }
 
 void RemoteRollout::report_push(const std::vector<std::string>& errors) {
@@ -285,16 +306,24 @@ bool RemoteRollout::rejoin(size_t i) {
   for (int round = 0; round < 3; ++round) {
     int64_t target = 0;
     std::string dir;
+    std::shared_ptr<rollout::WeightSource> copy;
     {
       std::lock_guard lock(mutex_);
       target = current_;
       dir = current_dir_;
+      copy = copy_source_;
+      // Over the wire: the version of the copy, which a push may have passed meanwhile.
+      if (wire_) target = copy_version_;
     }
     int64_t got = 0;
     try {
-      // Over the wire the policy is not at hand between pushes: the next push sends it the
-      // version of its step.
-      got = wire_ ? w.client->weight_version() : update_worker(*w.client, target, dir).version;
+      if (!wire_)
+        got = update_worker(*w.client, target, dir).version;
+      else if (copy)
+        got = rollout::push_weights(*w.client, copy, target, job_.weight_sync.bucket_mb << 20)
+                  .version;
+      else
+        got = w.client->weight_version();
     } catch (const std::exception& e) {
       spdlog::warn("rollout worker {} answers again but did not take weight version {}: {}",
                    w.address, target, e.what());
@@ -307,7 +336,7 @@ bool RemoteRollout::rejoin(size_t i) {
       spdlog::info("rollout worker {} holds weight version {}", w.address, w.version);
       return true;
     }
-    if (wire_) {
+    if (wire_ && !copy) {
       if (!w.wants_push)
         spdlog::info("rollout worker {} answers again; the next push sends it the weights",
                      w.address);

@@ -16,6 +16,7 @@
 #include "model/weights.h"
 #include "rollout/engine.h"
 #include "rollout/service/client_pool.h"
+#include "rollout/service/weight_push.h"
 #include "trainer/job_config.h"
 
 namespace tandem::trainer {
@@ -61,8 +62,9 @@ class RemoteRollout {
   // begin_weight_update and commit_weight_update loading it. A worker set aside is skipped; one
   // that fails the update, or is set aside while it runs (a missed health check), is set aside and
   // left behind with a warning without waiting longer for it; once it answers a health check
-  // again it is caught up (from the directory at once; over the wire by the next push, since
-  // `policy` is only at hand during a push). Throws when no worker took the weights.
+  // again it is caught up on the health-check thread (over the wire from keep_copy's copy; a
+  // worker that restarted after it took the last push, by the next push). Throws when no worker
+  // took the weights.
   void push(const model::Weights& policy, uint64_t version);
   const WeightPushStats& last_push() const { return last_push_; }
 
@@ -84,6 +86,9 @@ class RemoteRollout {
   // The pool's rejoin: brings set-aside worker w to the weights last pushed; true when it holds
   // them.
   bool rejoin(size_t w);
+  // Over the wire, after a push of `version`: while a worker lacks it, a copy of `policy` for
+  // rejoin to push from (the policy changes before the next push); dropped once none does.
+  void keep_copy(const model::Weights& policy, int64_t version);
 
   const JobConfig& job_;
   const bool wire_;  // placement.weights = "wire"
@@ -92,11 +97,16 @@ class RemoteRollout {
   std::string token_;
   std::vector<std::unique_ptr<Worker>> workers_;
   int64_t offset_ = 0;  // the workers' version of the job's weight version 0
-  // Guards current_, current_dir_ and the workers' version, stale and wants_push, which the pool's
+  // Guards current_, current_dir_, copy_source_, copy_version_ and the workers' version, stale
+  // and wants_push, which the pool's
   // health-check threads (rejoin) read and write too.
   mutable std::mutex mutex_;
   int64_t current_ = 0;  // the workers' version of the weights last pushed
   std::string current_dir_;
+  // keep_copy's copy of version copy_version_, and its source, withdrawn before it is rewritten.
+  std::unique_ptr<model::Weights> copy_;
+  std::shared_ptr<rollout::WeightSource> copy_source_;
+  int64_t copy_version_ = 0;
   WeightPushStats last_push_;
   // Last, so that it goes first: its health-check threads call rejoin, which uses the above.
   std::unique_ptr<rollout::RolloutPool> pool_;

@@ -630,10 +630,13 @@ TEST_CASE("a worker restarted during a disaggregated job gets the current weight
   INFO(b[4].dump());
   CHECK(b[4]["disaggregated/workers_stale"] == 0);
   CHECK(b[4]["disaggregated/workers_set_aside"] == 0);
-  CHECK_THAT(run.output(), Catch::Contains(fmt::format(
-                               "rollout worker 127.0.0.1:{} answers again; the next push sends it "
-                               "the weights",
-                               w.port1)));
+  // Caught up (on the health-check thread from the job's copy of a version it missed, or by the
+  // next push when it died after taking the last one), then serving again.
+  CHECK_THAT(
+      run.output(),
+      Catch::Contains(fmt::format("rollout worker 127.0.0.1:{} holds weight version", w.port1)) &&
+          Catch::Contains(
+              fmt::format("rollout worker 127.0.0.1:{} answers again and serves again", w.port1)));
   // The new worker holds the job's last version, and samples as the worker that took every one.
   const auto p0 = probe(w.port0), p1 = probe(w.port1);
   CHECK(p1.samples[0].weight_version == b[4]["disaggregated/weight_version"].get<int64_t>());
