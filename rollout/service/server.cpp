@@ -1011,6 +1011,13 @@ class Processor : public rpc::RolloutServiceProcessor {
     read_args(in);
     in->readMessageEnd();
     in->getTransport()->readEnd();
+    auto answer = [&](at::protocol::TMessageType type, const auto& body) {
+      out->writeMessageBegin("push_weight_bucket", type, seqid);
+      body.write(out);
+      out->writeMessageEnd();
+      out->getTransport()->writeEnd();
+      out->getTransport()->flush();
+    };
     rpc::RolloutService_push_weight_bucket_result result;
     try {
       handler_->take_bucket({version_, index_, dtype_, pieces_, data_, crc_, token_});
@@ -1021,19 +1028,10 @@ class Processor : public rpc::RolloutServiceProcessor {
       result.unauthorized = std::move(e);
       result.__isset.unauthorized = true;
     } catch (const std::exception& e) {
-      at::TApplicationException x(e.what());
-      out->writeMessageBegin("push_weight_bucket", at::protocol::T_EXCEPTION, seqid);
-      x.write(out);
-      out->writeMessageEnd();
-      out->getTransport()->writeEnd();
-      out->getTransport()->flush();
+      answer(at::protocol::T_EXCEPTION, at::TApplicationException(e.what()));
       return true;
     }
-    out->writeMessageBegin("push_weight_bucket", at::protocol::T_REPLY, seqid);
-    result.write(out);
-    out->writeMessageEnd();
-    out->getTransport()->writeEnd();
-    out->getTransport()->flush();
+    answer(at::protocol::T_REPLY, result);
     return true;
   }
 

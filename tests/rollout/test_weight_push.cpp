@@ -2,7 +2,11 @@
 // commit_weight_push) on a worker of a tiny random SmolLM2-vocabulary model: a pushed version
 // generates as a worker loaded from the same weights (f32, and bf16 cast by either side); bad
 // buckets get typed refusals naming what is wrong and change nothing; a push interrupted midway,
-// ended by a newer one or by its bound leaves the worker on its previous version.
+// ended by a newer one or by its bound leaves the worker on its previous version; a bucket frame
+// that lies about its data's size closes its connection only.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <catch2/catch.hpp>
 
 #include <chrono>
@@ -21,6 +25,7 @@
 #include "rollout/service/server.h"
 #include "rollout/service/weight_push.h"
 #include "tests/model/tiny_model.h"
+#include "tests/rpc/raw_frames.h"
 #include "tests/testutil.h"
 
 namespace tandem::rollout {
@@ -327,6 +332,36 @@ TEST_CASE("an interrupted weight push leaves the worker on its previous complete
   CHECK(again.samples[0].weight_version == 5);
   for (size_t i = 0; i < again.samples.size(); ++i)
     CHECK(again.samples[i].logprobs == at_v0.samples[i].logprobs);
+}
+
+TEST_CASE("a weight bucket frame whose data size lies closes that connection only", "[unit]") {
+  Worker w("v0");
+  w.client->begin_weight_push(1);
+  // push_weight_bucket(bucket = {version 1, data: `size` bytes claimed, 8 sent}).
+  auto frame = [](int32_t size) {
+    const std::string name = "push_weight_bucket";
+    std::string call = test::wire_i32(static_cast<int32_t>(0x80010001)) +
+                       test::wire_i32(static_cast<int32_t>(name.size())) + name + test::wire_i32(1);
+    call += std::string(1, 12) + test::wire_i16(1);  // field 1: the bucket (a struct)
+    call += std::string(1, 10) + test::wire_i16(1) + std::string(7, '\0') + std::string(1, 1);
+    call += std::string(1, 11) + test::wire_i16(5) + test::wire_i32(size) + std::string(8, 'x');
+    return test::framed(call + std::string(2, '\0'));
+  };
+  for (int32_t size : {0x7fffffff, 11, -4}) {  // 10 bytes are left in the frame
+    INFO("data size " << size);
+    const int fd = test::connect_loopback(w.server->port());
+    test::send_all(fd, frame(size));
+    shutdown(fd, SHUT_WR);
+    pollfd p{fd, POLLIN, 0};
+    REQUIRE(poll(&p, 1, 3000) == 1);
+    char byte = 0;
+    CHECK(recv(fd, &byte, 1, 0) == 0);  // closed, no answer
+    close(fd);
+  }
+  CHECK(w.server->stats().refused == 3);
+  // The push and the worker go on.
+  model::LoadedModel v1 = model::load_model(models().file("v1"));
+  CHECK(push_weights(*w.client, *v1.weights, 2, 64 << 20).version == 2);
 }
 
 }  // namespace tandem::rollout
