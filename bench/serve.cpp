@@ -1,12 +1,21 @@
 // `tandem bench serve`: N concurrent clients of a rollout server on loopback for a bounded time,
 // against the in-process engine on the same requests with the same N in flight: throughput
-// (completion tokens/s, ratio served / in-process) and the p50 and p99 latency of a request; and
-// a weight update of the worker from a checkpoint beside the in-process publish.
+// (completion tokens/s, ratio served / in-process) and the p50 and p99 latency of a request; a
+// weight update of the worker from a checkpoint beside the in-process publish; and one weight
+// version pushed over the wire to 1 and 2 workers, beside a plain TCP copy of the same bytes on
+// loopback (the limit) and beside the checkpoint-directory path.
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -14,11 +23,14 @@
 #include "bench/bench.h"
 #include "bench/peers.h"
 #include "core/clock.h"
+#include "core/crc32c.h"
+#include "model/hf.h"
 #include "model/loader.h"
 #include "model/prompt.h"
 #include "rollout/engine.h"
 #include "rollout/service/client.h"
 #include "rollout/service/server.h"
+#include "rollout/service/weight_push.h"
 
 namespace tandem::bench {
 namespace {
@@ -124,6 +136,187 @@ Run run_in_process(const model::Weights& w, const model::Tokenizer& tok,
   return run;
 }
 
+// `bytes` through each of `streams` loopback TCP connections at once: a sender writes a buffer of
+// `chunk` bytes again and again, a receiver reads into one of its own. Seconds from the first
+// connect to the last byte read: what the machine moves without any protocol, the limit of a push.
+double raw_loopback_s(int64_t bytes, int64_t chunk, int streams) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  TANDEM_CHECK(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                   ::listen(listener, streams) == 0,
+               "bench serve: cannot listen on loopback");
+  socklen_t n = sizeof a;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &n);
+  std::vector<std::thread> threads;
+  const Clock::time_point t0 = Clock::now();
+  for (int s = 0; s < streams; ++s) {
+    threads.emplace_back([&] {  // receiver
+      const int fd = ::accept(listener, nullptr, nullptr);
+      std::vector<char> buf(static_cast<size_t>(chunk));
+      for (int64_t got = 0; got < bytes;) {
+        const ssize_t r = ::read(fd, buf.data(), std::min<int64_t>(chunk, bytes - got));
+        TANDEM_CHECK(r > 0, "bench serve: loopback read failed");
+        got += r;
+      }
+      ::close(fd);
+    });
+    threads.emplace_back([&] {  // sender
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      const int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      TANDEM_CHECK(::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0,
+                   "bench serve: cannot connect on loopback");
+      std::vector<char> buf(static_cast<size_t>(chunk), 'w');
+      for (int64_t sent = 0; sent < bytes;) {
+        const ssize_t r = ::write(fd, buf.data(), std::min<int64_t>(chunk, bytes - sent));
+        TANDEM_CHECK(r > 0, "bench serve: loopback write failed");
+        sent += r;
+      }
+      ::close(fd);
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double seconds = seconds_since(t0);
+  ::close(listener);
+  return seconds;
+}
+
+// One weight version of `w` pushed over the wire to every worker at once (a thread each, as the
+// disaggregated job does), in buckets of at most `bucket_bytes`; seconds until every commit.
+double push_s(const std::vector<std::unique_ptr<rollout::RolloutClient>>& clients,
+              const model::Weights& w, int64_t version, int64_t bucket_bytes, int64_t& bytes) {
+  std::vector<std::thread> threads;
+  std::vector<int64_t> sent(clients.size());
+  const Clock::time_point t0 = Clock::now();
+  for (size_t i = 0; i < clients.size(); ++i)
+    threads.emplace_back(
+        [&, i] { sent[i] = rollout::push_weights(*clients[i], w, version, bucket_bytes).bytes; });
+  for (auto& t : threads) t.join();
+  const double seconds = seconds_since(t0);
+  bytes = sent[0];
+  return seconds;
+}
+
+// The checkpoint-directory path of the same version: written once, then loaded by every worker
+// at once (begin_weight_update, commit_weight_update).
+double directory_s(const std::vector<std::unique_ptr<rollout::RolloutClient>>& clients,
+                   const model::Weights& w, int64_t version, const std::string& dir) {
+  const Clock::time_point t0 = Clock::now();
+  std::filesystem::remove_all(dir);
+  model::save_hf(w, dir);
+  std::vector<std::thread> threads;
+  for (const auto& c : clients)
+    threads.emplace_back([&] {
+      c->begin_weight_update(version);
+      c->commit_weight_update(version, dir);
+    });
+  for (auto& t : threads) t.join();
+  return seconds_since(t0);
+}
+
+// What a push adds to the plain copy on each side, per byte: the CRC-32C of a bucket and its copy
+// (the sender's into the call's frame, the worker's into its staging weights), each from memory
+// to memory on one core; GB/s, best of a few runs over `bytes` in buckets of `bucket_bytes`.
+std::pair<double, double> checksum_and_copy_gbs(int64_t bytes, int64_t bucket_bytes) {
+  std::vector<char> from(static_cast<size_t>(bucket_bytes), 'x'), to(from.size(), 'y');
+  double crc_s = 1e30, copy_s = 1e30;
+  uint32_t crc = 0;
+  for (int r = 0; r < 3; ++r) {
+    Clock::time_point t0 = Clock::now();
+    for (int64_t done = 0; done < bytes; done += bucket_bytes)
+      crc = crc32c({from.data(), from.size()}, crc);
+    crc_s = std::min(crc_s, seconds_since(t0));
+    t0 = Clock::now();
+    for (int64_t done = 0; done < bytes; done += bucket_bytes) {
+      std::memcpy(to.data(), from.data(), from.size());
+      from[static_cast<size_t>(done / bucket_bytes) % from.size()] = static_cast<char>(crc);
+    }
+    copy_s = std::min(copy_s, seconds_since(t0));
+  }
+  return {static_cast<double>(bytes) / crc_s / 1e9, static_cast<double>(bytes) / copy_s / 1e9};
+}
+
+// Weights over the wire: the model's f32 weights (the trainer's) pushed to 1 and 2 f32 workers
+// in buckets bounded by the workers' 16 MiB frames, beside a plain loopback TCP copy of the same
+// bytes (the same streams at once) and beside the checkpoint directory. Best of `reps` each.
+void run_weight_push(const Options& opt, const std::string& path, const std::string& model_name) {
+  const int reps = opt.quick ? 1 : 3;
+  model::LoadedModel trainer = model::load_model(path);
+  const model::Weights& w = *trainer.weights;
+  const rollout::ServerOptions so;  // 16 MiB frames
+  const int64_t bucket_bytes = std::min<int64_t>(64 << 20, rollout::max_bucket_bytes(so));
+  std::vector<std::unique_ptr<rollout::RolloutServer>> servers;
+  int64_t version = 1;
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / fmt::format("tandem-bench-serve-{}", ::getpid()))
+          .string();
+  for (int workers : {1, 2}) {
+    while (static_cast<int>(servers.size()) < workers) {
+      model::LoadedModel m = model::load_model(path);
+      const model::PromptFormat format = model::prompt_format(m.tok(), "auto");
+      rollout::EngineOptions eo;
+      eo.num_blocks = 64;
+      servers.push_back(std::make_unique<rollout::RolloutServer>(std::move(m), format, eo, so));
+    }
+    std::vector<std::unique_ptr<rollout::RolloutClient>> clients;
+    for (const auto& s : servers)
+      clients.push_back(std::make_unique<rollout::RolloutClient>(
+          rollout::ClientOptions{.address = fmt::format("127.0.0.1:{}", s->port())}));
+    int64_t bytes = 0;
+    double wire = 1e30, raw = 1e30, directory = 1e30;
+    // Interleaved, so that a busy moment of the machine hits both alike.
+    for (int r = 0; r < reps; ++r) {
+      wire = std::min(wire, push_s(clients, w, version++, bucket_bytes, bytes));
+      raw = std::min(raw, raw_loopback_s(bytes, bucket_bytes, workers));
+    }
+    directory = directory_s(clients, w, version++, dir);
+    std::filesystem::remove_all(dir);
+    const std::string c = fmt::format(
+        "{} f32 weight push over the wire to {} worker{}, buckets of "
+        "{} MiB, loopback",
+        model_name, workers, workers > 1 ? "s" : "", bucket_bytes >> 20);
+    const double gbs = static_cast<double>(bytes) * workers / wire / 1e9;
+    const double raw_gbs = static_cast<double>(bytes) * workers / raw / 1e9;
+    print_line(opt, {{"bench", "service"},
+                     {"case", c},
+                     {"metric", "push_throughput"},
+                     {"unit", "GB/s"},
+                     {"value", gbs},
+                     {"limit", raw_gbs},
+                     {"limit_source", fmt::format("plain TCP copy of the same bytes on loopback, "
+                                                  "{} stream{}",
+                                                  workers, workers > 1 ? "s" : "")},
+                     {"fraction_of_limit", gbs / raw_gbs},
+                     {"bytes_per_worker", bytes}});
+    print_line(opt, {{"bench", "service"},
+                     {"case", c},
+                     {"metric", "push_s"},
+                     {"unit", "s"},
+                     {"value", wire},
+                     {"peer", "checkpoint directory (write, then every worker loads it)"},
+                     {"peer_value", directory},
+                     {"ratio", directory / wire},
+                     {"raw_loopback_s", raw}});
+  }
+  const int64_t bytes = trainer.weights->num_parameters() * 4;
+  const auto [crc_gbs, copy_gbs] = checksum_and_copy_gbs(bytes, bucket_bytes);
+  for (const auto& [metric, value] :
+       {std::pair{"checksum_throughput", crc_gbs}, std::pair{"copy_throughput", copy_gbs}})
+    print_line(
+        opt,
+        {{"bench", "service"},
+         {"case", fmt::format("{} f32 weights, what a push adds on each side: {} of "
+                              "buckets of {} MiB, one core",
+                              model_name,
+                              std::string(metric) == "checksum_throughput" ? "CRC-32C" : "memcpy",
+                              bucket_bytes >> 20)},
+         {"metric", metric},
+         {"unit", "GB/s"},
+         {"value", value}});
+}
+
 }  // namespace
 
 int run_serve_bench(const Options& opt, const std::string& model_path) {
@@ -138,6 +331,11 @@ int run_serve_bench(const Options& opt, const std::string& model_path) {
   const std::vector<int> client_counts =
       opt.quick ? std::vector<int>{2} : std::vector<int>{1, 4, 8};
   const std::string model_name = std::filesystem::path(path).stem().string();
+  // --filter "weight push": the push over the wire only.
+  if (!opt.filter.empty() && std::string("weight push over the wire").find(opt.filter) == 0) {
+    run_weight_push(opt, path, model_name);
+    return 0;
+  }
 
   model::LoadedModel served = model::load_model(path);
   model::LoadedModel local = model::load_model(path);
@@ -212,6 +410,7 @@ int run_serve_bench(const Options& opt, const std::string& model_path) {
                 {"ratio", in_process / remote}});
   }
   server.stop();
+  run_weight_push(opt, path, model_name);
   return 0;
 }
 

@@ -18,6 +18,7 @@
 #include "model/hf.h"
 #include "model/tokenizer.h"
 #include "rollout/service/rpc/rollout_constants.h"
+#include "rollout/service/weight_push.h"
 
 namespace tandem::trainer {
 namespace {
@@ -36,12 +37,17 @@ rollout::FinishReason finish_of(rollout::rpc::FinishReason::type r) {
 }
 
 // Brings the worker behind `c` to weight version `version`, loading `dir`: nothing when it holds
-// it already (a commit whose answer was lost). The version it holds after.
-int64_t update_worker(rollout::RolloutClient& c, int64_t version, const std::string& dir) {
-  const int64_t have = c.weight_version();
-  if (have >= version) return have;
+// it already (a commit whose answer was lost). The version it holds after, and the bytes sent (0:
+// the worker reads them).
+rollout::WeightPushResult update_worker(rollout::RolloutClient& c, int64_t version,
+                                        const std::string& dir) {
+  rollout::WeightPushResult r;
+  r.version = c.weight_version();
+  if (r.version >= version) return r;
   c.begin_weight_update(version);
-  return c.commit_weight_update(version, dir);
+  r.version = c.commit_weight_update(version, dir);
+  r.sent = true;
+  return r;
 }
 
 }  // namespace
@@ -53,11 +59,15 @@ struct RemoteRollout::Worker {
   std::shared_ptr<rollout::RolloutClient> client;
   int64_t version = 0;  // the weights it serves, as last seen
   bool stale = false;   // lacks the latest push
+  // Over the wire: answers again (its health check) but lacks the latest push and no copy of it
+  // is kept (it took that push, then restarted): the next push includes it though set aside.
+  bool wants_push = false;
 };
 
 RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
                              const model::Weights& policy, uint64_t version)
     : job_(job),
+      wire_(job.placement.weights == "wire"),
       stop_ids_(m.stop_ids()),
       tokenizer_files_(model::hf_tokenizer_files(m.tok().data())) {
   const PlacementSection& pl = job.placement;
@@ -174,15 +184,18 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
   WeightPushStats st;
   st.version = static_cast<int64_t>(version) + offset_;
   const auto t0 = Clock::now();
-  const fs::path root = fs::path(job_.logging.dir) / "rollout-weights";
-  fs::create_directories(root);
-  const std::string dir = (root / fmt::format("v{}", st.version)).string();
-  model::SaveOptions so;
-  so.extra_files = tokenizer_files_;
-  model::save_hf(policy, dir, so);  // written beside it, then renamed into place
-  for (const model::NamedTensor& t : policy.storage())
-    st.bytes += static_cast<int64_t>(t.tensor.nbytes());
-  st.write_s = seconds_since(t0);
+  std::string dir;
+  if (!wire_) {
+    const fs::path root = fs::path(job_.logging.dir) / "rollout-weights";
+    fs::create_directories(root);
+    dir = (root / fmt::format("v{}", st.version)).string();
+    model::SaveOptions so;
+    so.extra_files = tokenizer_files_;
+    model::save_hf(policy, dir, so);  // written beside it, then renamed into place
+    for (const model::NamedTensor& t : policy.storage())
+      st.bytes += static_cast<int64_t>(t.tensor.nbytes());
+    st.write_s = seconds_since(t0);
+  }
   std::string previous;
   {
     std::lock_guard lock(mutex_);
@@ -195,26 +208,42 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
   // Each serving worker is updated on a thread of its own; the push waits for it until it
   // answers or is set aside (a missed health check), and never longer.
   const auto t1 = Clock::now();
+  const int64_t bucket_bytes = job_.weight_sync.bucket_mb << 20;
   std::vector<std::string> errors(workers_.size());
+  std::vector<int64_t> sent(workers_.size(), 0);
   std::vector<std::thread> threads;
+  // A push given up on (its worker set aside) may go on in the background: it stops reading the
+  // policy before this returns, since the trainer changes it next.
+  const auto source = std::make_shared<rollout::WeightSource>(policy);
   for (size_t i = 0; i < workers_.size(); ++i) {
     const rollout::RolloutPool::Worker state = pool_->worker(i);
-    if (state.set_aside && !all) {
+    bool wants_push = false;
+    {
+      std::lock_guard lock(mutex_);
+      wants_push = std::exchange(workers_[i]->wants_push, false);
+    }
+    if (state.set_aside && !all && !wants_push) {
       errors[i] = fmt::format("it is set aside ({})", state.why);
       continue;
     }
-    threads.emplace_back([this, i, &errors, epoch = state.times_set_aside, v = st.version, dir] {
+    threads.emplace_back([this, i, &errors, &sent, source, bucket_bytes,
+                          epoch = state.times_set_aside, v = st.version, dir] {
       Worker& w = *workers_[i];
       try {
-        const std::optional<int64_t> got = rollout::call_unless<int64_t>(
-            [c = w.client, v, dir] { return update_worker(*c, v, dir); },
-            [&] { return pool_->worker(i).times_set_aside != epoch; });
+        const std::optional<rollout::WeightPushResult> got =
+            rollout::call_unless<rollout::WeightPushResult>(
+                [wire = wire_, c = w.client, v, dir, source, bucket_bytes] {
+                  return wire ? rollout::push_weights(*c, source, v, bucket_bytes)
+                              : update_worker(*c, v, dir);
+                },
+                [&] { return pool_->worker(i).times_set_aside != epoch; });
         if (!got) {
           errors[i] = fmt::format("it was set aside during the push ({})", pool_->worker(i).why);
           return;
         }
+        sent[i] = got->bytes;
         std::lock_guard lock(mutex_);
-        w.version = *got;
+        w.version = got->version;
         w.stale = w.version < current_;
       } catch (const std::exception& e) {
         errors[i] = e.what();
@@ -223,7 +252,10 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
     });
   }
   for (std::thread& t : threads) t.join();
+  source->withdraw();
   st.load_s = seconds_since(t1);
+  if (wire_) keep_copy(policy, st.version);
+  if (wire_) st.bytes = *std::max_element(sent.begin(), sent.end());
   {
     std::lock_guard lock(mutex_);
     for (const auto& w : workers_) (w->stale ? st.missed : st.updated) += 1;
@@ -232,6 +264,26 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
   if (!previous.empty() && previous != dir) fs::remove_all(previous, ec);
   last_push_ = st;
   return errors;
+}
+
+void RemoteRollout::keep_copy(const model::Weights& policy, int64_t version) {
+  std::shared_ptr<rollout::WeightSource> old;
+  bool needed = false;
+  {
+    std::lock_guard lock(mutex_);
+    old = std::move(copy_source_);
+    for (const auto& w : workers_) needed = needed || w->stale;
+  }
+  if (old) old->withdraw();  // no rejoin reads the copy from here on
+  if (!needed) {
+    copy_.reset();
+    return;
+  }
+  if (!copy_) copy_ = std::make_unique<model::Weights>(policy.config(), policy.dtype());
+  copy_->copy_from(policy);
+  std::lock_guard lock(mutex_);
+  copy_source_ = std::make_shared<rollout::WeightSource>(*copy_);
+  copy_version_ = version;
 }
 
 void RemoteRollout::report_push(const std::vector<std::string>& errors) {
@@ -254,14 +306,24 @@ bool RemoteRollout::rejoin(size_t i) {
   for (int round = 0; round < 3; ++round) {
     int64_t target = 0;
     std::string dir;
+    std::shared_ptr<rollout::WeightSource> copy;
     {
       std::lock_guard lock(mutex_);
       target = current_;
       dir = current_dir_;
+      copy = copy_source_;
+      // Over the wire: the version of the copy, which a push may have passed meanwhile.
+      if (wire_) target = copy_version_;
     }
     int64_t got = 0;
     try {
-      got = update_worker(*w.client, target, dir);
+      if (!wire_)
+        got = update_worker(*w.client, target, dir).version;
+      else if (copy)
+        got = rollout::push_weights(*w.client, copy, target, job_.weight_sync.bucket_mb << 20)
+                  .version;
+      else
+        got = w.client->weight_version();
     } catch (const std::exception& e) {
       spdlog::warn("rollout worker {} answers again but did not take weight version {}: {}",
                    w.address, target, e.what());
@@ -273,6 +335,13 @@ bool RemoteRollout::rejoin(size_t i) {
     if (!w.stale) {
       spdlog::info("rollout worker {} holds weight version {}", w.address, w.version);
       return true;
+    }
+    if (wire_ && !copy) {
+      if (!w.wants_push)
+        spdlog::info("rollout worker {} answers again; the next push sends it the weights",
+                     w.address);
+      w.wants_push = true;
+      return false;
     }
   }
   return false;

@@ -510,6 +510,14 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
   add(bind<J>("placement.workers", TANDEM_MEMBER(placement.workers),
               "Disaggregated: the rollout workers, \"host:port\" each (`tandem serve`); each group "
               "of a step goes to the one with the fewest calls in flight."));
+  add(bind<J>("placement.weights", TANDEM_MEMBER(placement.weights),
+              "Disaggregated: how the new weights reach the workers after each step: \"wire\" "
+              "(pushed over the rollout service in checksummed buckets of at most "
+              "weight_sync.bucket_mb, cast to each worker's dtype, swapped in at the commit) or "
+              "\"directory\" (an HF directory written into logging.dir that every worker "
+              "loads: the workers must see it at the same path, e.g. a shared file system; "
+              "docs/serve.md)."))
+      .one_of({"wire", "directory"});
   add(bind<J>("placement.token_env", TANDEM_MEMBER(placement.token_env),
               "Disaggregated: the environment variable holding the workers' shared token "
               "(\"\": none, for workers on a loopback address)."));

@@ -158,7 +158,10 @@ struct PlacementSection {
   double rank_memory_limit_gb = 0;
   // Disaggregated (docs/serve.md "A disaggregated job"): the rollout workers (`tandem serve`)
   // that generate every step's samples, and how the job calls them.
-  std::vector<std::string> workers;     // host:port of each
+  std::vector<std::string> workers;  // host:port of each
+  // How the weights reach them after each step: "wire" (pushed in buckets over the rollout
+  // service) or "directory" (an HF directory in logging.dir that the workers read).
+  std::string weights = "wire";
   std::string token_env;                // the environment variable holding their token ("": none)
   int64_t request_timeout_ms = 300000;  // a group's deadline on one worker
   int64_t attempts = 4;                 // workers a group is tried on before the step fails

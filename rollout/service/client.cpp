@@ -3,7 +3,11 @@
 #include "rollout/service/client.h"
 
 #include <thrift/Thrift.h>
+
 #include <thrift/protocol/TProtocolException.h>
+#include <algorithm>
+
+#include "core/crc32c.h"
 
 namespace tandem::rollout {
 namespace {
@@ -22,6 +26,8 @@ const char* call_failure_name(CallFailure f) {
       return "stale_weights";
     case CallFailure::unauthorized:
       return "unauthorized";
+    case CallFailure::weights_refused:
+      return "weights_refused";
     case CallFailure::internal:
       return "internal";
     case CallFailure::transport:
@@ -78,6 +84,10 @@ auto RolloutClient::with_retries(const char* what, Call&& call) {
     } catch (const rpc::InvalidRequest& e) {
       throw CallError(CallFailure::invalid,
                       fmt::format("{}: the worker refused the request: {}", where, e.message));
+    } catch (const rpc::WeightPushRefused& e) {
+      throw CallError(CallFailure::weights_refused,
+                      fmt::format("{}: the worker refused the weights ({}, it serves v{}): {}",
+                                  where, rpc::to_string(e.fault), e.worker_version, e.message));
     } catch (const rpc::Internal& e) {
       throw CallError(CallFailure::internal,
                       fmt::format("{}: the worker failed: {}", where, e.message));
@@ -145,6 +155,99 @@ int64_t RolloutClient::commit_weight_update(int64_t version, const std::string& 
   u.token = options_.token;
   return with_retries("commit_weight_update",
                       [&](rpc::RolloutServiceClient& c) { return c.commit_weight_update(u); });
+}
+
+rpc::WeightPushReady RolloutClient::begin_weight_push(int64_t version) {
+  rpc::WeightPushBegin b;
+  b.version = version;
+  b.token = options_.token;
+  return with_retries("begin_weight_push", [&](rpc::RolloutServiceClient& c) {
+    rpc::WeightPushReady ready;
+    c.begin_weight_push(ready, b);
+    return ready;
+  });
+}
+
+void RolloutClient::push_weight_bucket(rpc::WeightBucket& bucket) {
+  bucket.token = options_.token;
+  with_retries("push_weight_bucket", [&](rpc::RolloutServiceClient& c) {
+    c.push_weight_bucket(bucket);
+    return 0;
+  });
+}
+
+void RolloutClient::push_weight_bucket(int64_t version, int32_t index, rpc::WeightDType::type dtype,
+                                       const std::vector<rpc::WeightPiece>& pieces,
+                                       int64_t data_bytes, const BucketFill& fill) {
+  TANDEM_CHECK(data_bytes >= 0 && data_bytes < (1ll << 31),
+               "rollout client: a weight bucket of {} bytes; at most 2 GiB", data_bytes);
+  namespace tp = at::protocol;
+  with_retries("push_weight_bucket", [&](rpc::RolloutServiceClient& c) {
+    // What the generated send_push_weight_bucket writes for an rpc::WeightBucket, with the data
+    // taken from fill and the checksum after it (a reader takes the fields in any order).
+    tp::TProtocol& out = *c.getOutputProtocol();
+    out.writeMessageBegin("push_weight_bucket", tp::T_CALL, 0);
+    out.writeStructBegin("RolloutService_push_weight_bucket_args");
+    out.writeFieldBegin("bucket", tp::T_STRUCT, 1);
+    out.writeStructBegin("WeightBucket");
+    out.writeFieldBegin("version", tp::T_I64, 1);
+    out.writeI64(version);
+    out.writeFieldEnd();
+    out.writeFieldBegin("index", tp::T_I32, 2);
+    out.writeI32(index);
+    out.writeFieldEnd();
+    out.writeFieldBegin("dtype", tp::T_I32, 3);
+    out.writeI32(static_cast<int32_t>(dtype));
+    out.writeFieldEnd();
+    out.writeFieldBegin("pieces", tp::T_LIST, 4);
+    out.writeListBegin(tp::T_STRUCT, static_cast<uint32_t>(pieces.size()));
+    for (const rpc::WeightPiece& p : pieces) p.write(&out);
+    out.writeListEnd();
+    out.writeFieldEnd();
+    out.writeFieldBegin("data", tp::T_STRING, 5);
+    out.writeI32(static_cast<int32_t>(data_bytes));
+    at::transport::TTransport& frame = *out.getTransport();
+    uint32_t crc = 0;
+    int64_t written = 0;
+    fill([&](const char* bytes, size_t n) {
+      // A chunk stays in the cache between its checksum and its copy into the frame.
+      constexpr size_t kChunk = 256 << 10;
+      for (size_t first = 0; first < n; first += kChunk) {
+        const size_t k = std::min(kChunk, n - first);
+        crc = crc32c({bytes + first, k}, crc);
+        frame.write(reinterpret_cast<const uint8_t*>(bytes + first), static_cast<uint32_t>(k));
+      }
+      written += static_cast<int64_t>(n);
+    });
+    TANDEM_CHECK(written == data_bytes, "rollout client: a weight bucket said {} bytes, wrote {}",
+                 data_bytes, written);
+    out.writeFieldEnd();
+    out.writeFieldBegin("crc32c", tp::T_I32, 6);
+    out.writeI32(static_cast<int32_t>(crc));
+    out.writeFieldEnd();
+    out.writeFieldBegin("token", tp::T_STRING, 7);
+    out.writeString(options_.token);
+    out.writeFieldEnd();
+    out.writeFieldStop();
+    out.writeStructEnd();
+    out.writeFieldEnd();
+    out.writeFieldStop();
+    out.writeStructEnd();
+    out.writeMessageEnd();
+    frame.writeEnd();
+    frame.flush();
+    c.recv_push_weight_bucket();
+    return 0;
+  });
+}
+
+int64_t RolloutClient::commit_weight_push(int64_t version, int32_t buckets) {
+  rpc::WeightPushCommit commit;
+  commit.version = version;
+  commit.buckets = buckets;
+  commit.token = options_.token;
+  return with_retries("commit_weight_push",
+                      [&](rpc::RolloutServiceClient& c) { return c.commit_weight_push(commit); });
 }
 
 int64_t RolloutClient::weight_version() {

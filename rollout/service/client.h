@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,13 +27,14 @@ struct ClientOptions {
 // Why a call failed, for callers that act on it (a pool sends overloaded and transport failures
 // to another worker, waits on stale_weights, and gives up on the others).
 enum class CallFailure {
-  invalid,        // InvalidRequest: retrying will not help
-  overloaded,     // Overloaded after every retry
-  stale_weights,  // StaleWeights: the worker's weights are older than the request wants
-  unauthorized,   // Unauthorized: the token is wrong or missing
-  internal,       // Internal, or the worker's own Thrift exception
-  transport,      // cannot connect, connection lost, or the deadline passed
-  protocol,       // the peer does not speak framed binary RolloutService
+  invalid,          // InvalidRequest: retrying will not help
+  overloaded,       // Overloaded after every retry
+  stale_weights,    // StaleWeights: the worker's weights are older than the request wants
+  unauthorized,     // Unauthorized: the token is wrong or missing
+  weights_refused,  // WeightPushRefused: the worker refused a push of weights (what is wrong)
+  internal,         // Internal, or the worker's own Thrift exception
+  transport,        // cannot connect, connection lost, or the deadline passed
+  protocol,         // the peer does not speak framed binary RolloutService
 };
 const char* call_failure_name(CallFailure f);
 
@@ -62,6 +64,19 @@ class RolloutClient {
   void resume();
   void begin_weight_update(int64_t version);
   int64_t commit_weight_update(int64_t version, const std::string& checkpoint_path);
+  // Weights over the wire (rollout/service/weight_push.h sends a whole version through them).
+  // A bucket is idempotent by its index, so transport errors are retried like any call.
+  rpc::WeightPushReady begin_weight_push(int64_t version);
+  void push_weight_bucket(rpc::WeightBucket& bucket);  // sets bucket.token
+  // A bucket whose data fill(emit) writes straight into the call's frame, calling emit(bytes, n)
+  // for its data in order (data_bytes in all), with no copy of the bucket of its own; its CRC-32C
+  // is computed on the way and sent after the data. fill may throw to give the call up (the
+  // connection is then closed).
+  using BucketFill = std::function<void(const std::function<void(const char*, size_t)>& emit)>;
+  void push_weight_bucket(int64_t version, int32_t index, rpc::WeightDType::type dtype,
+                          const std::vector<rpc::WeightPiece>& pieces, int64_t data_bytes,
+                          const BucketFill& fill);
+  int64_t commit_weight_push(int64_t version, int32_t buckets);
   int64_t weight_version();
   bool health();
   rpc::Stats stats();

@@ -10,7 +10,7 @@ namespace cpp tandem.rollout.rpc
 namespace py tandem_rollout
 
 // Raised when this file changes incompatibly; info() reports the worker's.
-const i32 PROTOCOL_VERSION = 1
+const i32 PROTOCOL_VERSION = 2
 
 // One chat message; a conversation is rendered with the worker's chat template
 // (model.chat_template of its config) and the assistant's generation prompt.
@@ -87,6 +87,67 @@ struct WeightUpdate {
   3: string token = ""
 }
 
+// Weights over the wire, the trainer's push to a worker (docs/serve.md, "Weights over the
+// wire"): begin_weight_push(version), then buckets of at most max_bucket_bytes of data, each a run
+// of tensor pieces packed one after another, then commit_weight_push. The worker receives into a
+// copy of its own, generating under its weights meanwhile, and swaps the copy in between two
+// engine steps at the commit; a push that never commits leaves it on the weights it has.
+
+// The element type of a bucket's data (little-endian).
+enum WeightDType {
+  F32 = 1,
+  BF16 = 2
+}
+
+// What in a push the worker refused.
+enum WeightPushFault {
+  VERSION = 1,     // not newer than the worker's, or not the version of the push in progress
+  NAME = 2,        // a tensor the worker's model does not have
+  SIZE = 3,        // a piece outside its tensor, or data of another length than its pieces
+  DTYPE = 4,       // data in a type the worker does not take (its own, or F32, cast on arrival)
+  CHECKSUM = 5,    // data whose CRC-32C is not the bucket's crc32c
+  OVERLAP = 6,     // a piece of a tensor that another bucket of the push carried already
+  INCOMPLETE = 7,  // a commit before every tensor, or every bucket, arrived
+  NO_PUSH = 8      // a bucket or commit without a push begun (never begun, committed, or ended)
+}
+
+// A run of `elements` elements of tensor `name` (its Hugging Face name, e.g.
+// "model.layers.0.self_attn.q_proj.weight"; row-major) from element `offset` on.
+struct WeightPiece {
+  1: string name = ""
+  2: i64 offset = 0
+  3: i64 elements = 0
+}
+
+struct WeightPushBegin {
+  1: i64 version = 0               // must exceed the worker's; a push in progress is ended
+  2: string token = ""
+}
+
+struct WeightPushReady {
+  1: i64 worker_version = 0        // the weights it serves
+  2: WeightDType dtype = WeightDType.F32  // of its weights: data in it is copied, F32 data cast
+  // What one bucket may carry at most: its data, and each piece as its name's bytes + 32 (the
+  // frame of limits.max_message_bytes less 4 KiB).
+  3: i64 max_bucket_bytes = 0
+}
+
+struct WeightBucket {
+  1: i64 version = 0               // the push's
+  2: i32 index = 0                 // 0, 1, ...: a bucket sent again (a retry) is taken once
+  3: WeightDType dtype = WeightDType.F32
+  4: list<WeightPiece> pieces      // their data packed one after another in `data`
+  5: binary data
+  6: i32 crc32c = 0                // CRC-32C of data (its 32 bits as an i32)
+  7: string token = ""
+}
+
+struct WeightPushCommit {
+  1: i64 version = 0
+  2: i32 buckets = 0               // buckets the push sent; each must have arrived
+  3: string token = ""
+}
+
 struct Stats {
   1: i64 queue_depth = 0           // requests waiting for their first step
   2: i64 running_sequences = 0     // sequences holding KV blocks
@@ -142,6 +203,14 @@ exception Unauthorized {
   1: string message
 }
 
+// A push of weights (or a piece of one) the worker refused; the message names what is wrong.
+exception WeightPushRefused {
+  1: string message
+  2: WeightPushFault fault
+  3: i64 worker_version = 0        // the weights it serves, which it keeps
+  4: string tensor = ""            // the tensor at fault, if one is
+}
+
 // The worker failed; the message says why.
 exception Internal {
   1: string message
@@ -166,6 +235,14 @@ service RolloutService {
   // Returns the new version.
   i64 commit_weight_update(1: WeightUpdate update)
       throws (1: InvalidRequest invalid, 2: Unauthorized unauthorized, 3: Internal internal)
+
+  // Weights over the wire (above). Commit returns the new version, in use for every later step.
+  WeightPushReady begin_weight_push(1: WeightPushBegin push)
+      throws (1: WeightPushRefused refused, 2: Unauthorized unauthorized)
+  void push_weight_bucket(1: WeightBucket bucket)
+      throws (1: WeightPushRefused refused, 2: Unauthorized unauthorized)
+  i64 commit_weight_push(1: WeightPushCommit push)
+      throws (1: WeightPushRefused refused, 2: Unauthorized unauthorized, 3: Internal internal)
 
   i64 weight_version(1: string token) throws (1: Unauthorized unauthorized)
 

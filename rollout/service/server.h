@@ -35,6 +35,12 @@ struct ServerOptions {
 // An IPv4 address in 127.0.0.0/8, ::1 or "localhost".
 bool is_loopback_host(const std::string& host);
 
+// The most one weight bucket of a push over the wire may carry: its data and its pieces, each
+// piece counted as its name's bytes + 32 (rollout.thrift, begin_weight_push). The rest of the
+// frame of max_message_bytes is left to the call's other fields.
+int64_t max_bucket_bytes(const ServerOptions& options);
+constexpr int64_t kWeightPieceBytes = 32;  // a piece's wire bytes besides its name, at most
+
 // Throws tandem::Error naming the option when one is out of range, or when a non-loopback
 // host has no token.
 void check_server_options(const ServerOptions& options);

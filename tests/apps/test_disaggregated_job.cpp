@@ -43,27 +43,28 @@ std::string write_job(const tandem::test::TempDir& tmp, const std::string& model
   return tandem::test::dp_job::write_tiny_job(tmp, model);
 }
 
-// `tandem serve` of `model` (its weights in `dtype`) on a free loopback port, requiring `token`
-// when it is not empty; its port.
+// `tandem serve` of `model` (its weights in `dtype`) on loopback port `port` (0: a free one),
+// requiring `token` when it is not empty; its port.
 int start_worker(std::unique_ptr<tandem::test::Subprocess>& worker,
                  const tandem::test::TempDir& tmp, const std::string& model,
-                 const std::string& dtype = "f32", const std::string& token = "") {
-  const std::string config = tmp.write(
-      "serve-" + dtype + ".toml", fmt::format(R"([model]
+                 const std::string& dtype = "f32", const std::string& token = "", int port = 0) {
+  const std::string config =
+      tmp.write("serve-" + dtype + ".toml",
+                fmt::format(R"([model]
 path = "{}"
 dtype = "{}"
 [engine]
 num_blocks = 256
 max_context = 256
 [server]
-port = 0
+port = {}
 token_env = "{}"
 [limits]
 max_prompt_tokens = 128
 max_new_tokens = 64
 max_n = 8
 )",
-                                              model, dtype, token.empty() ? "" : "WORKER_TOKEN"));
+                            model, dtype, port, token.empty() ? "" : "WORKER_TOKEN"));
   std::vector<std::string> argv{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config};
   if (!token.empty()) argv.insert(argv.begin(), {"/usr/bin/env", "WORKER_TOKEN=" + token});
   worker = std::make_unique<tandem::test::Subprocess>(argv);
@@ -80,14 +81,15 @@ tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::s
                                   true, 180);
 }
 
-// The 3 step lines of a run that must succeed.
+// The step lines (`steps` of them) of a run that must succeed.
 std::vector<nlohmann::json> steps_of(const tandem::test::TempDir& tmp, const std::string& job,
-                                     const std::string& name, const std::string& overrides = "") {
+                                     const std::string& name, const std::string& overrides = "",
+                                     size_t steps_expected = 3) {
   const auto r = train(tmp, job, name, overrides);
   INFO(r.out);
   REQUIRE(r.status == 0);
   auto steps = step_lines(tmp.file(name + "/metrics.jsonl"));
-  REQUIRE(steps.size() == 3);
+  REQUIRE(steps.size() == steps_expected);
   return steps;
 }
 
@@ -119,6 +121,50 @@ std::string health_checked(int64_t timeout_s) {
       "placement.health_check_timeout_s=2",
       timeout_s * 1000);
 }
+
+// The sampled tokens and logprobs of a seeded probe on the worker at `port`, under the weights it
+// serves, and their version.
+tandem::rollout::rpc::GenerateResponse probe(int port) {
+  tandem::rollout::RolloutClient c({.address = fmt::format("127.0.0.1:{}", port)});
+  tandem::rollout::rpc::GenerateRequest r;
+  r.request_id = "probe";
+  r.prompt_tokens = {1, 20, 300, 4000, 77, 9};
+  r.params.n = 2;
+  r.params.seed = 11;
+  r.params.max_tokens = 8;
+  r.params.stop_at_eos = false;
+  return c.generate(r);
+}
+
+void check_same_probe(const tandem::rollout::rpc::GenerateResponse& a,
+                      const tandem::rollout::rpc::GenerateResponse& b) {
+  REQUIRE(a.samples.size() == b.samples.size());
+  for (size_t i = 0; i < a.samples.size(); ++i) {
+    CHECK(a.samples[i].tokens == b.samples[i].tokens);
+    CHECK(a.samples[i].logprobs == b.samples[i].logprobs);  // bitwise
+  }
+}
+
+// `tandem train` of the workers' job for `steps` steps in tmp/run, in the background, with calls'
+// deadline `timeout_s` and health_checked's checks.
+struct BackgroundJob {
+  std::string metrics;
+  tandem::test::Subprocess run;
+  BackgroundJob(const tandem::test::TempDir& tmp, const TwoWorkers& w, int steps, int64_t timeout_s)
+      : metrics(tmp.file("run/metrics.jsonl")),
+        run({"/bin/sh", "-c",
+             fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
+                         "trainer.steps={} 2>&1",
+                         TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
+                         disaggregated(w.port0, w.port1), health_checked(timeout_s), steps)}) {}
+  // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
+  // written or `bound_s` passed; the step lines written.
+  size_t wait_for_steps(size_t steps, int bound_s) {
+    for (int i = 0; i < bound_s * 5 && step_lines(metrics).size() < steps; ++i)
+      run.wait_for_line("\x01", 200);
+    return step_lines(metrics).size();
+  }
+};
 
 // A loopback TCP proxy to a worker that forwards every connection until a client has sent a call
 // of `method` `nth` times; from then on it forwards nothing (a worker that stops answering in the
@@ -228,8 +274,8 @@ TEST_CASE("a disaggregated job on two workers trains the colocated job's batches
       CHECK(b[i]["old_logp_recomputed"] == 1);
       CHECK(b[i]["rollout_trainer_logp/max_abs"].get<double>() < 1e-4);
     }
-    // The weights written for the workers: the latest version only.
-    CHECK(fs::exists(tmp.file("remote/rollout-weights")));
+    // Over the wire (placement.weights = "wire", the default): no directory written.
+    CHECK_FALSE(fs::exists(tmp.file("remote/rollout-weights")));
   }
 
   {  // one worker killed mid-run
@@ -309,19 +355,11 @@ TEST_CASE(
   const int port1 = w.port1;
   // A generate call's deadline of 60 s: a step that waited for the stopped worker would take it.
   const int64_t timeout_s = 60;
-  const std::string metrics = tmp.file("run/metrics.jsonl");
-  tandem::test::Subprocess run(
-      {"/bin/sh", "-c",
-       fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
-                   "trainer.steps=6 2>&1",
-                   TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
-                   disaggregated(w.port0, w.port1), health_checked(timeout_s))});
-  // Reads the job's output (so that it never blocks on a full pipe) until `steps` step lines are
-  // written or `bound_s` passed.
+  BackgroundJob job(tmp, w, 6, timeout_s);
+  tandem::test::Subprocess& run = job.run;
+  const std::string& metrics = job.metrics;
   auto wait_for_steps = [&](size_t steps, int bound_s) {
-    for (int i = 0; i < bound_s * 5 && step_lines(metrics).size() < steps; ++i)
-      run.wait_for_line("\x01", 200);
-    return step_lines(metrics).size();
+    return job.wait_for_steps(steps, bound_s);
   };
   REQUIRE(wait_for_steps(1, 120) >= 1);
   REQUIRE(::kill(w.w1->pid(), SIGSTOP) == 0);
@@ -371,9 +409,9 @@ TEST_CASE("a disaggregated job goes on without a worker that stops answering in 
           "[multiproc]") {
   const tandem::test::TempDir tmp("disaggregated-push-hang");
   TwoWorkers w(tmp);
-  // Worker 1 behind a proxy that goes silent in the second commit_weight_update: the first is
-  // the push at start, the second the push after step 1.
-  FreezingProxy proxy(w.port1, "commit_weight_update", 2);
+  // Worker 1 behind a proxy that goes silent in the second weight bucket (the tiny model's
+  // weights fit in one): the first is the push at start, the second the push after step 1.
+  FreezingProxy proxy(w.port1, "push_weight_bucket", 2);
   const int64_t timeout_s = 60;
   const auto r =
       train(tmp, w.job, "run", disaggregated(w.port0, proxy.port()) + health_checked(timeout_s));
@@ -528,4 +566,81 @@ TEST_CASE(
   CHECK(step_lines(tmp.file("mixed/metrics.jsonl")).empty());
   CHECK(w0->stop() == 0);
   CHECK(w1->stop() == 0);
+}
+
+TEST_CASE(
+    "weights pushed over the wire to two workers generate bitwise as the same weights loaded from "
+    "a directory",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-wire");
+  TwoWorkers w(tmp);
+  // Deterministic: both jobs train the same batches into the same weights, one pushing them over
+  // the wire and one through a directory, to the same two workers.
+  const std::string job = "trainer.deterministic=true trainer.steps=2 " +
+                          disaggregated(w.port0, w.port1) + " weight_sync.bucket_mb=1";
+  const auto wire = steps_of(tmp, w.job, "wire", job + " placement.weights=wire", 2);
+  const int64_t wire_version = wire[1]["disaggregated/weight_version"].get<int64_t>();
+  for (const auto& m : wire) {
+    INFO(m.dump());
+    CHECK(m["disaggregated/workers_stale"] == 0);
+    CHECK(m["disaggregated/push_bytes"].get<int64_t>() > (1 << 20));  // several buckets of 1 MiB
+    CHECK(m["disaggregated/push_write_s"].get<double>() == 0);        // nothing written
+  }
+  CHECK_FALSE(fs::exists(tmp.file("wire/rollout-weights")));
+  const auto p0 = probe(w.port0), p1 = probe(w.port1);
+  CHECK(p0.samples[0].weight_version == wire_version);
+  check_same_probe(p0, p1);
+
+  const auto dir = steps_of(tmp, w.job, "dir", job + " placement.weights=directory", 2);
+  for (size_t i = 0; i < 2; ++i) {
+    INFO("step " << i + 1 << ": " << dir[i].dump());
+    CHECK(dir[i]["response_tokens"] == wire[i]["response_tokens"]);
+    CHECK(dir[i]["loss"] == wire[i]["loss"]);
+    CHECK(dir[i]["disaggregated/push_write_s"].get<double>() > 0);
+  }
+  const auto d0 = probe(w.port0);
+  CHECK(d0.samples[0].weight_version > wire_version);
+  check_same_probe(d0, p0);
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+}
+
+TEST_CASE("a worker restarted during a disaggregated job gets the current weights over the wire",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-restart");
+  TwoWorkers w(tmp);
+  BackgroundJob job(tmp, w, 5, 60);
+  tandem::test::Subprocess& run = job.run;
+  const std::string& metrics = job.metrics;
+  auto wait_for_steps = [&](size_t steps, int bound_s) {
+    return job.wait_for_steps(steps, bound_s);
+  };
+  REQUIRE(wait_for_steps(1, 120) >= 1);
+  // Worker 1 dies, and a new one (the model's own weights, version 0) starts on its port.
+  REQUIRE(::kill(w.w1->pid(), SIGKILL) == 0);
+  CHECK(w.w1->stop() == 128 + SIGKILL);
+  start_worker(w.w1, tmp, tmp.file("model"), "f32", "", w.port1);
+  CHECK(wait_for_steps(5, 240) == 5);
+  const int status = run.stop(0, 60000);
+  run.wait_for_line("\x01", 1000);
+  INFO(run.output());
+  REQUIRE(status == 0);
+  const auto b = step_lines(metrics);
+  REQUIRE(b.size() == 5);
+  INFO(b[4].dump());
+  CHECK(b[4]["disaggregated/workers_stale"] == 0);
+  CHECK(b[4]["disaggregated/workers_set_aside"] == 0);
+  // Caught up (on the health-check thread from the job's copy of a version it missed, or by the
+  // next push when it died after taking the last one), then serving again.
+  CHECK_THAT(
+      run.output(),
+      Catch::Contains(fmt::format("rollout worker 127.0.0.1:{} holds weight version", w.port1)) &&
+          Catch::Contains(
+              fmt::format("rollout worker 127.0.0.1:{} answers again and serves again", w.port1)));
+  // The new worker holds the job's last version, and samples as the worker that took every one.
+  const auto p0 = probe(w.port0), p1 = probe(w.port1);
+  CHECK(p1.samples[0].weight_version == b[4]["disaggregated/weight_version"].get<int64_t>());
+  check_same_probe(p0, p1);
+  CHECK(w.w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
 }

@@ -343,7 +343,7 @@ TEST_CASE("rollout server refuses bad calls with typed errors and serves on", "[
   CHECK(r.samples[0].logprobs.size() == 6);
   CHECK(good.health());
   const rpc::ServerInfo info = good.info();
-  CHECK(info.protocol_version == 1);
+  CHECK(info.protocol_version == 2);
   CHECK(info.vocab_size == 49152);
   CHECK(info.max_n == 4);
   CHECK(info.tp_size == 1);

@@ -1,0 +1,59 @@
+// Weights over the wire, the sender's side: one weight version of a model pushed to a rollout
+// worker in bounded buckets (rollout.thrift: begin_weight_push, push_weight_bucket,
+// commit_weight_push), cast to the worker's dtype on the way, each bucket with its CRC-32C.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "model/weights.h"
+#include "rollout/service/client.h"
+
+namespace tandem::rollout {
+
+// The pieces of each bucket of a push: the tensors of `w` in Weights::named() order, packed until
+// a bucket's data and pieces reach max_bucket_bytes (a piece counts its name's bytes and
+// kWeightPieceBytes); a tensor larger than what is left of a bucket goes on in the next ones.
+// Throws tandem::Error when max_bucket_bytes cannot hold one element and its piece.
+std::vector<std::vector<rpc::WeightPiece>> plan_weight_buckets(const model::Weights& w,
+                                                               int64_t element_bytes,
+                                                               int64_t max_bucket_bytes);
+
+struct WeightPushResult {
+  int64_t version = 0;  // the worker's after the push
+  bool sent = false;    // false: it held this version, or a newer one, already
+  int64_t bytes = 0;    // of bucket data sent
+  int64_t buckets = 0;
+};
+
+// The weights a push reads, which their owner withdraws before it changes them: a push given up
+// on (its worker set aside) may go on in the background, and must not read them after that.
+class WeightSource {
+ public:
+  explicit WeightSource(const model::Weights& w) : weights_(&w) {}
+  // Runs fn(weights) and returns true, unless they were withdrawn (false).
+  bool read(const std::function<void(const model::Weights&)>& fn);
+  // No read runs after it returns (one in progress is waited for).
+  void withdraw();
+
+ private:
+  std::mutex mutex_;
+  const model::Weights* weights_;
+};
+
+// Brings the worker behind `client` to `version` of `w` (f32 or bf16): nothing when it holds that
+// version or a newer one; else begin_weight_push, every bucket of plan_weight_buckets (at most
+// max_bucket_bytes and the worker's bound, data in the worker's dtype: f32 rounded to bf16 or bf16
+// widened where they differ; the next bucket packed while one is sent) and the commit. Throws
+// CallError as the calls do; a push that fails midway leaves the worker on the weights it had.
+WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
+                              int64_t max_bucket_bytes);
+// The same from weights that may be withdrawn midway: then it stops before its commit, throwing
+// tandem::Error.
+WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
+                              int64_t version, int64_t max_bucket_bytes);
+
+}  // namespace tandem::rollout

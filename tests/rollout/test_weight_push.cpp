@@ -1,0 +1,367 @@
+// Tests of weights over the wire (rollout.thrift: begin_weight_push, push_weight_bucket,
+// commit_weight_push) on a worker of a tiny random SmolLM2-vocabulary model: a pushed version
+// generates as a worker loaded from the same weights (f32, and bf16 cast by either side); bad
+// buckets get typed refusals naming what is wrong and change nothing; a push interrupted midway,
+// ended by a newer one or by its bound leaves the worker on its previous version; a bucket frame
+// that lies about its data's size closes its connection only.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/crc32c.h"
+#include "core/half.h"
+#include "model/loader.h"
+#include "model/prompt.h"
+#include "rollout/service/client.h"
+#include "rollout/service/server.h"
+#include "rollout/service/weight_push.h"
+#include "tests/model/tiny_model.h"
+#include "tests/rpc/raw_frames.h"
+#include "tests/testutil.h"
+
+namespace tandem::rollout {
+namespace {
+
+using Catch::Matchers::Contains;
+
+// The tiny model of seed 17 (what the workers load) and of seed 23 (what is pushed), written once.
+const test::TempDir& models() {
+  static test::TempDir dir("weight-push-models");
+  static const bool written = [] {
+    test::write_tiny_smollm2_hf(dir.file("v0"), 17);
+    test::write_tiny_smollm2_hf(dir.file("v1"), 23);
+    return true;
+  }();
+  (void)written;
+  return dir;
+}
+
+struct Worker {
+  std::unique_ptr<RolloutServer> server;
+  std::unique_ptr<RolloutClient> client;
+
+  explicit Worker(const std::string& model, DType dtype = DType::f32, double push_bound_s = 300) {
+    model::LoadedModel m = model::load_model(models().file(model), dtype);
+    const model::PromptFormat format = model::prompt_format(m.tok(), "auto");
+    EngineOptions e;
+    e.num_blocks = 64;
+    e.max_context = 64;
+    e.max_seqs = 8;
+    ServerOptions o;
+    o.max_message_bytes = 64 << 10;  // buckets of at most 60 KiB: tensors split across them
+    o.weight_update_timeout_s = push_bound_s;
+    server = std::make_unique<RolloutServer>(std::move(m), format, e, o);
+    client = std::make_unique<RolloutClient>(ClientOptions{
+        .address = "127.0.0.1:" + std::to_string(server->port()), .timeout_ms = 30000});
+  }
+
+  // Greedy-free sampled tokens and their logprobs, of the weights the worker serves.
+  rpc::GenerateResponse sample() {
+    rpc::GenerateRequest r;
+    r.request_id = "probe";
+    r.prompt_tokens = {1, 20, 300, 4000, 77};
+    r.params.n = 2;
+    r.params.seed = 9;
+    r.params.max_tokens = 8;
+    r.params.temperature = 0.8;
+    r.params.stop_at_eos = false;
+    return client->generate(r);
+  }
+};
+
+void check_same_samples(const rpc::GenerateResponse& a, const rpc::GenerateResponse& b) {
+  REQUIRE(a.samples.size() == b.samples.size());
+  for (size_t i = 0; i < a.samples.size(); ++i) {
+    CHECK(a.samples[i].tokens == b.samples[i].tokens);
+    CHECK(a.samples[i].logprobs == b.samples[i].logprobs);  // bitwise
+  }
+}
+
+// A CallError of kind weights_refused whose message names `fault` and holds `text`.
+template <typename Fn>
+void check_refused(const std::string& fault, const std::string& text, Fn&& fn) {
+  try {
+    fn();
+    FAIL("expected the worker to refuse the weights (" << fault << ")");
+  } catch (const CallError& e) {
+    INFO(e.what());
+    CHECK(std::string(call_failure_name(e.failure())) == "weights_refused");
+    CHECK_THAT(e.what(), Contains("(" + fault + ",") && Contains(text));
+  }
+}
+
+// A bucket of f32 pieces of `w`, checksummed.
+rpc::WeightBucket bucket_of(const model::Weights& w, int64_t version, int32_t index,
+                            const std::vector<rpc::WeightPiece>& pieces) {
+  rpc::WeightBucket b;
+  b.version = version;
+  b.index = index;
+  b.dtype = rpc::WeightDType::F32;
+  b.pieces = pieces;
+  for (const rpc::WeightPiece& p : pieces) {
+    const auto* src = static_cast<const char*>(w.at(p.name).data()) + p.offset * 4;
+    b.data.append(src, static_cast<size_t>(p.elements * 4));
+  }
+  b.crc32c = static_cast<int32_t>(crc32c(b.data));
+  return b;
+}
+
+rpc::WeightPiece piece(const std::string& name, int64_t offset, int64_t elements) {
+  rpc::WeightPiece p;
+  p.name = name;
+  p.offset = offset;
+  p.elements = elements;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("weight buckets cover every tensor once within their bound", "[unit]") {
+  model::LoadedModel m = model::load_model(models().file("v1"));
+  const model::Weights& w = *m.weights;
+  for (int64_t bound : {int64_t{200}, int64_t{4096}, int64_t{61440}, int64_t{64} << 20}) {
+    INFO("bound " << bound);
+    const auto plan = plan_weight_buckets(w, 4, bound);
+    std::map<std::string, int64_t> next;  // per tensor: the element its next piece starts at
+    for (const auto& bucket : plan) {
+      REQUIRE_FALSE(bucket.empty());
+      int64_t used = 0;
+      for (const rpc::WeightPiece& p : bucket) {
+        CHECK(p.offset == next[p.name]);
+        CHECK(p.elements > 0);
+        next[p.name] += p.elements;
+        used += static_cast<int64_t>(p.name.size()) + kWeightPieceBytes + 4 * p.elements;
+      }
+      CHECK(used <= bound);
+    }
+    CHECK(next.size() == w.named().size());
+    for (const model::NamedTensor& t : w.named()) CHECK(next[t.name] == t.tensor.numel());
+    if (bound == 61440) CHECK(plan.size() > 100);  // the 12 MiB embedding split across buckets
+  }
+  CHECK_THROWS_WITH(plan_weight_buckets(w, 4, 40), Contains("cannot hold a piece"));
+}
+
+TEST_CASE("a weight push over the wire generates as a worker loaded from the same weights",
+          "[unit]") {
+  model::LoadedModel pushed = model::load_model(models().file("v1"));  // the trainer's, f32
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    INFO("worker dtype " << dtype_name(dtype));
+    Worker reference("v1", dtype);
+    Worker w("v0", dtype);
+    const rpc::GenerateResponse before = w.sample();
+    const WeightPushResult r = push_weights(*w.client, *pushed.weights, 5, 64 << 20);
+    CHECK(r.sent);
+    CHECK(r.version == 5);
+    CHECK(r.buckets > 100);  // bounded by the worker's 64 KiB frames
+    CHECK(r.bytes == pushed.weights->num_parameters() * static_cast<int64_t>(dtype_size(dtype)));
+    CHECK(w.client->weight_version() == 5);
+    const rpc::GenerateResponse after = w.sample();
+    CHECK(after.samples[0].weight_version == 5);
+    CHECK(after.samples[0].logprobs != before.samples[0].logprobs);
+    check_same_samples(after, reference.sample());
+    // Nothing to send to a worker that holds the version.
+    CHECK_FALSE(push_weights(*w.client, *pushed.weights, 5, 64 << 20).sent);
+  }
+  SECTION("f32 buckets are cast by a bf16 worker on arrival") {
+    Worker reference("v1", DType::bf16);
+    Worker w("v0", DType::bf16);
+    CHECK(w.client->begin_weight_push(3).dtype == rpc::WeightDType::BF16);
+    const auto plan = plan_weight_buckets(*pushed.weights, 4, 60000);
+    for (size_t i = 0; i < plan.size(); ++i) {
+      rpc::WeightBucket b = bucket_of(*pushed.weights, 3, static_cast<int32_t>(i), plan[i]);
+      w.client->push_weight_bucket(b);
+    }
+    CHECK(w.client->commit_weight_push(3, static_cast<int32_t>(plan.size())) == 3);
+    check_same_samples(w.sample(), reference.sample());
+  }
+}
+
+TEST_CASE(
+    "a rollout worker refuses malformed weight buckets with typed errors and keeps its "
+    "weights",
+    "[unit]") {
+  model::LoadedModel pushed = model::load_model(models().file("v1"));
+  const model::Weights& pw = *pushed.weights;
+  Worker w("v0");
+  const rpc::GenerateResponse before = w.sample();
+  RolloutClient& c = *w.client;
+  const std::string norm = "model.layers.0.input_layernorm.weight";  // 64 elements
+  auto good = [&](int32_t index = 0) { return bucket_of(pw, 2, index, {piece(norm, 0, 64)}); };
+
+  check_refused("NO_PUSH", "no weight push in progress", [&] {
+    rpc::WeightBucket b = good();
+    c.push_weight_bucket(b);
+  });
+  check_refused("NO_PUSH", "begin_weight_push first", [&] { c.commit_weight_push(2, 0); });
+  check_refused("VERSION", "not newer than the worker's 0", [&] { c.begin_weight_push(0); });
+  CHECK(c.begin_weight_push(2).worker_version == 0);
+
+  check_refused("VERSION", "the push in progress is of v2", [&] {
+    rpc::WeightBucket b = good();
+    b.version = 3;
+    c.push_weight_bucket(b);
+  });
+  check_refused("NAME", "no tensor 'model.layers.9.mlp.up_proj.weight'", [&] {
+    rpc::WeightBucket b = good();
+    b.pieces[0].name = "model.layers.9.mlp.up_proj.weight";
+    c.push_weight_bucket(b);
+  });
+  check_refused("SIZE", "elements 32..96 of '" + norm + "', which has 64", [&] {
+    rpc::WeightBucket b = bucket_of(pw, 2, 0, {piece(norm, 0, 32), piece(norm, 32, 32)});
+    b.pieces[1].elements = 64;
+    b.data.append(std::string(128, '\0'));
+    b.crc32c = static_cast<int32_t>(crc32c(b.data));
+    c.push_weight_bucket(b);
+  });
+  check_refused("SIZE", "252 bytes of data for pieces of 64 elements", [&] {
+    rpc::WeightBucket b = good();
+    b.data.resize(252);
+    b.crc32c = static_cast<int32_t>(crc32c(b.data));
+    c.push_weight_bucket(b);
+  });
+  check_refused("SIZE", "of -3 elements", [&] {
+    rpc::WeightBucket b = good();
+    b.pieces[0].elements = -3;
+    c.push_weight_bucket(b);
+  });
+  check_refused("DTYPE", "data of dtype 2 for weights of f32", [&] {
+    rpc::WeightBucket b = good();
+    b.dtype = rpc::WeightDType::BF16;  // 128 bytes for 64 elements would fit, the type does not
+    b.data.resize(128);
+    b.crc32c = static_cast<int32_t>(crc32c(b.data));
+    c.push_weight_bucket(b);
+  });
+  check_refused("DTYPE", "data of dtype 7", [&] {
+    rpc::WeightBucket b = good();
+    b.dtype = static_cast<rpc::WeightDType::type>(7);
+    c.push_weight_bucket(b);
+  });
+  check_refused("CHECKSUM", "the bucket says", [&] {
+    rpc::WeightBucket b = good();
+    b.data[17] ^= 1;  // one bit flipped on the way
+    c.push_weight_bucket(b);
+  });
+  check_refused("OVERLAP", "elements 10..20 of '" + norm + "' arrived already", [&] {
+    rpc::WeightBucket b = bucket_of(pw, 2, 0, {piece(norm, 0, 20), piece(norm, 10, 10)});
+    c.push_weight_bucket(b);
+  });
+
+  // None of the refused buckets left a trace: a good one is taken, once even when sent again.
+  rpc::WeightBucket b0 = good();
+  c.push_weight_bucket(b0);
+  c.push_weight_bucket(b0);
+  check_refused("OVERLAP", "bucket 0 of v2 arrived already, with other data", [&] {
+    rpc::WeightBucket b = bucket_of(pw, 2, 0, {piece(norm, 0, 63)});
+    c.push_weight_bucket(b);
+  });
+  check_refused("OVERLAP", "elements 0..64 of '" + norm + "' arrived already", [&] {
+    rpc::WeightBucket b = good(1);
+    c.push_weight_bucket(b);
+  });
+  check_refused("INCOMPLETE", "bucket 1 of 2 has not arrived", [&] { c.commit_weight_push(2, 2); });
+  check_refused("INCOMPLETE", "of '" + pw.named()[0].name + "' arrived",
+                [&] { c.commit_weight_push(2, 1); });
+
+  // Still the weights it had, generating as before; then a whole push takes.
+  CHECK(c.weight_version() == 0);
+  check_same_samples(w.sample(), before);
+  CHECK(push_weights(c, pw, 4, 64 << 20).version == 4);
+  CHECK(w.sample().samples[0].weight_version == 4);
+  check_refused("VERSION", "not newer than the worker's 4", [&] { c.begin_weight_push(3); });
+}
+
+TEST_CASE("an interrupted weight push leaves the worker on its previous complete version",
+          "[unit]") {
+  model::LoadedModel v1 = model::load_model(models().file("v1"));
+  model::LoadedModel v0 = model::load_model(models().file("v0"));
+  Worker w("v0", DType::f32, 0.5);
+  RolloutClient& c = *w.client;
+  const rpc::GenerateResponse at_v0 = w.sample();
+  REQUIRE(push_weights(c, *v1.weights, 1, 64 << 20).version == 1);
+  const rpc::GenerateResponse at_v1 = w.sample();
+
+  // Half of version 2 (the v0 weights), then the trainer goes away.
+  const auto plan = plan_weight_buckets(*v0.weights, 4, 60000);
+  auto send_half = [&](int64_t version) {
+    c.begin_weight_push(version);
+    for (size_t i = 0; i < plan.size() / 2; ++i) {
+      rpc::WeightBucket b = bucket_of(*v0.weights, version, static_cast<int32_t>(i), plan[i]);
+      c.push_weight_bucket(b);
+    }
+  };
+  send_half(2);
+  CHECK(c.weight_version() == 1);
+  check_same_samples(w.sample(), at_v1);  // generating under v1 meanwhile
+  check_refused("INCOMPLETE", "has not arrived",
+                [&] { c.commit_weight_push(2, static_cast<int32_t>(plan.size())); });
+
+  // A newer push ends it; the old one's buckets are refused.
+  const int64_t abandoned = c.stats().weight_updates_abandoned;
+  c.begin_weight_push(3);
+  CHECK(c.stats().weight_updates_abandoned == abandoned + 1);
+  CHECK_THAT(c.stats().last_weight_update_error, Contains("begin_weight_push of v3 ended it"));
+  check_refused("VERSION", "the push in progress is of v3", [&] {
+    rpc::WeightBucket b = bucket_of(*v0.weights, 2, 0, plan[0]);
+    c.push_weight_bucket(b);
+  });
+
+  // One that no call continues ends after limits.weight_update_timeout_s.
+  send_half(4);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (c.stats().weight_updates_abandoned < abandoned + 3 &&
+         std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(c.stats().weight_updates_abandoned == abandoned + 3);  // v3 by v4's begin, v4 by its bound
+  CHECK_THAT(c.stats().last_weight_update_error, Contains("limits.weight_update_timeout_s"));
+  check_refused("NO_PUSH", "no weight push in progress", [&] { c.commit_weight_push(4, 1); });
+  CHECK(c.weight_version() == 1);
+  check_same_samples(w.sample(), at_v1);
+
+  // A whole later push takes: v0's weights again, its samples again.
+  CHECK(push_weights(c, *v0.weights, 5, 64 << 20).version == 5);
+  const rpc::GenerateResponse again = w.sample();
+  CHECK(again.samples[0].weight_version == 5);
+  for (size_t i = 0; i < again.samples.size(); ++i)
+    CHECK(again.samples[i].logprobs == at_v0.samples[i].logprobs);
+}
+
+TEST_CASE("a weight bucket frame whose data size lies closes that connection only", "[unit]") {
+  Worker w("v0");
+  w.client->begin_weight_push(1);
+  // push_weight_bucket(bucket = {version 1, data: `size` bytes claimed, 8 sent}).
+  auto frame = [](int32_t size) {
+    const std::string name = "push_weight_bucket";
+    std::string call = test::wire_i32(static_cast<int32_t>(0x80010001)) +
+                       test::wire_i32(static_cast<int32_t>(name.size())) + name + test::wire_i32(1);
+    call += std::string(1, 12) + test::wire_i16(1);  // field 1: the bucket (a struct)
+    call += std::string(1, 10) + test::wire_i16(1) + std::string(7, '\0') + std::string(1, 1);
+    call += std::string(1, 11) + test::wire_i16(5) + test::wire_i32(size) + std::string(8, 'x');
+    return test::framed(call + std::string(2, '\0'));
+  };
+  for (int32_t size : {0x7fffffff, 11, -4}) {  // 10 bytes are left in the frame
+    INFO("data size " << size);
+    const int fd = test::connect_loopback(w.server->port());
+    test::send_all(fd, frame(size));
+    shutdown(fd, SHUT_WR);
+    pollfd p{fd, POLLIN, 0};
+    REQUIRE(poll(&p, 1, 3000) == 1);
+    char byte = 0;
+    CHECK(recv(fd, &byte, 1, 0) == 0);  // closed, no answer
+    close(fd);
+  }
+  CHECK(w.server->stats().refused == 3);
+  // The push and the worker go on.
+  model::LoadedModel v1 = model::load_model(models().file("v1"));
+  CHECK(push_weights(*w.client, *v1.weights, 2, 64 << 20).version == 2);
+}
+
+}  // namespace tandem::rollout
