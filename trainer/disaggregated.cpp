@@ -334,6 +334,7 @@ bool RemoteRollout::rejoin(size_t i) {
     w.stale = w.version < current_;
     if (!w.stale) {
       spdlog::info("rollout worker {} holds weight version {}", w.address, w.version);
+      rejoins_ += 1;
       return true;
     }
     if (wire_ && !copy) {

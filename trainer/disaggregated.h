@@ -3,6 +3,7 @@
 // checksummed buckets (placement.weights = "wire") or as an HF directory the workers read.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -67,6 +68,9 @@ class RemoteRollout {
   // took the weights.
   void push(const model::Weights& policy, uint64_t version);
   const WeightPushStats& last_push() const { return last_push_; }
+  // Workers brought back to the latest version since the job started (rejoin): one that did has
+  // served without the canary having probed it.
+  int64_t rejoins() const { return rejoins_.load(); }
 
   // disaggregated/* metrics of the step: workers live and set aside, calls answered and failed,
   // last push.
@@ -101,6 +105,7 @@ class RemoteRollout {
   // and wants_push, which the pool's
   // health-check threads (rejoin) read and write too.
   mutable std::mutex mutex_;
+  std::atomic<int64_t> rejoins_{0};
   int64_t current_ = 0;  // the workers' version of the weights last pushed
   std::string current_dir_;
   // keep_copy's copy of version copy_version_, and its source, withdrawn before it is rewritten.

@@ -236,7 +236,8 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   // log the difference (rollout_trainer_logp/*: 0 where the two compute alike).
   if (!rollout_->zero_copy() || rollout_->tp() > 1) step_config_.always_recompute_old = true;
   // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
-  // far the workers' logprobs are from it (rollout_trainer_logp/*).
+  // far the workers' logprobs are from it (rollout_trainer_logp/*), unless the canary found them
+  // the trainer's bitwise at the version they sampled from (Job::update_and_publish).
   if (job.placement.mode == "disaggregated") step_config_.always_recompute_old = true;
   ModelParallel parallel;
   if (grid_ != nullptr) parallel = grid_->model_parallel();
@@ -423,8 +424,17 @@ PublishStats Job::publish() {
 
 std::optional<CanaryResult> Job::check_canary(int64_t step) {
   if (!canary_) return std::nullopt;
-  return canary_->check(*engine_, *trainer_, trainer_->policy(), step,
-                        static_cast<uint64_t>(state_.weight_version), remote_.get());
+  CanaryResult r = canary_->check(*engine_, *trainer_, trainer_->policy(), step,
+                                  static_cast<uint64_t>(state_.weight_version), remote_.get());
+  if (remote_) {
+    exact_version_ = r.max_abs == 0 ? state_.weight_version : -1;
+    exact_rejoins_ = remote_->rejoins();
+  }
+  return r;
+}
+
+bool Job::workers_logp_exact() const {
+  return remote_ && exact_version_ == state_.weight_version && remote_->rejoins() == exact_rejoins_;
 }
 
 // The update and publish phases. The training phase does not need the engine's KV cache and
@@ -435,6 +445,19 @@ Updated Job::update_and_publish(const Selected& selected) {
   if (job_.placement.release_memory) engine_->release_memory();
   if (selected.batch() == 0) return u;
   const auto t0 = Clock::now();
+  if (remote_ && !job_.trainer.step.always_recompute_old) {
+    // The workers' logprobs are the trainer's bitwise when the canary measured 0 on every worker
+    // after the push they sampled from, and no worker came back unprobed since.
+    const bool recompute = !workers_logp_exact();
+    trainer_->set_always_recompute_old(recompute);
+    if (role_ == Role::writer && recompute_logged_ != (recompute ? 1 : 0))
+      std::fprintf(stderr, "tandem: old logprobs: %s\n",
+                   recompute ? "recomputed by the trainer (the workers' are not known to be its "
+                               "own: weight_sync.canary off, above 0, or a worker came back)"
+                             : "the workers' (the canary found them the trainer's bitwise at "
+                               "this weight version)");
+    recompute_logged_ = recompute ? 1 : 0;
+  }
   u.train =
       trainer_->step(selected.train, optimizer_->comm() != nullptr ? &selected.shard : nullptr);
   if (job_.placement.release_memory) trainer_->release_activations();

@@ -98,6 +98,12 @@ class Job {
   // then serves eval only.
   std::unique_ptr<RemoteRollout> remote_;
   std::unique_ptr<Canary> canary_;  // weight_sync.canary: probes the engine after each publish
+  // Disaggregated: the weight version at which the canary found every worker's logprobs the
+  // trainer's bitwise (-1: none), and the pool's rejoins then; the workers' logprobs serve as the
+  // old ones while both still hold (workers_logp_exact).
+  int64_t exact_version_ = -1, exact_rejoins_ = 0;
+  bool workers_logp_exact() const;
+  int recompute_logged_ = -1;  // the last decision logged (0 the workers', 1 recomputed)
   // Chosen once (make_optimizer): AdamW on one rank, else ShardedAdamW at trainer.shard's level.
   std::unique_ptr<Optimizer> optimizer_;
   ShardedAdamW* sharded_ = nullptr;  // optimizer_ when it is the sharded one

@@ -116,6 +116,9 @@ class PolicyTrainer {
   // sharded optimizer, collective (each rank its samples).
   std::vector<float> logprobs(const model::Weights& weights, std::span<const TrainSample> samples,
                               std::vector<float>* entropy = nullptr);
+  // Recompute the old logprobs at the next steps (TrainStepConfig::always_recompute_old), or take
+  // the rollout's when the policy has not moved since it (one epoch, one minibatch).
+  void set_always_recompute_old(bool on) { config_.always_recompute_old = on; }
   // Whether logprobs() returns this rank's values (not the zeros of a pipeline stage before the
   // last).
   bool computes_logprobs() const {

@@ -644,3 +644,43 @@ TEST_CASE("a worker restarted during a disaggregated job gets the current weight
   CHECK(w.w1->stop() == 0);
   CHECK(w.w0->stop() == 0);
 }
+
+// The old logprobs: the canary probes every worker after each push; where it measures 0 (f32
+// workers, the trainer's kernels) the workers' logprobs are the trainer's bitwise, so the trainer
+// takes them instead of recomputing: the same losses and weights as a run that recomputes, and
+// the log says which it did.
+TEST_CASE(
+    "a disaggregated job takes the workers' logprobs as old ones where the canary found them "
+    "exact",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-old-logp");
+  TwoWorkers w(tmp);
+  const std::string keys =
+      "trainer.deterministic=true weight_sync.canary=true weight_sync.canary_tokens=8 " +
+      disaggregated(w.port0, w.port1);
+  const auto r = train(tmp, w.job, "taken", keys);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("old logprobs: the workers' (the canary found them the "
+                                    "trainer's bitwise at this weight version)"));
+  const auto taken = step_lines(tmp.file("taken/metrics.jsonl"));
+  const auto recomputed =
+      steps_of(tmp, w.job, "recomputed", keys + " trainer.always_recompute_old=true");
+  REQUIRE(taken.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    INFO("step " << i + 1 << ": " << taken[i].dump() << "\n" << recomputed[i].dump());
+    CHECK(taken[i]["weight_sync/canary_max_abs"].get<double>() == 0);
+    CHECK(taken[i]["old_logp_recomputed"] == 0);
+    CHECK(recomputed[i]["old_logp_recomputed"] == 1);
+    CHECK(recomputed[i]["rollout_trainer_logp/max_abs"].get<double>() == 0);
+    CHECK(taken[i]["samples_trained"] == recomputed[i]["samples_trained"]);
+    CHECK(taken[i]["loss"].get<double>() == recomputed[i]["loss"].get<double>());
+    CHECK(taken[i]["grad_norm"].get<double>() == recomputed[i]["grad_norm"].get<double>());
+  }
+  // Without the canary nothing tells: the trainer recomputes.
+  const auto off =
+      steps_of(tmp, w.job, "off", "trainer.deterministic=true " + disaggregated(w.port0, w.port1));
+  for (const auto& m : off) CHECK(m["old_logp_recomputed"] == 1);
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+}
