@@ -67,6 +67,7 @@ struct RemoteRollout::Worker {
 RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
                              const model::Weights& policy, uint64_t version)
     : job_(job),
+      policy_(policy),
       wire_(job.placement.weights == "wire"),
       stop_ids_(m.stop_ids()),
       tokenizer_files_(model::hf_tokenizer_files(m.tok().data())) {

@@ -19,6 +19,7 @@
 #include "rollout/service/client_pool.h"
 #include "rollout/service/weight_push.h"
 #include "trainer/job_config.h"
+#include "trainer/rollout.h"
 
 namespace tandem::trainer {
 
@@ -32,14 +33,15 @@ struct WeightPushStats {
   int64_t updated = 0, missed = 0;  // workers that took it, and those that did not (down)
 };
 
-class RemoteRollout {
+class RemoteRollout final : public Rollout {
  public:
   // Waits up to placement.connect_timeout_s for every worker of placement.workers to answer
   // info(); refuses (tandem::Error naming the worker and the key) one that does not, one with
   // another protocol or vocabulary than `m`, or limits below the job's (rollout.n,
   // rollout.max_new_tokens, data.max_prompt_tokens). Then pushes `policy` as the job's weight
   // version `version`: every worker must take it (a worker of another shape refuses the
-  // weights), so that the first step samples from the trainer's weights.
+  // weights), so that the first step samples from the trainer's weights. `policy` (the whole f32
+  // weights: RolloutGroup::whole_policy) outlives the rollout; publish pushes its later values.
   RemoteRollout(const JobConfig& job, const model::LoadedModel& m, const model::Weights& policy,
                 uint64_t version);
   ~RemoteRollout();
@@ -50,7 +52,9 @@ class RemoteRollout {
   // flight; a failed worker's requests to the others) and asks for the weights last pushed (a
   // worker that missed them answers StaleWeights and the request goes elsewhere). Outputs in
   // order; throws tandem::Error when a request fails on placement.attempts workers.
-  std::vector<rollout::RequestOutput> generate(std::vector<rollout::Request> requests);
+  std::vector<rollout::RequestOutput> generate(std::vector<rollout::Request> requests) override;
+  // push(policy, version).
+  void publish(uint64_t version) override { push(policy_, version); }
   // The same request on every worker that holds the weights last pushed, one after another (the
   // weight_sync canary's probe): each worker's address and output. Throws naming a worker whose
   // call fails.
@@ -95,6 +99,7 @@ class RemoteRollout {
   void keep_copy(const model::Weights& policy, int64_t version);
 
   const JobConfig& job_;
+  const model::Weights& policy_;
   const bool wire_;  // placement.weights = "wire"
   std::vector<int32_t> stop_ids_;
   std::map<std::string, std::string> tokenizer_files_;

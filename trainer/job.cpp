@@ -276,9 +276,15 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
 
   state_.config = to_toml(job);
   resume();
-  if (job.placement.mode == "disaggregated")
+  local_ = std::make_unique<LocalRollout>(*engine_, *rollout_);
+  train_rollout_ = local_.get();
+  published_ = {local_.get()};
+  if (job.placement.mode == "disaggregated") {
     remote_ = std::make_unique<RemoteRollout>(job, m_, rollout_->whole_policy(),
                                               static_cast<uint64_t>(state_.weight_version));
+    train_rollout_ = remote_.get();
+    published_.push_back(remote_.get());
+  }
   check_canary(state_.step);  // the weights the job starts or resumes with
   if (role_ == Role::writer) {
     metrics_out_.emplace((fs::path(job.logging.dir) / "metrics.jsonl").string());
@@ -385,8 +391,8 @@ Collected Job::collect() {
     std::vector<Group> groups;
     if (!replica_prompts.empty())
       groups =
-          generate(*engine_, m_, std::move(replica_prompts), job_, static_cast<int>(job_.rollout.n),
-                   job_.rollout.temperature, seed, gen_first, remote_.get());
+          generate(*train_rollout_, m_, std::move(replica_prompts), job_,
+                   static_cast<int>(job_.rollout.n), job_.rollout.temperature, seed, gen_first);
     groups = std::vector<Group>(
         std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(first - gen_first)),
         std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(last - gen_first)));
@@ -417,8 +423,7 @@ PublishStats Job::publish() {
   const auto version = static_cast<uint64_t>(state_.weight_version);
   const PublishStats st = rollout_->publish(version);
   if (hooks_.after_publish) hooks_.after_publish(rank_, version, rollout_->own_weights());
-  engine_->set_weights(rollout_->weights(), version);
-  if (remote_) remote_->push(rollout_->whole_policy(), version);
+  for (Rollout* r : published_) r->publish(version);
   return st;
 }
 
@@ -480,7 +485,7 @@ void Job::evaluate() {
   const auto t0 = Clock::now();
   const int k = static_cast<int>(job_.eval.pass_k);
   std::vector<Group> groups =
-      generate(*engine_, m_, eval_prompts_, job_, k, job_.eval.temperature, 424242);
+      generate(*local_, m_, eval_prompts_, job_, k, job_.eval.temperature, 424242);
   if (role_ != Role::writer) return;
   const rewards::RewardBreakdown b = score(groups, rewards_, job_);
   double reward_sum = 0, solved = 0;

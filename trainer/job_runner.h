@@ -94,10 +94,14 @@ class Job {
   // dtype) that publishing fills. The engine then drops its prefix cache and stamps the version.
   std::unique_ptr<RolloutGroup> rollout_;
   std::unique_ptr<rollout::Engine> engine_;
-  // Disaggregated (placement.mode): the workers that generate the training rollouts; engine_
+  // This rank's engine as a Rollout (eval, and the training rollouts of a colocated job).
+  std::unique_ptr<LocalRollout> local_;
+  // Disaggregated (placement.mode): the workers that generate the training rollouts; the engine
   // then serves eval only.
   std::unique_ptr<RemoteRollout> remote_;
-  std::unique_ptr<Canary> canary_;  // weight_sync.canary: probes the engine after each publish
+  Rollout* train_rollout_ = nullptr;  // remote_ or local_: what collect() generates with
+  std::vector<Rollout*> published_;   // every Rollout that samples from the trainer's weights
+  std::unique_ptr<Canary> canary_;    // weight_sync.canary: probes the engine after each publish
   // Disaggregated: the weight version at which the canary found every worker's logprobs the
   // trainer's bitwise (-1: none), and the pool's rejoins then; the workers' logprobs serve as the
   // old ones while both still hold (workers_logp_exact).

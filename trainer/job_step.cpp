@@ -41,18 +41,14 @@ void append(rewards::RewardBreakdown& b, const rewards::RewardBreakdown& more) {
   }
 }
 
-std::vector<Group> generate(rollout::Engine& engine, const model::LoadedModel& m,
+std::vector<Group> generate(Rollout& rollout, const model::LoadedModel& m,
                             std::vector<Prompt> prompts, const JobConfig& job, int n,
-                            double temperature, uint64_t seed, size_t first,
-                            RemoteRollout* remote) {
+                            double temperature, uint64_t seed, size_t first) {
   std::vector<rollout::Request> requests;
   for (size_t i = 0; i < prompts.size(); ++i)
     requests.push_back({fmt::format("{}", i), prompts[i].rendered.tokens,
                         sampling(job, m, n, temperature, seed + 7919 * (first + i))});
-  // Disaggregated: the workers generate, the same requests.
-  std::vector<rollout::RequestOutput> outputs = remote != nullptr
-                                                    ? remote->generate(std::move(requests))
-                                                    : engine.generate(std::move(requests));
+  std::vector<rollout::RequestOutput> outputs = rollout.generate(std::move(requests));
   std::vector<Group> groups(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     rollout::RequestOutput& o = outputs[i];

@@ -19,6 +19,7 @@
 #include "trainer/disaggregated.h"
 #include "trainer/grpo.h"
 #include "trainer/job_config.h"
+#include "trainer/rollout.h"
 #include "trainer/rollout_group.h"
 #include "trainer/train_step.h"
 
@@ -85,10 +86,9 @@ void append(rewards::RewardBreakdown& b, const rewards::RewardBreakdown& more);
 
 // Generates n samples for each prompt, the i-th prompt's from seed + 7919 (first + i): `first` is
 // the index of prompts[0] in its round, so that a prompt's samples do not depend on the rank.
-std::vector<Group> generate(rollout::Engine& engine, const model::LoadedModel& m,
+std::vector<Group> generate(Rollout& rollout, const model::LoadedModel& m,
                             std::vector<Prompt> prompts, const JobConfig& job, int n,
-                            double temperature, uint64_t seed, size_t first = 0,
-                            RemoteRollout* remote = nullptr);
+                            double temperature, uint64_t seed, size_t first = 0);
 
 // Scores every sample of `groups` (setting Sample::reward) and returns the breakdown.
 rewards::RewardBreakdown score(std::span<Group> groups, rewards::RewardSet& reward_set,
