@@ -235,10 +235,8 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   // the trainer's bitwise, so an engine with its own weights has the trainer compute its own and
   // log the difference (rollout_trainer_logp/*: 0 where the two compute alike).
   if (!rollout_->zero_copy() || rollout_->tp() > 1) step_config_.always_recompute_old = true;
-  // Disaggregated: the workers' engines sample; the trainer computes pi_old itself and logs how
-  // far the workers' logprobs are from it (rollout_trainer_logp/*), unless the canary found them
-  // the trainer's bitwise at the version they sampled from (Job::update_and_publish).
-  if (job.placement.mode == "disaggregated") step_config_.always_recompute_old = true;
+  // Disaggregated: the workers' engines sample; update_and_publish decides each step whether the
+  // trainer recomputes pi_old (and logs how far the workers' logprobs are from it) or takes theirs.
   ModelParallel parallel;
   if (grid_ != nullptr) parallel = grid_->model_parallel();
   if (hooks.before_stage_backward) {

@@ -26,8 +26,8 @@
 #include "core/build_info.h"
 #include "core/crc32c.h"
 #include "core/error.h"
-#include "core/half.h"
 #include "core/utf8.h"
+#include "kernels/ops.h"
 #include "rollout/service/client.h"
 #include "rollout/service/rpc/RolloutService.h"
 #include "rollout/service/rpc/rollout_constants.h"
@@ -731,9 +731,8 @@ class RolloutHandler : public rpc::RolloutServiceIf {
           std::memcpy(static_cast<char*>(t.data()) + at * element_bytes, from,
                       static_cast<size_t>(n * element_bytes));
         } else {  // f32 data for bf16 weights
-          const auto* f = reinterpret_cast<const float*>(from);
-          uint16_t* d = static_cast<uint16_t*>(t.data()) + at;
-          for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16_bits(f[i]);
+          ops::cast(Tensor::wrap(const_cast<char*>(from), {n}, DType::f32),
+                    Tensor::wrap(static_cast<uint16_t*>(t.data()) + at, {n}, DType::bf16));
         }
       }
       src += piece->elements * element_bytes;

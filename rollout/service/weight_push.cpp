@@ -12,7 +12,7 @@
 
 #include "core/crc32c.h"
 #include "core/error.h"
-#include "core/half.h"
+#include "kernels/ops.h"
 #include "rollout/service/server.h"
 
 namespace tandem::rollout {
@@ -42,15 +42,8 @@ void emit_pieces(const model::Weights& w, DType to, const std::vector<rpc::Weigh
     const int64_t chunk = static_cast<int64_t>(cast.size()) / out_bytes;
     for (int64_t first = 0; first < p.elements; first += chunk) {
       const int64_t n = std::min(chunk, p.elements - first);
-      if (to == DType::bf16) {
-        const auto* f = reinterpret_cast<const float*>(src) + first;
-        auto* d = reinterpret_cast<uint16_t*>(cast.data());
-        for (int64_t k = 0; k < n; ++k) d[k] = f32_to_bf16_bits(f[k]);
-      } else {
-        const auto* h = reinterpret_cast<const uint16_t*>(src) + first;
-        auto* d = reinterpret_cast<float*>(cast.data());
-        for (int64_t k = 0; k < n; ++k) d[k] = bf16_bits_to_f32(h[k]);
-      }
+      ops::cast(Tensor::wrap(const_cast<char*>(src) + first * in_bytes, {n}, t.dtype()),
+                Tensor::wrap(cast.data(), {n}, to));
       emit(cast.data(), static_cast<size_t>(n * out_bytes));
     }
   }
