@@ -340,27 +340,28 @@ Tensor upload_prefix(Tensor buf, const PackedBatch& batch) {
   return buf;
 }
 
-// The calls of DecoderOptions::unit_hooks (none without hooks), in UnitHooks' order.
+// The calls of DecoderOptions::unit_hooks (none without hooks) on a part's units, in UnitHooks'
+// order: the decoder's and walk_unit_calls' one definition of it.
 class UnitCalls {
  public:
-  UnitCalls(UnitHooks* hooks, int64_t layers, bool tied)
-      : hooks_(hooks), layers_(layers), tied_(tied) {}
-  size_t layer(int64_t l) const { return static_cast<size_t>(l) + 1; }
-  size_t head() const { return static_cast<size_t>(layers_) + 1; }
+  UnitCalls(UnitHooks* hooks, const ModelConfig& config, const ModelPart& part)
+      : hooks_(hooks), units_(config, part) {}
+  const PartUnits& units() const { return units_; }
+  size_t layer(int64_t l) const { return units_.layer(l); }
   void acquire(size_t u) const {
     if (hooks_) hooks_->acquire(u);
   }
   void release(size_t u) const {
     if (hooks_) hooks_->release(u);
   }
-  // The head reads the final norm and lm_head: the embedding's weights when tied.
+  // The head reads the final norm and lm_head: the embedding's weights (or their copy) when tied.
   void acquire_head() const {
-    acquire(head());
-    if (tied_) acquire(0);
+    acquire(units_.head);
+    if (units_.head_embed != PartUnits::kNone) acquire(units_.head_embed);
   }
   void release_head() const {
-    if (tied_) release(0);
-    release(head());
+    if (units_.head_embed != PartUnits::kNone) release(units_.head_embed);
+    release(units_.head);
   }
   void begin_gradients(size_t u) const {
     if (hooks_) hooks_->begin_gradients(u);
@@ -368,11 +369,25 @@ class UnitCalls {
   void end_gradients(size_t u) const {
     if (hooks_) hooks_->end_gradients(u);
   }
+  // A tied head's gradients of lm_head are the embedding's (or its copy's): open with the head's.
+  void begin_head_gradients() const {
+    begin_gradients(units_.head);
+    if (units_.head_embed != PartUnits::kNone) begin_gradients(units_.head_embed);
+  }
+  // The head's; a copy of the embedding's too, the embedding's own stay open to its backward.
+  void end_head_gradients() const {
+    end_gradients(units_.head);
+    if (units_.head_embed != PartUnits::kNone && units_.head_embed != units_.embed)
+      end_gradients(units_.head_embed);
+  }
+  void begin_embed_gradients() const {
+    if (units_.head_embed != units_.embed) begin_gradients(units_.embed);
+  }
+  void end_embed_gradients() const { end_gradients(units_.embed); }
 
  private:
   UnitHooks* hooks_;
-  int64_t layers_;
-  bool tied_;
+  PartUnits units_;
 };
 
 void check_no_unit_hooks(const UnitHooks* hooks, const char* what) {
@@ -682,12 +697,6 @@ Decoder::Decoder(const Weights& weights, const DecoderOptions& options)
   TANDEM_CHECK(options.pipeline_slots >= 1,
                "decoder: DecoderOptions::pipeline_slots must be 1 or more, got {}",
                options.pipeline_slots);
-  if (!weights.whole()) {
-    TANDEM_CHECK(options.unit_hooks == nullptr,
-                 "decoder: weights of a model part ({}) run a pipeline stage of unsharded weights: "
-                 "DecoderOptions::unit_hooks must be null",
-                 weights.part().str(weights.config()));
-  }
   impl_->slots.resize(static_cast<size_t>(options.pipeline_slots));
   for (Impl::Slot& slot : impl_->slots)
     slot.arena = std::make_unique<Arena>(ArenaClass::activations, weights.device(),
@@ -756,16 +765,16 @@ void Decoder::train_forward(size_t slot, const PackedBatch& batch, const Tensor&
   const AttentionInputs in = m.upload_batch(b, batch);
   if (head) upload(b.targets, batch.targets);
   const Stream& s = m.net.stream();
-  const UnitCalls units(m.options.unit_hooks, L, c.tie_word_embeddings);
+  const UnitCalls units(m.options.unit_hooks, c, m.part);
   // Tensor parallel: the entropy is computed in any case and kept (backward's
   // logprob_shard_backward reads it).
   const bool tp = m.net.tp() != nullptr;
   if (h_in.defined()) {  // a pipeline stage after the first: the previous one's output
     Tensor(b.resid[0]).copy_from(h_in);
   } else {
-    units.acquire(0);
+    units.acquire(units.units().embed);
     m.embed(b, *weights_, batch.tokens);
-    units.release(0);
+    units.release(units.units().embed);
   }
   for (int64_t l = 0; l < L; ++l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
@@ -917,13 +926,14 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
   const AttentionInputs in{b.positions, b.cu_seqlens, nullptr,  {},        {},
                            {},          b.ones,       b.prefix, b.tp_parts};
   LayerGrads& g = b.grads;
-  const UnitCalls units(m.options.unit_hooks, L, c.tie_word_embeddings);
-  units.begin_gradients(units.head());
-  if (c.tie_word_embeddings) units.begin_gradients(0);  // lm_head's are the embedding's
-  units.acquire_head();
+  const UnitCalls units(m.options.unit_hooks, c, m.part);
 
   const Tensor& h = b.resid[static_cast<size_t>(L)];
-  if (!m.part.head) {  // a pipeline stage before the last (no unit hooks): the next one's dL/dh
+  if (m.part.head) {
+    units.begin_head_gradients();
+    units.acquire_head();
+  }
+  if (!m.part.head) {  // a pipeline stage before the last: the next one's dL/dh
     Tensor(g.dh).copy_from(dh_out);
   } else if (b.head_rows == T) {
     m.head_backward(b, temperature, dlogprob, dentropy, *weights_, h, g.dh, grads);
@@ -942,8 +952,10 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
                     b.head_in.narrow(0, R), dhs, grads);
     ops::embedding_backward(ids, dhs, g.dh, false, s);
   }
-  units.release_head();
-  units.end_gradients(units.head());
+  if (m.part.head) {
+    units.release_head();
+    units.end_head_gradients();
+  }
   for (int64_t l = L - 1; l >= 0; --l) {
     LayerActs& a = b.acts[static_cast<size_t>(m.options.recompute ? 0 : l)];
     const Tensor& h_in = b.resid[static_cast<size_t>(l)];
@@ -960,9 +972,56 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
     Tensor(dh_in).copy_from(g.dh);
     return;
   }
-  if (!c.tie_word_embeddings) units.begin_gradients(0);
+  units.begin_embed_gradients();
   m.embed_backward(b, g.dh, g.dx, grads);  // g.dx: free scratch now
-  units.end_gradients(0);
+  units.end_embed_gradients();
+}
+
+PartUnits::PartUnits(const ModelConfig& config, const ModelPart& part) {
+  if (part.embedding) embed = count++;
+  first_layer_ = count;
+  count += static_cast<size_t>(part.num_layers);
+  if (part.head) {
+    head = count++;
+    if (config.tie_word_embeddings) head_embed = part.embedding ? embed : count++;
+  }
+}
+
+void walk_unit_calls(const ModelConfig& config, const ModelPart& part, UnitPass pass,
+                     UnitHooks& hooks) {
+  const UnitCalls units(&hooks, config, part);
+  const PartUnits& u = units.units();
+  if (pass != UnitPass::backward) {
+    if (part.embedding) {
+      units.acquire(u.embed);
+      units.release(u.embed);
+    }
+    for (int64_t l = 0; l < part.num_layers; ++l) {
+      units.acquire(units.layer(l));
+      units.release(units.layer(l));
+    }
+    if (part.head) {
+      units.acquire_head();
+      units.release_head();
+    }
+  }
+  if (pass == UnitPass::forward) return;
+  if (part.head) {
+    units.begin_head_gradients();
+    units.acquire_head();
+    units.release_head();
+    units.end_head_gradients();
+  }
+  for (int64_t l = part.num_layers - 1; l >= 0; --l) {
+    units.acquire(units.layer(l));
+    units.begin_gradients(units.layer(l));
+    units.end_gradients(units.layer(l));
+    units.release(units.layer(l));
+  }
+  if (part.embedding) {
+    units.begin_embed_gradients();
+    units.end_embed_gradients();
+  }
 }
 
 void Decoder::forward_stage(int64_t micro, const PackedBatch& batch, const Tensor& h_in,

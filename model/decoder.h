@@ -6,6 +6,7 @@
 // Hkv key/value heads, D head size, F MLP width, V vocabulary, L layers.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -69,13 +70,14 @@ struct PackedBatch {
 };
 
 // A trainer whose weights or gradients are sharded over ranks (trainer::ShardedAdamW) makes them
-// whole one unit at a time (model::ShardLayout's units: the embedding 0, layer l at 1 + l, the
-// head last). A decoder given hooks (training forward and backward only) calls acquire(u) before
-// it reads unit u's weights and release(u) when done with them (the head: acquire(head), then the
-// embedding's when tied, released in the reverse order), and in backward begin_gradients(u)
-// before it adds to unit u's gradients and end_gradients(u) once it has added all of them (the
-// tied embedding's span the whole backward). Forward: E, layers 0..L-1, head; backward: head,
-// layers L-1..0, E (gradients only).
+// whole one unit at a time (model::ShardLayout's units of the part's table, PartUnits). A decoder
+// given hooks (training forward and backward, and a pipeline stage's, only) calls acquire(u)
+// before it reads unit u's weights and release(u) when done with them (the head: acquire(head),
+// then the embedding's or its copy's when tied, released in the reverse order), and in backward
+// begin_gradients(u) before it adds to unit u's gradients and end_gradients(u) once it has added
+// all of them (a tied embedding's span the whole backward of a part holding the embedding and the
+// head). Forward: E, the part's layers, head; backward: head, the layers in reverse, E (gradients
+// only). walk_unit_calls makes the same calls without computing.
 class UnitHooks {
  public:
   virtual ~UnitHooks() = default;
@@ -84,6 +86,33 @@ class UnitHooks {
   virtual void begin_gradients(size_t unit) = 0;
   virtual void end_gradients(size_t unit) = 0;
 };
+
+// The units of a part's weights, numbered as model::ShardLayout numbers its table's (storage
+// order): the embedding when the part holds it, each of its layers, the head (the final norm, and
+// lm_head when untied), and on a part with the head but not the embedding the tied head's copy of
+// the embedding matrix, last.
+struct PartUnits {
+  static constexpr size_t kNone = SIZE_MAX;
+  PartUnits(const ModelConfig& config, const ModelPart& part);
+  size_t embed = kNone;       // the embedding (unit 0), when the part holds it
+  size_t head = kNone;        // when the part holds the head
+  size_t head_embed = kNone;  // what a tied head reads as lm_head: embed, or its copy
+  size_t count = 0;           // units of the part
+  size_t layer(int64_t l) const { return first_layer_ + static_cast<size_t>(l); }  // the part's l
+
+ private:
+  size_t first_layer_ = 0;
+};
+
+// One decoder pass's unit calls: a forward, a forward then its backward (forward and backward),
+// or a pipeline stage's backward alone (backward_stage; its forward_stage was a pass of its own).
+enum class UnitPass { forward, forward_backward, backward };
+
+// The unit calls a decoder over `part` of a model makes in one pass, in its order, computing
+// nothing: a rank's part of a pass it has no micro-batch for, and tests that stand in for the
+// decoder.
+void walk_unit_calls(const ModelConfig& config, const ModelPart& part, UnitPass pass,
+                     UnitHooks& hooks);
 
 struct DecoderOptions {
   int64_t max_tokens = 4096;  // T the activation arena is planned for up front
@@ -117,7 +146,8 @@ struct DecoderOptions {
   // is refused, as backward does not sum those ranks' k/v gradients. 0: not given, and forward
   // refuses such a shard asking for it; otherwise checked against the shard.
   int64_t tp_kv_heads = 0;
-  // Sharded training (forward and backward only): see UnitHooks. Null: whole weights.
+  // Sharded training (forward and backward, and the stage calls, only): see UnitHooks. Null:
+  // whole weights.
   UnitHooks* unit_hooks = nullptr;
   // Pipeline stages (forward_stage, backward_stage): the micro-batches whose activations the
   // decoder holds at once, each in an arena of its own planned for max_tokens. 1F1B keeps at most
@@ -207,9 +237,10 @@ class Decoder {
   // logprobs, entropies and gradients (with tied embeddings the last stage's lm_head gradient is
   // the head's part of the embedding's). The other calls (forward, score, ...) drop every
   // micro-batch in flight, and a stage call drops forward's state; a part's decoder runs the
-  // stage calls only and takes no unit hooks. A part of a tensor-parallel shard (its weights cut
-  // from the shard's, DecoderOptions::tp_group set) runs its stage on the shard as forward and
-  // backward do: the stages of one TP rank together give that rank's TP gradients.
+  // stage calls only (with unit hooks: each stage call one UnitPass, forward or backward). A part
+  // of a tensor-parallel shard (its weights cut from the shard's, DecoderOptions::tp_group set)
+  // runs its stage on the shard as forward and backward do: the stages of one TP rank together give
+  // that rank's TP gradients.
   //
   // A stage without the head: h_in (T, C) the previous stage's output (undefined on the first
   // stage: the batch's tokens are embedded); h_out (T, C) receives the stage's output. Both are

@@ -1,7 +1,8 @@
 // ShardLayout: how a data-parallel trainer splits the parameters of a model::Weights over its
 // ranks (ZeRO / FSDP). The storage tensors, flattened one after the other in storage order (P
 // elements: "the flat parameters"), form units the trainer gathers and reduces at once: the
-// embedding, each layer, and the head (the final norm and an untied lm_head). A unit is cut into
+// embedding, each layer, and the head (the final norm and an untied lm_head); a pipeline stage's
+// table its own in the same order (model::PartUnits numbers them). A unit is cut into
 // blocks of kBlock elements from its start, and rank r of N owns blocks [r S, (r + 1) S) of it
 // (S = ceil(blocks / N), so the last ranks may own fewer or none). The blocks are also the global
 // gradient norm's partial sums, added in unit then block order: the same bits on any number of
@@ -54,10 +55,6 @@ class ShardLayout {
   // Flat offset of each storage tensor, then P.
   std::span<const int64_t> tensor_starts() const { return starts_; }
   size_t unit_of_tensor(size_t tensor) const { return unit_of_[tensor]; }
-  // The unit index of the embedding, of layer l, of the head.
-  static size_t embed_unit() { return 0; }
-  static size_t layer_unit(int64_t l) { return static_cast<size_t>(l) + 1; }
-  size_t head_unit() const { return units_.size() - 1; }
 
   // Elements of a rank's local buffer: every unit's S.
   int64_t local_size() const { return local_size_; }

@@ -721,11 +721,6 @@ void check_job(const Config& c, JobConfig& j) {
       c.fail(key, fmt::format("tensor- and pipeline-parallel training runs on cpu only for now, "
                               "and placement.device is \"{}\" ({})",
                               pl.device, c.where("placement.device")));
-    if (t.pp > 1 && t.shard.level != ShardLevel::optimizer)
-      c.fail("trainer.shard",
-             fmt::format("pipeline stages (trainer.pp = {}) shard the optimizer state only for "
-                         "now: set trainer.shard = \"optimizer\"",
-                         t.pp));
   }
 
   WeightSyncSection& ws = j.weight_sync;

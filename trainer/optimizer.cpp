@@ -230,41 +230,6 @@ const char* shard_level_name(ShardLevel level) {
   return "?";
 }
 
-void walk_unit_calls(const model::ModelConfig& config, bool backward, model::UnitHooks& hooks) {
-  const size_t L = static_cast<size_t>(config.num_layers), head = L + 1;
-  const bool tied = config.tie_word_embeddings;
-  hooks.acquire(0);
-  hooks.release(0);
-  for (size_t l = 1; l <= L; ++l) {
-    hooks.acquire(l);
-    hooks.release(l);
-  }
-  const auto head_in = [&] {
-    hooks.acquire(head);
-    if (tied) hooks.acquire(0);
-  };
-  const auto head_out = [&] {
-    if (tied) hooks.release(0);
-    hooks.release(head);
-  };
-  head_in();
-  head_out();
-  if (!backward) return;
-  hooks.begin_gradients(head);
-  if (tied) hooks.begin_gradients(0);
-  head_in();
-  head_out();
-  hooks.end_gradients(head);
-  for (size_t l = L; l >= 1; --l) {
-    hooks.acquire(l);
-    hooks.begin_gradients(l);
-    hooks.end_gradients(l);
-    hooks.release(l);
-  }
-  if (!tied) hooks.begin_gradients(0);
-  hooks.end_gradients(0);
-}
-
 namespace {
 
 // Bytes a ShardedAdamW holds by class now and at most since the last reset (weights,
@@ -353,6 +318,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
         options(options),
         layout(params, world),
         model_config(params.config()),
+        part(params.part()),
         dev(params.device()) {}
 
   model::Weights* full;  // whole f32 master weights (null at ShardLevel::parameters)
@@ -362,6 +328,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   ShardOptions options;
   model::ShardLayout layout;
   model::ModelConfig model_config;
+  model::ModelPart part;    // of the weights: the whole model, or a pipeline stage's
   ShardDevice dev;          // the device of every buffer below, and how collectives wait for it
   Held held;                // this optimizer's buffers by class
   std::vector<bool> decay;  // per storage tensor
@@ -409,6 +376,11 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   bool sharded_grads() const { return options.level != ShardLevel::optimizer; }
 
   void init() {
+    TANDEM_CHECK(layout.units().size() == model::PartUnits(model_config, part).count,
+                 "optimizer: the weights' {} units are not the {} units of their part ({}) the "
+                 "decoder's unit hooks number",
+                 layout.units().size(), model::PartUnits(model_config, part).count,
+                 part.str(model_config));
     for (const model::NamedTensor& s : full->storage())
       decay.push_back(AdamW::decays(config, s.name));
     find_model_parallel_tensors(full->storage());
@@ -434,7 +406,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
     resident.resize(units());
     open.resize(units());
     if (sharded_grads())
-      grads_table = model::Weights::unbound(model_config, DType::f32, dev.device());
+      grads_table = model::Weights::unbound(model_config, part, DType::f32, dev.device());
     if (!sharded_params()) held.add(ArenaClass::parameters, static_cast<int64_t>(full->nbytes()));
     if (sharded_params()) {
       params_local = Buffer(ArenaClass::parameters, n, DType::f32, &held, d);
@@ -447,7 +419,7 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
         });
       }
       full = nullptr;
-      compute_table = model::Weights::unbound(model_config, DType::f32, dev.device());
+      compute_table = model::Weights::unbound(model_config, part, DType::f32, dev.device());
     }
   }
 
@@ -562,20 +534,20 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
 
   // --- UnitHooks ---
 
-  void begin_pass(bool backward) {
+  // The units a pass acquires, in the decoder's order (model::walk_unit_calls).
+  void begin_pass(model::UnitPass pass) {
     schedule.clear();
     next = 0;
     if (!sharded_params()) return;
-    const size_t L = units() - 2, head = units() - 1;
-    const bool tied = model_config.tie_word_embeddings;
-    schedule.push_back(0);
-    for (size_t l = 1; l <= L; ++l) schedule.push_back(l);
-    schedule.push_back(head);
-    if (tied) schedule.push_back(0);
-    if (!backward) return;
-    schedule.push_back(head);
-    if (tied) schedule.push_back(0);
-    for (size_t l = L; l >= 1; --l) schedule.push_back(l);
+    struct Acquires final : model::UnitHooks {
+      std::vector<size_t>& out;
+      explicit Acquires(std::vector<size_t>& o) : out(o) {}
+      void acquire(size_t u) override { out.push_back(u); }
+      void release(size_t) override {}
+      void begin_gradients(size_t) override {}
+      void end_gradients(size_t) override {}
+    } acquires(schedule);
+    model::walk_unit_calls(model_config, part, pass, acquires);
   }
 
   // Starts the gather of unit u unless it is resident or on its way.
@@ -647,9 +619,9 @@ struct ShardedAdamW::Impl final : model::UnitHooks {
   }
 
   // The unit calls of one pass without a micro-batch.
-  void idle_pass(bool backward) {
-    begin_pass(backward);
-    walk_unit_calls(model_config, backward, *this);
+  void idle_pass(model::UnitPass pass) {
+    begin_pass(pass);
+    model::walk_unit_calls(model_config, part, pass, *this);
   }
 
   // ShardOptions::norm_excluded and ::shared by storage index and unit; throws naming a tensor the
@@ -939,11 +911,6 @@ ShardedAdamW::ShardedAdamW(model::Weights& params, Communicator* comm, const Ada
                "trainer.deterministic = false, or train on the CPU",
                params.device().str());
   TANDEM_CHECK(options.bucket_bytes > 0, "optimizer: bucket of {} bytes", options.bucket_bytes);
-  TANDEM_CHECK(params.whole() || options.level == ShardLevel::optimizer,
-               "optimizer: sharded AdamW shards the gradients and parameters of whole weights only "
-               "(its unit hooks number the embedding, every layer and the head), got a model part "
-               "({}) at trainer.shard = \"{}\": use \"optimizer\" for a pipeline stage",
-               params.part().str(params.config()), shard_level_name(options.level));
   impl_ = std::make_unique<Impl>(params, comm, config, options);
   impl_->init();
 }
@@ -963,12 +930,13 @@ const model::Weights& ShardedAdamW::compute_weights() {
 model::UnitHooks* ShardedAdamW::unit_hooks() {
   return impl_->sharded_grads() ? impl_.get() : nullptr;
 }
-void ShardedAdamW::begin_pass(bool backward) { impl_->begin_pass(backward); }
-void ShardedAdamW::idle_pass(bool backward) {
-  if (lockstep(backward)) impl_->idle_pass(backward);
+void ShardedAdamW::begin_pass(model::UnitPass pass) { impl_->begin_pass(pass); }
+void ShardedAdamW::idle_pass(model::UnitPass pass) {
+  if (lockstep(pass)) impl_->idle_pass(pass);
 }
-bool ShardedAdamW::lockstep(bool backward) const {
-  return comm_ != nullptr && (impl_->sharded_params() || (impl_->sharded_grads() && backward));
+bool ShardedAdamW::lockstep(model::UnitPass pass) const {
+  return comm_ != nullptr &&
+         (impl_->sharded_params() || (impl_->sharded_grads() && pass != model::UnitPass::forward));
 }
 void ShardedAdamW::begin_step() { impl_->begin_step(); }
 model::Weights& ShardedAdamW::gradients() {

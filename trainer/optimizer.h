@@ -118,12 +118,13 @@ class Optimizer {
   virtual const model::Weights& compute_weights() = 0;
   // Null when the decoder needs none (the weights and gradients are whole).
   virtual model::UnitHooks* unit_hooks() = 0;
-  // Before a decoder pass (a forward, and a backward when `backward`) on compute_weights().
-  virtual void begin_pass(bool backward) = 0;
+  // Before a decoder pass (model::UnitPass: a forward, a forward and its backward, or a pipeline
+  // stage's backward) on compute_weights().
+  virtual void begin_pass(model::UnitPass pass) = 0;
   // A pass this rank has no micro-batch for while others do: its part of their collectives.
-  virtual void idle_pass(bool backward) = 0;
+  virtual void idle_pass(model::UnitPass pass) = 0;
   // Whether ranks must run the same number of passes (idle_pass for the ones they lack).
-  virtual bool lockstep(bool backward) const = 0;
+  virtual bool lockstep(model::UnitPass pass) const = 0;
   virtual void begin_step() = 0;
   virtual model::Weights& gradients() = 0;
   virtual void end_micro_batch() = 0;
@@ -155,9 +156,9 @@ class AdamW final : public Optimizer {
   // Optimizer: whole weights and gradients (the gradients allocated by the first begin_step()).
   const model::Weights& compute_weights() override { return params_; }
   model::UnitHooks* unit_hooks() override { return nullptr; }
-  void begin_pass(bool) override {}
-  void idle_pass(bool) override {}
-  bool lockstep(bool) const override { return false; }
+  void begin_pass(model::UnitPass) override {}
+  void idle_pass(model::UnitPass) override {}
+  bool lockstep(model::UnitPass) const override { return false; }
   void begin_step() override;
   model::Weights& gradients() override;
   void end_micro_batch() override {}
@@ -199,11 +200,6 @@ class AdamW final : public Optimizer {
 // rank then sums or compares in that order, identically on every rank. Collective.
 std::vector<double> gather_doubles(Communicator& comm, std::span<const double> mine);
 
-// The unit calls a decoder makes in one training pass (forward, and backward when `backward`), in
-// its order (model/decoder.h), computing nothing: a rank's part of a pass it has no micro-batch
-// for (ShardedAdamW::idle_pass), and tests that stand in for the decoder.
-void walk_unit_calls(const model::ModelConfig& config, bool backward, model::UnitHooks& hooks);
-
 inline constexpr int64_t kFixedInvalid = INT64_MIN;
 
 // ShardedAdamW: AdamW sharded over the ranks of `comm` at a ShardLevel, over model::ShardLayout's
@@ -229,9 +225,9 @@ class ShardedAdamW final : public Optimizer {
   // Optimizer.
   const model::Weights& compute_weights() override;
   model::UnitHooks* unit_hooks() override;
-  void begin_pass(bool backward) override;
-  void idle_pass(bool backward) override;
-  bool lockstep(bool backward) const override;
+  void begin_pass(model::UnitPass pass) override;
+  void idle_pass(model::UnitPass pass) override;
+  bool lockstep(model::UnitPass pass) const override;
   void begin_step() override;
   model::Weights& gradients() override;
   void end_micro_batch() override;

@@ -301,25 +301,25 @@ std::vector<float> PolicyTrainer::logprobs(const model::Weights& weights,
       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
   const bool mine = dec == decoder_.get();
   // Every rank's count first: the collectives of a pass run as it computes.
-  const size_t passes = mine ? agree_passes(parts.size(), false) : parts.size();
+  const size_t passes = mine ? agree_passes(parts.size(), model::UnitPass::forward) : parts.size();
   for (const auto& [b0, b1] : parts) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
     Tensor lp = Tensor::empty({batch.num_tokens()}, DType::f32);
     Tensor ent = Tensor::empty({batch.num_tokens()}, DType::f32);
-    if (mine) optimizer_.begin_pass(false);
+    if (mine) optimizer_.begin_pass(model::UnitPass::forward);
     dec->forward(batch, lp, ent, config_.temperature);
     for (const int32_t row : batch.head_rows) {
       out.push_back(lp.data_as<float>()[row]);
       if (entropy != nullptr) entropy->push_back(ent.data_as<float>()[row]);
     }
   }
-  for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(false);
+  for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(model::UnitPass::forward);
   return out;
 }
 
-size_t PolicyTrainer::agree_passes(size_t mine, bool backward) {
-  if (comm_ == nullptr || !optimizer_.lockstep(backward)) return mine;
+size_t PolicyTrainer::agree_passes(size_t mine, model::UnitPass pass) {
+  if (comm_ == nullptr || !optimizer_.lockstep(pass)) return mine;
   const double n = static_cast<double>(mine);
   double most = 0;
   for (const double x : gather_doubles(*comm_, std::span(&n, 1))) most = std::max(most, x);
@@ -335,7 +335,7 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
   size_t token0 = 0;  // first completion token of the micro-batch in the minibatch's arrays
   const auto parts =
       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
-  const size_t passes = agree_passes(parts.size(), true);
+  const size_t passes = agree_passes(parts.size(), model::UnitPass::forward_backward);
   for (const auto& [b0, b1] : parts) {
     const auto part = samples.subspan(b0, b1 - b0);
     const model::PackedBatch batch = pack(part, share_);
@@ -343,7 +343,7 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     metrics.packed_tokens += T;
     Tensor lp = Tensor::empty({T}, DType::f32);
     Tensor ent = Tensor::empty({T}, DType::f32);
-    optimizer_.begin_pass(true);
+    optimizer_.begin_pass(model::UnitPass::forward_backward);
     decoder_->forward(batch, lp, ent, config_.temperature);
 
     const MicroLoss ml = micro_loss(part, b0, batch, lp, ent, old_logp.subspan(token0),
@@ -354,7 +354,8 @@ double PolicyTrainer::accumulate(std::span<const TrainSample> samples,
     optimizer_.end_micro_batch();
     token0 += batch.head_rows.size();
   }
-  for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(true);
+  for (size_t i = parts.size(); i < passes; ++i)
+    optimizer_.idle_pass(model::UnitPass::forward_backward);
   return loss;
 }
 
@@ -383,7 +384,14 @@ double PolicyTrainer::accumulate_pipelined(std::span<const TrainSample> samples,
   stage.activation_shape = [&](int i) {
     return Shape{batches[static_cast<size_t>(i)].num_tokens(), C};
   };
+  const int real = static_cast<int>(batches.size());
+  stage.real = real;
   stage.forward = [&](int i, const Tensor& input) {
+    if (i >= real) {  // a micro-batch of the data-parallel replicas only
+      optimizer_.idle_pass(model::UnitPass::forward);
+      return Tensor();
+    }
+    optimizer_.begin_pass(model::UnitPass::forward);
     const model::PackedBatch& batch = batches[static_cast<size_t>(i)];
     const int64_t T = batch.num_tokens();
     if (!last) {
@@ -404,6 +412,11 @@ double PolicyTrainer::accumulate_pipelined(std::span<const TrainSample> samples,
   };
   stage.backward = [&](int i, const Tensor& grad_output) {
     if (parallel_.before_stage_backward != nullptr) (*parallel_.before_stage_backward)(i);
+    if (i >= real) {
+      optimizer_.idle_pass(model::UnitPass::backward);
+      return Tensor();
+    }
+    optimizer_.begin_pass(model::UnitPass::backward);
     const int64_t T = batches[static_cast<size_t>(i)].num_tokens();
     const Tensor dh_in = first ? Tensor() : Tensor::empty({T, C}, DType::f32);
     if (last) {
@@ -415,11 +428,13 @@ double PolicyTrainer::accumulate_pipelined(std::span<const TrainSample> samples,
     optimizer_.end_micro_batch();
     return dh_in;
   };
-  // A data-parallel replica without samples in this minibatch: every stage of its pipeline has
-  // none alike (the optimizer's collectives come after the minibatch, at trainer.shard =
-  // optimizer, the one level stages run at).
-  if (batches.empty()) return 0;
-  run_pipeline(pp, PipeSchedule::one_f_one_b, static_cast<int>(batches.size()), stage);
+  // The micro-batches every stage runs: at trainer.shard = "gradients" and "parameters" the most
+  // any data-parallel replica has (the stage's collectives with its peers in the other replicas
+  // come in the same order), the replica's own at "optimizer" (whose collectives come after the
+  // minibatch); every stage of a pipeline agrees, as its replica's.
+  const size_t passes = agree_passes(batches.size(), model::UnitPass::backward);
+  if (passes == 0) return 0;
+  run_pipeline(pp, PipeSchedule::one_f_one_b, static_cast<int>(passes), stage);
   return loss;
 }
 
@@ -435,7 +450,10 @@ std::vector<float> PolicyTrainer::pipeline_logprobs(model::Decoder& dec,
   size_t k = 0;  // the next completion token
   const auto parts =
       micro_batches(samples, config_.micro_batch_tokens, share_, config_.deterministic);
+  const bool mine = &dec == decoder_.get();
+  const size_t passes = mine ? agree_passes(parts.size(), model::UnitPass::forward) : parts.size();
   for (size_t i = 0; i < parts.size(); ++i) {
+    if (mine) optimizer_.begin_pass(model::UnitPass::forward);
     const model::PackedBatch batch =
         pack(samples.subspan(parts[i].first, parts[i].second - parts[i].first), share_);
     const int64_t T = batch.num_tokens();
@@ -464,6 +482,7 @@ std::vector<float> PolicyTrainer::pipeline_logprobs(model::Decoder& dec,
       ++k;
     }
   }
+  for (size_t i = parts.size(); i < passes; ++i) optimizer_.idle_pass(model::UnitPass::forward);
   return out;
 }
 

@@ -150,7 +150,7 @@ class PolicyTrainer {
 
   // The passes every rank runs: the most any rank has when the optimizer needs the ranks in step
   // (collective then; a rank runs idle passes after its own), else this rank's `mine`.
-  size_t agree_passes(size_t mine, bool backward);
+  size_t agree_passes(size_t mine, model::UnitPass pass);
 
   Optimizer& optimizer_;
   const model::Weights& policy_;

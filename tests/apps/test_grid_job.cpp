@@ -130,7 +130,10 @@ TEST_CASE("tandem train with pipeline stages and data parallelism trains the wei
   write_model(tmp);
   const std::string job = write_job(tmp, tmp.file("model"));
   const auto one = run(tmp, job, {1, 1, 1}, kDet);
-  for (const Layout& l : {Layout{1, 1, 2}, Layout{1, 1, 3}, Layout{2, 1, 2}})
+  // Data 2 x pipeline 2 with the optimizer state, the gradients and the parameters sharded over
+  // each stage's data-parallel pair.
+  for (const Layout& l : {Layout{1, 1, 2}, Layout{1, 1, 3}, Layout{2, 1, 2},
+                          Layout{2, 1, 2, 1, "gradients"}, Layout{2, 1, 2, 1, "parameters"}})
     check_layout(tmp, job, l, one);
 }
 
@@ -162,7 +165,7 @@ TEST_CASE("a checkpoint written under one trainer layout resumes under another",
   for (const Case& c :
        {Case{{1, 1, 2}, {1, 1, 1}}, Case{{2, 1, 1}, {1, 1, 3}}, Case{{1, 1, 1}, {2, 1, 2}},
         Case{{1, 1, 2}, {1, 2, 2}}, Case{{2, 2, 1, 1, "parameters"}, {1, 1, 2}},
-        Case{{1, 1, 3}, {2, 2, 1, 1, "parameters"}}}) {
+        Case{{1, 1, 3}, {2, 2, 1, 1, "parameters"}}, Case{{2, 1, 2, 1, "parameters"}, {1, 1, 1}}}) {
     const std::string name = fmt::format("{}-to-{}", c.from.name(), c.to.name());
     INFO(name);
     const auto saved = tandem::test::dp_job::train(tmp, job, c.from.ranks(), name,

@@ -3,6 +3,7 @@
 // model's decoder bitwise; micro-batches of different lengths in 1F1B order through the slots.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "model/decoder.h"
 #include "model/hf.h"
+#include "model/shard_layout.h"
 #include "model/weights.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
@@ -222,11 +224,6 @@ TEST_CASE(
     CHECK(test::bitwise_equal(t.tensor, want.at(t.name)));
   }
   CHECK(part_opt.m().part() == last);
-  // A stage's sharded optimizer shards its moments only (its unit hooks number a whole model's).
-  trainer::ShardOptions at_gradients;
-  at_gradients.level = trainer::ShardLevel::gradients;
-  CHECK_THROWS_WITH(trainer::ShardedAdamW(part, nullptr, config, at_gradients),
-                    Catch::Contains("model part (layers 2..3 of 4 with the head)"));
   const test::TempDir dir("part_refused");
   CHECK_THROWS_WITH(trainer::save_checkpoint(dir.file("ckpt"), 1, part, part_opt, {}),
                     Catch::Contains("checkpoint: the policy holds a model part"));
@@ -377,14 +374,6 @@ TEST_CASE("1F1B through pipeline slots gives the gradients of micro-batches run 
   }
 }
 
-// Unit hooks that do nothing: a decoder over a part refuses any.
-struct NoHooks : UnitHooks {
-  void acquire(size_t) override {}
-  void release(size_t) override {}
-  void begin_gradients(size_t) override {}
-  void end_gradients(size_t) override {}
-};
-
 TEST_CASE("pipeline stage misuse throws naming the micro-batch, the slots or the shape", "[unit]") {
   const ModelConfig c = config_of(Kind::qwen3, 4);
   Weights whole(c, DType::f32);
@@ -431,8 +420,6 @@ TEST_CASE("pipeline stage misuse throws naming the micro-batch, the slots or the
   CHECK_THROWS_WITH(d0.backward_stage(3, dh, g1, Tensor()), Catch::Contains("same model and part"));
   CHECK_THROWS_WITH(d0.forward(b, lp, Tensor()), Catch::Contains("model part (layers 0..1 of 4"));
   CHECK_THROWS_WITH(d0.score(b, lp, Tensor()), Catch::Contains("forward_stage and backward_stage"));
-  NoHooks hooks;
-  CHECK_THROWS_WITH(Decoder(w1, {.unit_hooks = &hooks}), Catch::Contains("unit_hooks"));
   // A stage's slot is consumed by its backward; drop_stage forgets one.
   g0.zero();
   d0.backward_stage(5, dh, g0, Tensor());
@@ -456,4 +443,75 @@ TEST_CASE("pipeline stage misuse throws naming the micro-batch, the slots or the
 }
 
 }  // namespace
+
+TEST_CASE(
+    "a pipeline stage's decoder makes the unit calls walk_unit_calls makes on the units its "
+    "shard layout numbers",
+    "[unit]") {
+  // The order in which a decoder calls UnitHooks, as text.
+  struct Recorder final : UnitHooks {
+    std::vector<std::string> calls;
+    void acquire(size_t u) override { calls.push_back("acquire " + std::to_string(u)); }
+    void release(size_t u) override { calls.push_back("release " + std::to_string(u)); }
+    void begin_gradients(size_t u) override { calls.push_back("begin " + std::to_string(u)); }
+    void end_gradients(size_t u) override { calls.push_back("end " + std::to_string(u)); }
+  };
+  for (const Kind kind : {Kind::llama_tied, Kind::llama_untied_rope3}) {
+    const ModelConfig c = config_of(kind, 4);
+    Weights whole(c, DType::f32);
+    init_random(whole, 9);
+    for (const int stages : {1, 2, 3}) {
+      INFO(test::tiny_kind_name(kind) << ", " << stages << " stages");
+      Pipeline p(whole, stages, {.max_tokens = 64});
+      std::vector<Recorder> forward(static_cast<size_t>(stages)), backward = forward;
+      for (int s = 0; s < stages; ++s) {
+        const ModelPart& part = p.w[static_cast<size_t>(s)]->part();
+        // The units PartUnits numbers are the shard layout's of the part's table.
+        const ShardLayout layout(*p.w[static_cast<size_t>(s)], 2);
+        const PartUnits units(c, part);
+        REQUIRE(layout.units().size() == units.count);
+        if (part.embedding) CHECK(layout.units()[units.embed].name == "model.embed_tokens");
+        for (int64_t l = 0; l < part.num_layers; ++l)
+          CHECK(layout.units()[units.layer(l)].name ==
+                "model.layers." + std::to_string(part.first_layer + l));
+        if (part.head) CHECK(layout.units()[units.head].name == "head");
+        if (units.head_embed != PartUnits::kNone)
+          CHECK(layout.units()[units.head_embed].name == "model.embed_tokens");
+        CHECK((units.head_embed != PartUnits::kNone) == (part.head && c.tie_word_embeddings));
+        p.dec[static_cast<size_t>(s)] = std::make_unique<Decoder>(
+            *p.w[static_cast<size_t>(s)],
+            DecoderOptions{.max_tokens = 64, .unit_hooks = &forward[static_cast<size_t>(s)]});
+      }
+      Micro m(prompts_batch(c.vocab_size, 4), c, stages, 31);
+      for (int s = 0; s < stages; ++s) stage_forward(p, s, 0, m);
+      for (int s = 0; s < stages; ++s)  // the same decoders, now recording backward's calls
+        p.dec[static_cast<size_t>(s)] = std::make_unique<Decoder>(
+            *p.w[static_cast<size_t>(s)],
+            DecoderOptions{.max_tokens = 64, .unit_hooks = &backward[static_cast<size_t>(s)]});
+      for (int s = 0; s < stages; ++s) stage_forward(p, s, 0, m);
+      for (int s = 0; s < stages; ++s) backward[static_cast<size_t>(s)].calls.clear();
+      for (int s = stages - 1; s >= 0; --s) stage_backward(p, s, 0, m);
+      for (int s = 0; s < stages; ++s) {
+        INFO("stage " << s);
+        const ModelPart& part = p.w[static_cast<size_t>(s)]->part();
+        Recorder want_f, want_b;
+        walk_unit_calls(c, part, UnitPass::forward, want_f);
+        walk_unit_calls(c, part, UnitPass::backward, want_b);
+        CHECK(forward[static_cast<size_t>(s)].calls == want_f.calls);
+        CHECK(backward[static_cast<size_t>(s)].calls == want_b.calls);
+        // Every unit's gradients are opened and closed once, every acquire released.
+        std::vector<int> open(PartUnits(c, part).count, 0), held = open;
+        for (const std::string& call : want_b.calls) {
+          const size_t u = std::stoul(call.substr(call.find(' ') + 1));
+          if (call.starts_with("begin")) ++open[u];
+          if (call.starts_with("end")) CHECK(--open[u] == 0);
+          if (call.starts_with("acquire")) ++held[u];
+          if (call.starts_with("release")) CHECK(--held[u] == 0);
+        }
+        CHECK(std::all_of(open.begin(), open.end(), [](int n) { return n == 0; }));
+      }
+    }
+  }
+}
+
 }  // namespace tandem::model

@@ -311,16 +311,14 @@ TEST_CASE("job config refuses trainer layouts the grid trainer does not run yet 
                                        std::vector<std::string>{"trainer.tp=2", "trainer.pp=3"});
   CHECK(j.trainer.tp == 2);
   CHECK(j.trainer.pp == 3);
-  CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "trainer.shard=\"gradients\""}),
-             Catch::Contains("trainer.shard") && Catch::Contains("trainer.pp = 2"));
-  CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "trainer.shard=\"parameters\""}),
-             Catch::Contains("trainer.shard") && Catch::Contains("trainer.pp = 2"));
-  // Tensor parallelism runs at every level.
+  // Tensor parallelism and pipeline stages run at every level.
   for (const char* level : {"optimizer", "gradients", "parameters"})
-    CHECK(parse_job_config(
-              kMinimal, "job.toml",
-              std::vector<std::string>{"trainer.tp=2", fmt::format("trainer.shard=\"{}\"", level)})
-              .trainer.tp == 2);
+    for (const char* grid : {"trainer.tp=2", "trainer.pp=2"}) {
+      const JobConfig g = parse_job_config(
+          kMinimal, "job.toml",
+          std::vector<std::string>{grid, fmt::format("trainer.shard=\"{}\"", level)});
+      CHECK(g.trainer.tp * g.trainer.pp == 2);
+    }
   CHECK_THAT(error_of(kMinimal, {"trainer.pp=2", "placement.device=\"cuda\""}),
              Catch::Contains("trainer.pp") && Catch::Contains("cpu only"));
   CHECK_THAT(error_of(kMinimal, {"trainer.tp=0"}), Catch::Contains("trainer.tp"));

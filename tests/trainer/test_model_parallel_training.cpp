@@ -2,7 +2,8 @@
 // policy; the losses, gradient norms and weights after two steps are the one-rank job's but for
 // the rounding of sums split by rank, and with data parallelism beside tensor parallelism the
 // deterministic update has the same bits on 1 and 2 data-parallel ranks. On pipeline stages
-// (ModelParallel::pp, 1F1B through trainer::run_pipeline): the one-rank weights bitwise with
+// (ModelParallel::pp, 1F1B through trainer::run_pipeline), with the optimizer state, the
+// gradients or the parameters sharded over data-parallel ranks: the one-rank weights bitwise with
 // untied embeddings, up to rounding with tied ones (the two copies' gradients are added once per
 // step rather than per micro-batch).
 #include <catch2/catch.hpp>
@@ -138,11 +139,22 @@ Run train(const model::ModelConfig& cfg, int dp, int tp, int pp, ShardLevel leve
         run.grad_norm.push_back(m.grad_norm);
       }
     }
-    if (d == 0) {
-      auto& out = parts[static_cast<size_t>(s * tp + t)];
-      out = std::make_unique<model::Weights>(w.config(), w.part(), DType::f32);
+    auto out = std::make_unique<model::Weights>(w.config(), w.part(), DType::f32);
+    if (level == ShardLevel::parameters) {  // each unit gathered from the data-parallel ranks
+      const model::ShardLayout& layout = opt.layout();
+      for (size_t u = 0; u < layout.units().size(); ++u) {
+        const model::FlatRange f = layout.units()[u].flat;
+        const Tensor unit = Tensor::empty({f.size()}, DType::f32);
+        opt.gather_unit(u, unit);
+        layout.for_each_piece(f.begin, f.end, [&](size_t i, int64_t off, int64_t at, int64_t n) {
+          std::memcpy(out->storage()[i].tensor.data_as<float>() + off, unit.data_as<float>() + at,
+                      static_cast<size_t>(n) * sizeof(float));
+        });
+      }
+    } else {
       out->copy_from(opt.params());
     }
+    if (d == 0) parts[static_cast<size_t>(s * tp + t)] = std::move(out);
   });
   for (int i = 0; i < pp * tp; ++i) {
     REQUIRE(parts[static_cast<size_t>(i)] != nullptr);
@@ -197,8 +209,10 @@ TEST_CASE("tensor-parallel training on 2 ranks trains the weights of one rank up
   }
 }
 
-TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise when untied",
-          "[unit]") {
+TEST_CASE(
+    "pipeline stages under 1F1B train the weights of one rank at every sharding level and bitwise "
+    "when untied",
+    "[unit]") {
   for (const bool tied : {false, true}) {
     INFO((tied ? "tied" : "untied") << " embeddings");
     model::ModelConfig cfg = test::tiny_model_config(tied ? test::TinyKind::llama_tied
@@ -207,9 +221,18 @@ TEST_CASE("pipeline stages under 1F1B train the weights of one rank, bitwise whe
     const std::vector<TrainSample> batch =
         test::random_train_batch(4, 3, cfg.vocab_size, 23, -4.0f);
     const Run one = train(cfg, 1, 1, 1, ShardLevel::optimizer, batch, 2);
-    for (const auto& [dp, pp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
-      INFO("dp " << dp << " x pp " << pp);
-      const Run run = train(cfg, dp, 1, pp, ShardLevel::optimizer, batch, 2);
+    struct Case {
+      int dp, pp;
+      ShardLevel level;
+    };
+    for (const Case& k : {Case{1, 2, ShardLevel::optimizer}, Case{1, 3, ShardLevel::optimizer},
+                          Case{2, 2, ShardLevel::optimizer}, Case{2, 2, ShardLevel::gradients},
+                          Case{2, 2, ShardLevel::parameters}, Case{1, 3, ShardLevel::parameters},
+                          // Replicas of 2, 1 and 1 groups: idle passes in the schedule.
+                          Case{3, 2, ShardLevel::parameters}}) {
+      const int dp = k.dp, pp = k.pp;
+      INFO("dp " << dp << " x pp " << pp << ", trainer.shard = " << shard_level_name(k.level));
+      const Run run = train(cfg, dp, 1, pp, k.level, batch, 2);
       REQUIRE(run.loss.size() == one.loss.size());
       // Tied: each micro-batch's embedding gradient is the head's and the embedding's added in f32
       // on one rank, the two copies' fixed-point sums added once a step on a pipeline.

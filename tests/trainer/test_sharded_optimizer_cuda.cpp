@@ -71,7 +71,7 @@ std::vector<double> master_weights(ShardedAdamW& opt) {
   return out;
 }
 
-// The unit calls of one backward pass (trainer::walk_unit_calls: the decoder's order) made on
+// The unit calls of one backward pass (model::walk_unit_calls: the decoder's order) made on
 // several optimizers' hooks in lockstep: `on_acquire(u)` once every optimizer holds unit u's
 // weights, `fill(u)` just before unit u's gradients end (each optimizer's gradients() then holds
 // unit u). Without hooks (the level optimizer) every unit is filled at once.
@@ -86,8 +86,8 @@ class Lockstep final : public model::UnitHooks {
       for (size_t u = 0; u < static_cast<size_t>(c.num_layers) + 2; ++u) fill_(u);
       return;
     }
-    for (Optimizer* o : opts_) o->begin_pass(true);
-    walk_unit_calls(c, true, *this);
+    for (Optimizer* o : opts_) o->begin_pass(model::UnitPass::forward_backward);
+    model::walk_unit_calls(c, model::ModelPart::whole(c), model::UnitPass::forward_backward, *this);
   }
 
   void acquire(size_t u) override {
@@ -221,7 +221,7 @@ TEST_CASE("the decoder on CUDA trains through ShardedAdamW's unit hooks as AdamW
     for (int step = 0; step < 2; ++step) {
       opt.begin_step();
       for (int micro = 0; micro < 2; ++micro) {
-        opt.begin_pass(true);
+        opt.begin_pass(model::UnitPass::forward_backward);
         dec.forward(batch, lp, Tensor());
         dec.backward(dlogp, Tensor(), opt.gradients());
         opt.end_micro_batch();

@@ -133,7 +133,11 @@ PipeStageReport run_pipeline(Communicator& pipe, PipeSchedule schedule, int micr
   TANDEM_CHECK(stage.activation_shape && stage.forward && stage.backward,
                "pipeline {}: run_pipeline needs the stage's activation_shape, forward and backward",
                stage_name(pipe, s));
-  const std::vector<PipeStep> plan = pipe_plan(schedule, s, P, micro_batches);
+  const int real = stage.real < 0 ? micro_batches : std::min(stage.real, micro_batches);
+  // The plan's transfers of micro-batches that cross the boundaries (an idle one carries none).
+  std::vector<PipeStep> plan = pipe_plan(schedule, s, P, micro_batches);
+  for (PipeStep& step : plan)
+    std::erase_if(step.transfers, [&](const PipeTransfer& t) { return t.micro_batch >= real; });
   PipeStageReport report;
   report.stage = s;
   report.stages = P;
@@ -190,7 +194,7 @@ PipeStageReport run_pipeline(Communicator& pipe, PipeSchedule schedule, int micr
                   pass_name(a.pass), a.micro_batch, e.what());
     }
     const double compute_s = seconds_since(compute_start);
-    const bool sends = a.pass == PipePass::forward ? s + 1 < P : s > 0;
+    const bool sends = (a.pass == PipePass::forward ? s + 1 < P : s > 0) && a.micro_batch < real;
     if (sends) {
       check_output(out, stage.activation_shape(a.micro_batch), pipe, s, a);
       slot(outputs, a.micro_batch) = out;

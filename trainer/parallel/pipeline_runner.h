@@ -74,6 +74,11 @@ struct PipeStage {
   // grad_output (T_i, C): the next stage's gradient of this stage's output; undefined on the last
   // stage. Returns the gradient of the input (T_i, C); undefined on stage 0.
   std::function<Tensor(int micro_batch, const Tensor& grad_output)> backward;
+  // Micro-batches [real, micro_batches) are ones this pipeline lacks while the data-parallel
+  // replicas its stages step in lockstep with (a sharded optimizer's collectives) have them:
+  // their passes run in the schedule's order with undefined tensors in and out, and nothing
+  // crosses a stage boundary for them (every stage of the pipeline has the same real). -1: none.
+  int real = -1;
 };
 
 struct PipeOpTime {
