@@ -228,7 +228,10 @@ Engine::~Engine() = default;
 
 uint64_t Engine::submit(Request request) { return impl_->submit(std::move(request)); }
 
-void Engine::step() { impl_->step(); }
+void Engine::step() {
+  impl_->step();
+  impl_->swap_when_drained();
+}
 
 std::vector<RequestOutput> Engine::poll() {
   std::vector<RequestOutput> out;
@@ -236,7 +239,11 @@ std::vector<RequestOutput> Engine::poll() {
   return out;
 }
 
-bool Engine::abort(const std::string& id) { return impl_->abort(id); }
+bool Engine::abort(const std::string& id) {
+  const bool found = impl_->abort(id);
+  impl_->swap_when_drained();
+  return found;
+}
 
 bool Engine::has_work() const { return !impl_->running.empty() || !impl_->waiting.empty(); }
 
@@ -269,21 +276,46 @@ std::vector<RequestOutput> Engine::generate(std::vector<Request> requests) {
   return results;
 }
 
-void Engine::set_weights(const model::Weights& weights, uint64_t version) {
+void Engine::set_weights(const model::Weights& weights, uint64_t version, Swap swap) {
   Impl& m = *impl_;
   TANDEM_CHECK(same_shapes(weights.config(), m.weights->config()),
                "engine: set_weights needs weights of the same shapes as the current ones");
   TANDEM_CHECK(weights.device() == m.weights->device(),
                "engine: set_weights needs weights on the engine's device");
+  if (m.tp != nullptr) m.calls.add(static_cast<uint64_t>(swap));
+  m.pending_weights = nullptr;
+  if (swap == Swap::after_started && m.any_started()) {
+    m.pending_weights = &weights;
+    m.pending_version = version;
+    return;
+  }
   while (!m.running.empty()) m.preempt(m.running.back());
-  m.bm.clear_prefix_cache();
-  m.weights = &weights;
+  m.swap_weights(weights, version);
+}
+
+void Engine::Impl::swap_weights(const model::Weights& w, uint64_t v) {
+  bm.clear_prefix_cache();
+  weights = &w;
   // The decoder keeps its activation arena and packs the new values into the memory of its
   // packed copies. A released engine has no decoder: its next step() makes one.
-  if (m.decoder) m.decoder->set_weights(weights);
-  m.version = version;
-  if (m.tp != nullptr) m.calls.add(version);
+  if (decoder) decoder->set_weights(w);
+  version = v;
+  if (tp != nullptr) calls.add(v);
 }
+
+bool Engine::Impl::any_started() const {
+  return !running.empty() || std::any_of(waiting.begin(), waiting.end(),
+                                         [](const Sample* s) { return s->admitted_once; });
+}
+
+void Engine::Impl::swap_when_drained() {
+  if (pending_weights == nullptr || any_started()) return;
+  const model::Weights* w = pending_weights;
+  pending_weights = nullptr;
+  swap_weights(*w, pending_version);
+}
+
+bool Engine::swap_pending() const { return impl_->pending_weights != nullptr; }
 
 void Engine::release_memory() {
   Impl& m = *impl_;

@@ -155,13 +155,23 @@ class Engine {
   // `requests` (refused ones included, with finish_reason error).
   std::vector<RequestOutput> generate(std::vector<Request> requests);
 
-  // Swaps the weights between steps: running samples are preempted (recomputed under the new
-  // weights, keeping the tokens they have), the prefix cache is flushed and the weight version
-  // becomes `version`. The config must match the current weights' shapes. The decoder is kept
-  // and refreshed in place (its packed weight copies repacked into the same memory): nothing is
-  // allocated when nothing is running.
-  void set_weights(const model::Weights& weights, uint64_t version);
+  // Swaps the weights between steps: the prefix cache is flushed and the weight version becomes
+  // `version`. The config must match the current weights' shapes. The decoder is kept and
+  // refreshed in place (its packed weight copies repacked into the same memory): nothing is
+  // allocated when nothing is running. What happens to samples already started (running, or
+  // preempted after they ran) is `swap`'s:
+  //   partial: they are preempted (recomputed under the new weights, keeping the tokens they
+  //     have) and go on under the new version, their later tokens tagged with it (a partial
+  //     rollout); the swap happens now.
+  //   after_started: they finish on the current weights; no sample that has not started is
+  //     admitted until they have, and the swap happens then, at the start or the end of a step
+  //     (now when none has started). The current weights must stay valid until
+  //     weight_version() is `version`; a later set_weights replaces a swap still pending.
+  enum class Swap { partial, after_started };
+  void set_weights(const model::Weights& weights, uint64_t version, Swap swap = Swap::partial);
   uint64_t weight_version() const;
+  // Whether an after_started swap waits for started samples.
+  bool swap_pending() const;
 
   // Memory phases of a colocated job: release_memory() gives the KV arena and the decoder's
   // activation arena back to the device while the trainer runs (nothing may be in flight; the

@@ -78,6 +78,9 @@ struct Engine::Impl {
   std::unique_ptr<model::Decoder> decoder;
   BlockManager bm;
   uint64_t version = 0;
+  // An after_started swap waiting for the samples started on the current weights to finish.
+  const model::Weights* pending_weights = nullptr;
+  uint64_t pending_version = 0;
   uint64_t next_handle = 1;
   uint64_t round = 0;  // scheduling rounds so far
   BlockManager::SeqId next_seq = 1;
@@ -91,8 +94,13 @@ struct Engine::Impl {
   Impl(const model::Weights& w, const EngineOptions& o, const model::Tokenizer* t,
        Communicator* tp_group);
 
-  // Requests in and out, memory (engine.cpp).
+  // Requests in and out, memory, weight swaps (engine.cpp).
   void reserve_memory();
+  void swap_weights(const model::Weights& w, uint64_t v);
+  // Whether a sample has started and not finished (running, or preempted after it ran).
+  bool any_started() const;
+  // The pending swap, once no started sample is left.
+  void swap_when_drained();
   std::unique_ptr<model::Decoder> make_decoder(const model::Weights& w) const;
   // Why the request cannot be served and the kind of refusal; kind none when it can.
   std::pair<Refusal, std::string> refusal_of(const Request& r) const;

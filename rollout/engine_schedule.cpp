@@ -83,8 +83,14 @@ void Engine::Impl::schedule() {
   if (stats.preemptions != preemptions_before) return;
   // 3. Waiting sequences, oldest first, while blocks, budget and sequence slots last.
   int64_t width = running_width();
-  while (!waiting.empty() && budget > 0 && seqs_left > 0) {
-    Sample* s = waiting.front();
+  // A swap pending for the started samples: only those (preempted ones) are admitted.
+  while (budget > 0 && seqs_left > 0) {
+    const auto next = pending_weights == nullptr
+                          ? waiting.begin()
+                          : std::find_if(waiting.begin(), waiting.end(),
+                                         [](const Sample* w) { return w->admitted_once; });
+    if (next == waiting.end()) break;
+    Sample* s = *next;
     const int64_t w = s->group_prefill ? s->group->request.params.n : 1;
     if (width + w > opt.max_seqs && !running.empty()) break;
     const int64_t cached = bm.allocate(s->seq_id, s->tokens,
@@ -102,7 +108,7 @@ void Engine::Impl::schedule() {
     }
     s->num_computed = cached;
     s->round = round;
-    waiting.pop_front();
+    waiting.erase(next);
     insert_sorted(running, s);
     prefills.items.push_back({s, cached, chunk});
     budget -= chunk, --seqs_left;

@@ -126,6 +126,7 @@ Engine::Impl::Sample* Engine::Impl::fork_target(const Row& row) {
 }
 
 void Engine::Impl::step() {
+  swap_when_drained();
   if (running.empty() && waiting.empty()) return;
   reserve_memory();
   decodes.clear();

@@ -599,6 +599,60 @@ TEST_CASE(
   CHECK(equal_under(w2, 3) == new_tokens);
 }
 
+TEST_CASE(
+    "engine samples started before an after_started swap finish on the old weights and later ones "
+    "start on the new",
+    "[unit]") {
+  // Without partial rollouts: what runs when the new weights arrive finishes under the old ones
+  // (the engine admits nothing new meanwhile), then the swap; every sample is one version's, and
+  // each is what an engine holding that version alone samples, bitwise.
+  const model::ModelConfig c = tiny_config();
+  model::Weights w1(c, DType::f32), w2(c, DType::f32);
+  fill_random(w1, 821);
+  fill_random(w2, 822);
+  std::vector<Request> rs = mixed_requests(c.vocab_size);
+  for (Request& r : rs) r.params.temperature = 0.7f;
+  Request later = make_request("later", random_prompt(6, c.vocab_size, 15), 2, 20, 13);
+  EngineOptions o = small_options();
+  o.max_seqs = 4;  // b's 3 samples and a fill it: c and d wait, not started, at the swap
+  Engine e(w1, o);
+  for (const Request& r : rs) e.submit(r);
+  for (int i = 0; i < 3; ++i) e.step();
+  e.set_weights(w2, 3, Engine::Swap::after_started);
+  CHECK(e.swap_pending());
+  CHECK(e.weight_version() == 0);
+  e.submit(later);
+  rs.push_back(later);
+  while (e.has_work()) e.step();
+  CHECK_FALSE(e.swap_pending());
+  CHECK(e.weight_version() == 3);
+  std::map<std::string, RequestOutput> got = by_id(e.poll());
+  Engine only1(w1, o), only2(w2, o);
+  int on_old = 0, on_new = 0;
+  for (const Request& r : rs) {
+    const RequestOutput& out = got.at(r.id);
+    INFO(r.id);
+    REQUIRE(out.status == RequestStatus::done);
+    const uint64_t v = out.samples[0].first_weight_version;
+    for (const SampleOutput& smp : out.samples) {
+      CHECK(smp.first_weight_version == v);
+      CHECK(smp.weight_version == v);
+      CHECK(std::count(smp.token_versions.begin(), smp.token_versions.end(), v) ==
+            static_cast<int64_t>(smp.tokens.size()));
+    }
+    check_same_samples(out, (v == 0 ? only1 : only2).generate({r})[0]);
+    (v == 0 ? on_old : on_new) += 1;
+  }
+  CHECK(got.at("b").samples[0].first_weight_version == 0);  // started before the swap
+  CHECK(got.at("later").samples[0].first_weight_version == 3);
+  CHECK(on_old >= 1);
+  CHECK(on_new >= 2);  // later, and at least one request that waited
+  // Nothing started: the swap happens at once.
+  e.set_weights(w1, 4, Engine::Swap::after_started);
+  CHECK_FALSE(e.swap_pending());
+  CHECK(e.weight_version() == 4);
+}
+
 TEST_CASE("engine releases its memory between rollouts and then generates as a new engine",
           "[unit]") {
   const model::ModelConfig c = tiny_config();
