@@ -392,6 +392,10 @@ rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& 
     so.stop_string = std::move(s.stop_string);
     so.weight_version = static_cast<uint64_t>(s.weight_version);
     so.first_weight_version = static_cast<uint64_t>(s.first_weight_version);
+    TANDEM_CHECK(s.token_versions.size() == so.tokens.size(),
+                 "a worker answered request {} with {} token versions for {} tokens", o.id,
+                 s.token_versions.size(), so.tokens.size());
+    so.token_versions.assign(s.token_versions.begin(), s.token_versions.end());
     o.samples.push_back(std::move(so));
   }
   return o;

@@ -61,6 +61,9 @@ struct Sample {
   5: string stop_string = ""       // the stop string that ended it, if one did
   6: i64 weight_version = 0        // the weights that produced the last token
   7: i64 first_weight_version = 0  // the weights that produced the first token
+  // Per token, the weights that produced it (a sample running across a weight update continues
+  // on the new weights: a partial rollout, its tokens of two or more versions in order).
+  8: list<i64> token_versions
 }
 
 struct GenerateResponse {

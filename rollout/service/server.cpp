@@ -512,6 +512,7 @@ class RolloutHandler : public rpc::RolloutServiceIf {
       r.stop_string = to_valid_utf8(s.stop_string);
       r.weight_version = static_cast<int64_t>(s.weight_version);
       r.first_weight_version = static_cast<int64_t>(s.first_weight_version);
+      r.token_versions.assign(s.token_versions.begin(), s.token_versions.end());
     }
     ++m_.generated;
   }
