@@ -340,56 +340,6 @@ Tensor upload_prefix(Tensor buf, const PackedBatch& batch) {
   return buf;
 }
 
-// The calls of DecoderOptions::unit_hooks (none without hooks) on a part's units, in UnitHooks'
-// order: the decoder's and walk_unit_calls' one definition of it.
-class UnitCalls {
- public:
-  UnitCalls(UnitHooks* hooks, const ModelConfig& config, const ModelPart& part)
-      : hooks_(hooks), units_(config, part) {}
-  const PartUnits& units() const { return units_; }
-  size_t layer(int64_t l) const { return units_.layer(l); }
-  void acquire(size_t u) const {
-    if (hooks_) hooks_->acquire(u);
-  }
-  void release(size_t u) const {
-    if (hooks_) hooks_->release(u);
-  }
-  // The head reads the final norm and lm_head: the embedding's weights (or their copy) when tied.
-  void acquire_head() const {
-    acquire(units_.head);
-    if (units_.head_embed != PartUnits::kNone) acquire(units_.head_embed);
-  }
-  void release_head() const {
-    if (units_.head_embed != PartUnits::kNone) release(units_.head_embed);
-    release(units_.head);
-  }
-  void begin_gradients(size_t u) const {
-    if (hooks_) hooks_->begin_gradients(u);
-  }
-  void end_gradients(size_t u) const {
-    if (hooks_) hooks_->end_gradients(u);
-  }
-  // A tied head's gradients of lm_head are the embedding's (or its copy's): open with the head's.
-  void begin_head_gradients() const {
-    begin_gradients(units_.head);
-    if (units_.head_embed != PartUnits::kNone) begin_gradients(units_.head_embed);
-  }
-  // The head's; a copy of the embedding's too, the embedding's own stay open to its backward.
-  void end_head_gradients() const {
-    end_gradients(units_.head);
-    if (units_.head_embed != PartUnits::kNone && units_.head_embed != units_.embed)
-      end_gradients(units_.head_embed);
-  }
-  void begin_embed_gradients() const {
-    if (units_.head_embed != units_.embed) begin_gradients(units_.embed);
-  }
-  void end_embed_gradients() const { end_gradients(units_.embed); }
-
- private:
-  UnitHooks* hooks_;
-  PartUnits units_;
-};
-
 void check_no_unit_hooks(const UnitHooks* hooks, const char* what) {
   TANDEM_CHECK(hooks == nullptr,
                "decoder {}: a decoder over sharded weights (DecoderOptions::unit_hooks) runs the "
@@ -975,53 +925,6 @@ void Decoder::train_backward(size_t slot, const Tensor& dlogprob, const Tensor& 
   units.begin_embed_gradients();
   m.embed_backward(b, g.dh, g.dx, grads);  // g.dx: free scratch now
   units.end_embed_gradients();
-}
-
-PartUnits::PartUnits(const ModelConfig& config, const ModelPart& part) {
-  if (part.embedding) embed = count++;
-  first_layer_ = count;
-  count += static_cast<size_t>(part.num_layers);
-  if (part.head) {
-    head = count++;
-    if (config.tie_word_embeddings) head_embed = part.embedding ? embed : count++;
-  }
-}
-
-void walk_unit_calls(const ModelConfig& config, const ModelPart& part, UnitPass pass,
-                     UnitHooks& hooks) {
-  const UnitCalls units(&hooks, config, part);
-  const PartUnits& u = units.units();
-  if (pass != UnitPass::backward) {
-    if (part.embedding) {
-      units.acquire(u.embed);
-      units.release(u.embed);
-    }
-    for (int64_t l = 0; l < part.num_layers; ++l) {
-      units.acquire(units.layer(l));
-      units.release(units.layer(l));
-    }
-    if (part.head) {
-      units.acquire_head();
-      units.release_head();
-    }
-  }
-  if (pass == UnitPass::forward) return;
-  if (part.head) {
-    units.begin_head_gradients();
-    units.acquire_head();
-    units.release_head();
-    units.end_head_gradients();
-  }
-  for (int64_t l = part.num_layers - 1; l >= 0; --l) {
-    units.acquire(units.layer(l));
-    units.begin_gradients(units.layer(l));
-    units.end_gradients(units.layer(l));
-    units.release(units.layer(l));
-  }
-  if (part.embedding) {
-    units.begin_embed_gradients();
-    units.end_embed_gradients();
-  }
 }
 
 void Decoder::forward_stage(int64_t micro, const PackedBatch& batch, const Tensor& h_in,

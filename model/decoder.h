@@ -16,6 +16,7 @@
 #include "core/comm.h"
 #include "core/device.h"
 #include "core/tensor.h"
+#include "model/unit_hooks.h"
 #include "model/weights.h"
 
 namespace tandem::model {
@@ -68,51 +69,6 @@ struct PackedBatch {
   static int64_t rows_added(const PromptCompletion& pair, const PromptCompletion* previous,
                             bool share_prompts);
 };
-
-// A trainer whose weights or gradients are sharded over ranks (trainer::ShardedAdamW) makes them
-// whole one unit at a time (model::ShardLayout's units of the part's table, PartUnits). A decoder
-// given hooks (training forward and backward, and a pipeline stage's, only) calls acquire(u)
-// before it reads unit u's weights and release(u) when done with them (the head: acquire(head),
-// then the embedding's or its copy's when tied, released in the reverse order), and in backward
-// begin_gradients(u) before it adds to unit u's gradients and end_gradients(u) once it has added
-// all of them (a tied embedding's span the whole backward of a part holding the embedding and the
-// head). Forward: E, the part's layers, head; backward: head, the layers in reverse, E (gradients
-// only). walk_unit_calls makes the same calls without computing.
-class UnitHooks {
- public:
-  virtual ~UnitHooks() = default;
-  virtual void acquire(size_t unit) = 0;
-  virtual void release(size_t unit) = 0;
-  virtual void begin_gradients(size_t unit) = 0;
-  virtual void end_gradients(size_t unit) = 0;
-};
-
-// The units of a part's weights, numbered as model::ShardLayout numbers its table's (storage
-// order): the embedding when the part holds it, each of its layers, the head (the final norm, and
-// lm_head when untied), and on a part with the head but not the embedding the tied head's copy of
-// the embedding matrix, last.
-struct PartUnits {
-  static constexpr size_t kNone = SIZE_MAX;
-  PartUnits(const ModelConfig& config, const ModelPart& part);
-  size_t embed = kNone;       // the embedding (unit 0), when the part holds it
-  size_t head = kNone;        // when the part holds the head
-  size_t head_embed = kNone;  // what a tied head reads as lm_head: embed, or its copy
-  size_t count = 0;           // units of the part
-  size_t layer(int64_t l) const { return first_layer_ + static_cast<size_t>(l); }  // the part's l
-
- private:
-  size_t first_layer_ = 0;
-};
-
-// One decoder pass's unit calls: a forward, a forward then its backward (forward and backward),
-// or a pipeline stage's backward alone (backward_stage; its forward_stage was a pass of its own).
-enum class UnitPass { forward, forward_backward, backward };
-
-// The unit calls a decoder over `part` of a model makes in one pass, in its order, computing
-// nothing: a rank's part of a pass it has no micro-batch for, and tests that stand in for the
-// decoder.
-void walk_unit_calls(const ModelConfig& config, const ModelPart& part, UnitPass pass,
-                     UnitHooks& hooks);
 
 struct DecoderOptions {
   int64_t max_tokens = 4096;  // T the activation arena is planned for up front
