@@ -733,3 +733,45 @@ TEST_CASE("a disaggregated job at rollout.max_staleness 1 trains on samples at m
   CHECK(w.w0->stop() == 0);
   CHECK(w.w1->stop() == 0);
 }
+
+// The batches made ahead draw their prompts before the step they belong to: a checkpoint records
+// the stream after the prompts of the steps it trained, so that a resumed job draws the prompts
+// of the batches made ahead again (none lost, none trained twice), and resumes within the bound.
+TEST_CASE("a disaggregated job at rollout.max_staleness 1 checkpoints the prompts it trained",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-async-resume");
+  TwoWorkers w(tmp);
+  const std::string async = disaggregated(w.port0, w.port1) +
+                            " rollout.max_staleness=1 checkpoint.every=1 checkpoint.keep_last=5";
+  {
+    const auto r = train(tmp, w.job, "run", async + " trainer.steps=3");
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+  }
+  for (int s = 1; s <= 3; ++s) {
+    std::ifstream in(tmp.file(fmt::format("run/ckpt/step-{}/trainer_state.json", s)));
+    REQUIRE(in.good());
+    const nlohmann::json state = nlohmann::json::parse(in);
+    INFO("step " << s << ": " << state.dump());
+    CHECK(state["data_position"] == 4 * s);  // rollout.prompts_per_step = 4, one epoch
+    CHECK(state["extra"]["stream"]["index"] == 4 * s);
+    CHECK(state["weight_version"] == s);
+  }
+  const auto r = train(tmp, w.job, "run", async + " trainer.steps=5");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("resumed from") != std::string::npos);
+  const auto steps = step_lines(tmp.file("run/metrics.jsonl"));
+  REQUIRE(steps.size() == 5);
+  for (size_t i = 3; i < 5; ++i) {
+    INFO("step " << i + 1 << ": " << steps[i].dump());
+    CHECK(steps[i]["step"] == i + 1);
+    CHECK(steps[i]["async/weight_version"] == i);
+    CHECK(steps[i]["async/staleness_max"].get<int64_t>() <= 1);
+  }
+  std::ifstream in(tmp.file("run/ckpt/step-5/trainer_state.json"));
+  REQUIRE(in.good());
+  CHECK(nlohmann::json::parse(in)["data_position"] == 20);
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+}
