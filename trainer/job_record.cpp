@@ -130,6 +130,8 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   } else if (job_.rollout.max_staleness > 0 && s.batch() > 0) {
     // The old logprobs are the behaviour's: the loss's own ratio policy / behaviour measures the
     // mismatch (before the update, with one epoch and one minibatch), staleness included.
+    j["rollout_trainer_logp/max_abs"] = tm.policy.current_rollout_abs_max;
+    j["rollout_trainer_logp/mean_abs"] = tm.policy.current_rollout_abs_mean();
     j["rollout_trainer_logp/kl_k3"] = tm.policy.approx_kl_old();
     j["rollout_trainer_logp/ratio_min"] = tm.policy.ratio_min;
     j["rollout_trainer_logp/ratio_max"] = tm.policy.ratio_max;

@@ -716,6 +716,11 @@ TEST_CASE("a disaggregated job at rollout.max_staleness 1 trains on samples at m
     // The old logprobs are the behaviour's: not recomputed; the mismatch is the loss's ratio.
     CHECK(m["old_logp_recomputed"] == 0);
     CHECK(m.contains("rollout_trainer_logp/kl_k3"));
+    // The first step's samples are of the weights it updates: the workers' logprobs are the
+    // trainer's (as recomputed at 0).
+    if (i == 0) CHECK(m["rollout_trainer_logp/max_abs"].get<double>() < 1e-4);
+    CHECK(m["rollout_trainer_logp/mean_abs"].get<double>() <=
+          m["rollout_trainer_logp/max_abs"].get<double>());
     CHECK(m["time/trainer_idle_s"].get<double>() >= 0);
     CHECK(m["time/rollout_idle_s"].get<double>() >= 0);
   }
