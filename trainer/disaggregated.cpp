@@ -349,7 +349,13 @@ bool RemoteRollout::rejoin(size_t i) {
   return false;
 }
 
-rollout::rpc::GenerateRequest RemoteRollout::call_of(rollout::Request request) const {
+int64_t RemoteRollout::current() const {
+  std::lock_guard lock(mutex_);
+  return current_;
+}
+
+rollout::rpc::GenerateRequest RemoteRollout::call_of(rollout::Request request,
+                                                     int64_t min_version) const {
   const rollout::SamplingParams& p = request.params;
   rollout::rpc::GenerateRequest r;
   r.request_id = request.id;
@@ -365,12 +371,13 @@ rollout::rpc::GenerateRequest RemoteRollout::call_of(rollout::Request request) c
   r.params.seed = static_cast<int64_t>(p.seed);
   r.params.logprobs = true;
   r.params.stop_at_eos = false;  // the job's stop ids are the end ids of its own engine
-  r.min_weight_version = current_;
+  r.min_weight_version = min_version;
   return r;
 }
 
 rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& a,
-                                                std::vector<int32_t> prompt) const {
+                                                std::vector<int32_t> prompt,
+                                                int64_t min_version) const {
   rollout::RequestOutput o;
   o.id = std::move(a.request_id);
   o.prompt = std::move(prompt);
@@ -379,10 +386,10 @@ rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& 
   if (a.aborted) o.error = "aborted on its worker";
   for (size_t k = 0; k < a.samples.size(); ++k) {
     rollout::rpc::Sample& s = a.samples[k];
-    TANDEM_CHECK(s.first_weight_version >= current_,
+    TANDEM_CHECK(s.first_weight_version >= min_version,
                  "a worker answered request {} with weight version {}, older than the {} it "
                  "was asked for",
-                 o.id, s.first_weight_version, current_);
+                 o.id, s.first_weight_version, min_version);
     rollout::SampleOutput so;
     so.index = static_cast<int>(k);
     so.tokens = std::move(s.tokens);
@@ -390,12 +397,13 @@ rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& 
     so.logprobs.assign(s.logprobs.begin(), s.logprobs.end());
     so.finish_reason = finish_of(s.finish_reason);
     so.stop_string = std::move(s.stop_string);
-    so.weight_version = static_cast<uint64_t>(s.weight_version);
-    so.first_weight_version = static_cast<uint64_t>(s.first_weight_version);
+    so.weight_version = static_cast<uint64_t>(s.weight_version - offset_);
+    so.first_weight_version = static_cast<uint64_t>(s.first_weight_version - offset_);
     TANDEM_CHECK(s.token_versions.size() == so.tokens.size(),
                  "a worker answered request {} with {} token versions for {} tokens", o.id,
                  s.token_versions.size(), so.tokens.size());
-    so.token_versions.assign(s.token_versions.begin(), s.token_versions.end());
+    for (const int64_t v : s.token_versions)
+      so.token_versions.push_back(static_cast<uint64_t>(v - offset_));
     o.samples.push_back(std::move(so));
   }
   return o;
@@ -403,8 +411,9 @@ rollout::RequestOutput RemoteRollout::output_of(rollout::rpc::GenerateResponse& 
 
 std::vector<rollout::RequestOutput> RemoteRollout::generate(
     std::vector<rollout::Request> requests) {
+  const int64_t min_version = current();
   std::vector<rollout::rpc::GenerateRequest> calls;
-  for (rollout::Request& r : requests) calls.push_back(call_of(std::move(r)));
+  for (rollout::Request& r : requests) calls.push_back(call_of(std::move(r), min_version));
   std::vector<rollout::rpc::GenerateResponse> answers;
   try {
     answers = pool_->generate_all(calls);
@@ -414,7 +423,7 @@ std::vector<rollout::RequestOutput> RemoteRollout::generate(
   }
   std::vector<rollout::RequestOutput> outputs;
   for (size_t i = 0; i < answers.size(); ++i)
-    outputs.push_back(output_of(answers[i], std::move(calls[i].prompt_tokens)));
+    outputs.push_back(output_of(answers[i], std::move(calls[i].prompt_tokens), min_version));
   return outputs;
 }
 
@@ -431,12 +440,12 @@ std::vector<std::pair<std::string, rollout::RequestOutput>> RemoteRollout::gener
     if (stale || pool_->worker(i).set_aside) continue;
     rollout::rpc::GenerateResponse answer;
     try {
-      answer = w->client->generate(call_of(request));
+      answer = w->client->generate(call_of(request, current()));
     } catch (const std::exception& e) {
       TANDEM_FAIL("rollout worker {} did not generate the weight_sync canary's probe: {} ({})",
                   w->address, e.what(), job_.where("placement.workers"));
     }
-    out.emplace_back(w->address, output_of(answer, request.prompt));
+    out.emplace_back(w->address, output_of(answer, request.prompt, current()));
   }
   return out;
 }

@@ -50,8 +50,10 @@ class RemoteRollout final : public Rollout {
 
   // The engine's generate, on the workers: each request goes to one worker (fewest calls in
   // flight; a failed worker's requests to the others) and asks for the weights last pushed (a
-  // worker that missed them answers StaleWeights and the request goes elsewhere). Outputs in
-  // order; throws tandem::Error when a request fails on placement.attempts workers.
+  // worker that missed them answers StaleWeights and the request goes elsewhere); a push during
+  // the call (rollout.max_staleness > 0: from another thread) reaches samples in flight at the
+  // workers' next engine step. Outputs in order, their samples' weight versions in the job's
+  // numbering; throws tandem::Error when a request fails on placement.attempts workers.
   std::vector<rollout::RequestOutput> generate(std::vector<rollout::Request> requests) override;
   // push(policy, version).
   void publish(uint64_t version) override { push(policy_, version); }
@@ -82,10 +84,15 @@ class RemoteRollout final : public Rollout {
 
  private:
   struct Worker;
-  // A request as the workers' protocol asks it (for the weights last pushed), and an answer back.
-  rollout::rpc::GenerateRequest call_of(rollout::Request request) const;
+  // A request as the workers' protocol asks it (for the weights of the workers' version
+  // `min_version` or later: the last pushed, current()), and an answer back, its versions in the
+  // job's numbering.
+  rollout::rpc::GenerateRequest call_of(rollout::Request request, int64_t min_version) const;
   rollout::RequestOutput output_of(rollout::rpc::GenerateResponse& answer,
-                                   std::vector<int32_t> prompt) const;
+                                   std::vector<int32_t> prompt, int64_t min_version) const;
+  // The workers' version of the weights last pushed (generate runs beside push with
+  // rollout.max_staleness > 0).
+  int64_t current() const;
   // Writes the policy and updates every serving worker to it (`all`: every worker, at start);
   // each worker's error ("" when it took it).
   std::vector<std::string> update_all(const model::Weights& policy, uint64_t version, bool all);

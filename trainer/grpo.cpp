@@ -373,6 +373,9 @@ PolicyLossResult compute_policy_loss(const PolicyLossInput& in, const PolicyLoss
         m.mismatch_abs_sum += d;
         m.mismatch_abs_max = std::max(m.mismatch_abs_max, d);
         m.mismatch_mult_sum += std::exp(std::min(d, kLogRatioClamp));
+        const double c = std::abs(logp - static_cast<double>(in.rollout_logp[t]));
+        m.current_rollout_abs_sum += c;
+        m.current_rollout_abs_max = std::max(m.current_rollout_abs_max, c);
       }
     }
     t0 += len;
@@ -419,6 +422,8 @@ void PolicyLossMetrics::merge(const PolicyLossMetrics& o) {
   mismatch_abs_sum += o.mismatch_abs_sum;
   mismatch_abs_max = std::max(mismatch_abs_max, o.mismatch_abs_max);
   mismatch_mult_sum += o.mismatch_mult_sum;
+  current_rollout_abs_sum += o.current_rollout_abs_sum;
+  current_rollout_abs_max = std::max(current_rollout_abs_max, o.current_rollout_abs_max);
 }
 
 namespace {
@@ -441,6 +446,9 @@ double PolicyLossMetrics::ratio_mean() const { return per(ratio_sum, tokens); }
 double PolicyLossMetrics::is_weight_mean() const { return per(is_weight_sum, tokens); }
 double PolicyLossMetrics::mismatch_abs_mean() const {
   return per(mismatch_abs_sum, mismatch_tokens);
+}
+double PolicyLossMetrics::current_rollout_abs_mean() const {
+  return per(current_rollout_abs_sum, mismatch_tokens);
 }
 double PolicyLossMetrics::token_mult_prob_error() const {
   return per(mismatch_mult_sum, mismatch_tokens);

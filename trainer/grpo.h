@@ -178,6 +178,10 @@ struct PolicyLossMetrics {
   int64_t mismatch_tokens = 0;
   double mismatch_abs_sum = 0, mismatch_abs_max = 0;
   double mismatch_mult_sum = 0;  // sum of exp(|old - rollout|): NeMo-RL token_mult_prob_error
+  // Current policy vs rollout logprobs (|logp - rollout_logp|), when rollout_logp is given: with
+  // the rollout's as the old ones, one epoch and one minibatch, the rollout/trainer mismatch at
+  // the weights the update starts from.
+  double current_rollout_abs_sum = 0, current_rollout_abs_max = 0;
 
   void merge(const PolicyLossMetrics& other);
   double pg_clipfrac_low() const;
@@ -190,6 +194,7 @@ struct PolicyLossMetrics {
   double is_weight_mean() const;
   double mismatch_abs_mean() const;
   double token_mult_prob_error() const;
+  double current_rollout_abs_mean() const;  // over mismatch_tokens
 };
 
 struct PolicyLossResult {

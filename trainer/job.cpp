@@ -275,6 +275,9 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   state_.config = to_toml(job);
   resume();
   local_ = std::make_unique<LocalRollout>(*engine_, *rollout_);
+  // Resumed: the engine samples from the checkpoint's version, which resume published into its
+  // weights before it was the job's rollout (its samples are stamped with it).
+  if (state_.weight_version != 0) local_->publish(static_cast<uint64_t>(state_.weight_version));
   train_rollout_ = local_.get();
   published_ = {local_.get()};
   if (job.placement.mode == "disaggregated") {
@@ -359,7 +362,7 @@ std::vector<Prompt> Job::draw_prompts(int64_t count, int64_t& skipped) {
 // The collect phase: one round of rollout.prompts_per_step prompts, generated and scored; with
 // dynamic sampling, refill rounds of more prompts until that many groups carry a reward signal
 // (groups past the B-th with signal are dropped too: the batch keeps its configured size).
-Collected Job::collect() {
+Collected Job::collect(int64_t step) {
   const ShapingSection& shaping = job_.trainer.shaping;
   const int64_t B = job_.rollout.prompts_per_step;
   Collected c;
@@ -376,7 +379,7 @@ Collected Job::collect() {
     std::vector<Prompt> prompts = draw_prompts(draw, c.prompts_skipped);
     // Round 0 keeps the seeds of a job without refill; each round gets its own stream of seeds.
     const uint64_t seed = static_cast<uint64_t>(job_.rollout.seed) * 1000003 +
-                          static_cast<uint64_t>(state_.step) * 7919 +
+                          static_cast<uint64_t>(step) * 7919 +
                           static_cast<uint64_t>(round) * 0x9e3779b97f4a7c15ull;
     // Every rank drew the same prompts and scores and trains its contiguous share. Each rollout
     // replica generates its ranks' shares (all its ranks the same requests in the same order:
@@ -387,10 +390,17 @@ Collected Job::collect() {
                                         prompts.begin() + static_cast<ptrdiff_t>(gen_last));
     const auto t0 = Clock::now();
     std::vector<Group> groups;
-    if (!replica_prompts.empty())
-      groups =
-          generate(*train_rollout_, m_, std::move(replica_prompts), job_,
-                   static_cast<int>(job_.rollout.n), job_.rollout.temperature, seed, gen_first);
+    rollout_busy_.begin();
+    try {
+      if (!replica_prompts.empty())
+        groups =
+            generate(*train_rollout_, m_, std::move(replica_prompts), job_,
+                     static_cast<int>(job_.rollout.n), job_.rollout.temperature, seed, gen_first);
+    } catch (...) {
+      rollout_busy_.end();
+      throw;
+    }
+    rollout_busy_.end();
     groups = std::vector<Group>(
         std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(first - gen_first)),
         std::make_move_iterator(groups.begin() + static_cast<ptrdiff_t>(last - gen_first)));
@@ -398,7 +408,10 @@ Collected Job::collect() {
 
     const auto t1 = Clock::now();
     rewards::RewardBreakdown breakdown;
-    if (!groups.empty()) breakdown = score(groups, rewards_, job_);
+    if (!groups.empty()) {
+      std::lock_guard lock(rewards_mutex_);
+      breakdown = score(groups, rewards_, job_);
+    }
     if (world_ > 1) groups = exchange(std::move(groups), prompts, breakdown);
     if (grid_ != nullptr) share_samples(groups);
     append(c.breakdown, breakdown);
@@ -414,6 +427,9 @@ Collected Job::collect() {
       break;
     c.refill_rounds = round + 1;
   }
+  c.stream_state = stream_.state();
+  c.data_epoch = stream_.epoch();
+  c.data_position = stream_.index();
   return c;
 }
 
@@ -445,21 +461,41 @@ bool Job::workers_logp_exact() const {
 // activations for the rollout and eval that follow.
 Updated Job::update_and_publish(const Selected& selected) {
   Updated u;
+  u.version = state_.weight_version;
   if (job_.placement.release_memory) engine_->release_memory();
   if (selected.batch() == 0) return u;
+  const int64_t k = job_.rollout.max_staleness;
+  for (const int64_t v : selected.versions)  // the rollout queue's bound (trainer/rollout_queue.h)
+    TANDEM_CHECK(v <= u.version && u.version - v <= k,
+                 "a sample of weight version {} is in the update of version {}: more than "
+                 "rollout.max_staleness = {} behind ({})",
+                 v, u.version, k, job_.where("rollout.max_staleness"));
   const auto t0 = Clock::now();
   if (remote_ && !job_.trainer.step.always_recompute_old) {
-    // The workers' logprobs are the trainer's bitwise when the canary measured 0 on every worker
+    // rollout.max_staleness > 0: the old logprobs are the behaviour policy's, the ones the
+    // workers recorded for each token under the version that sampled it (the ratio is policy /
+    // behaviour), not the trainer's at a version the samples may not come from. At 0 the
+    // workers' logprobs are the trainer's bitwise when the canary measured 0 on every worker
     // after the push they sampled from, and no worker came back unprobed since.
-    const bool recompute = !workers_logp_exact();
+    const bool recompute = k == 0 && !workers_logp_exact();
     trainer_->set_always_recompute_old(recompute);
-    if (role_ == Role::writer && recompute_logged_ != (recompute ? 1 : 0))
+    const int decision = k > 0 ? 2 : recompute ? 1 : 0;
+    const bool multipass = job_.trainer.step.epochs > 1 || job_.trainer.step.minibatches > 1;
+    if (role_ == Role::writer && recompute_logged_ != decision)
       std::fprintf(stderr, "tandem: old logprobs: %s\n",
-                   recompute ? "recomputed by the trainer (the workers' are not known to be its "
-                               "own: weight_sync.canary off, above 0, or a worker came back)"
-                             : "the workers' (the canary found them the trainer's bitwise at "
-                               "this weight version)");
-    recompute_logged_ = recompute ? 1 : 0;
+                   decision == 2
+                       ? (multipass ? "recomputed by the trainer at the version it updates "
+                                      "(trainer.epochs or trainer.minibatches above 1), the "
+                                      "workers' behaviour logprobs in the importance weight "
+                                      "(rollout.max_staleness above 0)"
+                                    : "the workers' behaviour logprobs, recorded under the "
+                                      "version that sampled each token (rollout.max_staleness "
+                                      "above 0: the ratio is policy / behaviour)")
+                   : recompute ? "recomputed by the trainer (the workers' are not known to be its "
+                                 "own: weight_sync.canary off, above 0, or a worker came back)"
+                               : "the workers' (the canary found them the trainer's bitwise at "
+                                 "this weight version)");
+    recompute_logged_ = decision;
   }
   u.train =
       trainer_->step(selected.train, optimizer_->comm() != nullptr ? &selected.shard : nullptr);
@@ -485,7 +521,11 @@ void Job::evaluate() {
   std::vector<Group> groups =
       generate(*local_, m_, eval_prompts_, job_, k, job_.eval.temperature, 424242);
   if (role_ != Role::writer) return;
-  const rewards::RewardBreakdown b = score(groups, rewards_, job_);
+  rewards::RewardBreakdown b;
+  {
+    std::lock_guard lock(rewards_mutex_);
+    b = score(groups, rewards_, job_);
+  }
   double reward_sum = 0, solved = 0;
   std::vector<double> correct_fraction;
   size_t i = 0;
@@ -529,7 +569,9 @@ void Job::evaluate() {
 // Collective on several ranks: each writes its range of the optimizer state, rank 0 the policy,
 // the trainer state and, once every part is written, the commit marker.
 void Job::checkpoint() {
-  state_.extra["stream"] = stream_.state();
+  // The stream after the last trained step's prompts: a resumed job draws the prompts of batches
+  // generated ahead of it again.
+  state_.extra["stream"] = stream_state_.is_null() ? stream_.state() : stream_state_;
   state_.extra["optimizer_steps"] = trainer_->steps_done();
   CheckpointOptions co;
   co.keep_last = static_cast<int>(job_.checkpoint.keep_last);
@@ -550,15 +592,33 @@ JobResult Job::run() {
   const bool eval = rollout_->replica() == 0 && job_.eval.every > 0 && !eval_prompts_.empty();
   const bool checkpoints = hooks_.checkpoints;
   if (eval) evaluate();
+  // rollout.max_staleness = k > 0: the batches of up to k steps ahead are generated on the queue's
+  // thread while this one trains (a disaggregated job; the queue's destructor waits for the batch
+  // in the making).
+  std::unique_ptr<RolloutQueue<Collected>> ahead;
+  if (job_.rollout.max_staleness > 0)
+    ahead = std::make_unique<RolloutQueue<Collected>>(
+        state_.step, job_.trainer.steps, job_.rollout.max_staleness,
+        [this](int64_t step) { return collect(step); });
   while (state_.step < job_.trainer.steps) {
     const auto t0 = Clock::now();
-    Collected collected = collect();
+    const double busy0 = rollout_busy_.busy_s();
+    double wait_s = 0;
+    Collected collected = ahead ? ahead->take(state_.step, &wait_s) : collect(state_.step);
+    if (!ahead) wait_s = collected.rollout_s;  // the workers generate, the trainer waits
     const Selected selected = select(collected, job_);
     const Updated updated = update_and_publish(selected);
+    if (ahead) ahead->finished(state_.step);
     state_.step += 1;
-    state_.data_epoch = stream_.epoch();
-    state_.data_position = stream_.index();
-    record(collected, selected, updated, seconds_since(t0), role_);
+    state_.data_epoch = collected.data_epoch;
+    state_.data_position = collected.data_position;
+    stream_state_ = std::move(collected.stream_state);
+    const double step_s = seconds_since(t0);
+    if (remote_) {
+      collected.trainer_idle_s = wait_s;
+      collected.rollout_idle_s = std::max(0.0, step_s - (rollout_busy_.busy_s() - busy0));
+    }
+    record(collected, selected, updated, step_s, role_);
     result_.steps_done = state_.step;
     if (eval && state_.step % job_.eval.every == 0) evaluate();
     const bool last = state_.step >= job_.trainer.steps;

@@ -235,6 +235,13 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "place (publishing moves no bytes); \"bf16\" keeps a bf16 copy that each publish "
               "casts from them, and the trainer then recomputes the old logprobs."))
       .one_of({"f32", "bf16"});
+  add(bind<J>("rollout.max_staleness", TANDEM_MEMBER(rollout.max_staleness),
+              "k: weight versions a sample may lag the weights it is trained on (from the "
+              "version of its first token). 0: each step's batch is generated after the previous "
+              "update. Above 0 (placement.mode = \"disaggregated\" only): the workers generate "
+              "the next steps' batches while the trainer updates, and the loss's old logprobs "
+              "are the rollout's (behaviour) ones (docs/train.md, \"Asynchronous rollouts\")."))
+      .range(0, 1000);
   // trainer
   add(bind<J>("trainer.steps", TANDEM_MEMBER(trainer.steps), "GRPO steps of the run."))
       .range(1, 1e9);
@@ -710,6 +717,30 @@ void check_job(const Config& c, JobConfig& j) {
            fmt::format("workers are used by placement.mode = \"disaggregated\" only, and the "
                        "mode is \"{}\" ({})",
                        pl.mode, c.where("placement.mode")));
+  }
+
+  if (ro.max_staleness > 0) {
+    if (pl.mode != "disaggregated")
+      c.fail("rollout.max_staleness",
+             fmt::format("{} needs placement.mode = \"disaggregated\" ({}): a colocated job "
+                         "does not generate ahead of its updates (its engine and its trainer "
+                         "share the same cores; docs/train.md, \"Asynchronous rollouts\"); set "
+                         "rollout.max_staleness = 0",
+                         ro.max_staleness, c.where("placement.mode")));
+    // Recomputed old logprobs are the trainer's at the version it updates, not the behaviour
+    // policy's that sampled up to k versions earlier: only the importance weight carries those.
+    const bool recomputes =
+        t.step.always_recompute_old || t.step.epochs > 1 || t.step.minibatches > 1;
+    if (recomputes && t.grpo.loss.is_level == ImportanceLevel::kNone)
+      c.fail("rollout.max_staleness",
+             fmt::format("{} with old logprobs the trainer recomputes (trainer.epochs = {}, "
+                         "trainer.minibatches = {}, trainer.always_recompute_old = {}) needs the "
+                         "importance weight that corrects them to the behaviour policy of the "
+                         "stale samples: set trainer.algorithm.is_level = \"token\" ({}), or "
+                         "epochs = minibatches = 1 and always_recompute_old = false so that the "
+                         "old logprobs are the rollout's",
+                         ro.max_staleness, t.step.epochs, t.step.minibatches,
+                         t.step.always_recompute_old, c.where("trainer.algorithm.is_level")));
   }
 
   if (t.tp * t.pp > 1) {

@@ -63,6 +63,11 @@ struct RolloutSection {
   // The engine's weights: "f32" reads the trainer's master weights in place; "bf16" keeps a copy
   // that every publish casts from them (the trainer then recomputes the old logprobs).
   std::string dtype = "f32";
+  // k: how many weight versions a sample may lag the weights it is trained on (counted from the
+  // version its first token was sampled from); 0: each step's batch is generated after the
+  // previous update (the sequential job). Above 0 (a disaggregated job) the next steps' batches
+  // are generated while the trainer updates (trainer/rollout_queue.h).
+  int64_t max_staleness = 0;
 };
 
 struct ShapingSection {

@@ -87,6 +87,9 @@ std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& p
         sample.reward = static_cast<float>(x[0]);
         sample.truncated = x[2] != 0;
         sample.length = static_cast<int64_t>(x[3]);
+        // Several ranks are a colocated job: every rank's engine samples from the version last
+        // published.
+        sample.version = state_.weight_version;
         groups.back().samples.push_back(std::move(sample));
       }
       round.total.push_back(x[1]);

@@ -127,6 +127,32 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
     j["rollout_trainer_logp/max_abs"] = tm.rollout_vs_trainer_max_abs;
     j["rollout_trainer_logp/mean_abs"] = tm.rollout_vs_trainer_mean_abs;
     j["token_mult_prob_error"] = tm.policy.token_mult_prob_error();
+  } else if (job_.rollout.max_staleness > 0 && s.batch() > 0) {
+    // The old logprobs are the behaviour's: the loss's own ratio policy / behaviour measures the
+    // mismatch (before the update, with one epoch and one minibatch), staleness included.
+    j["rollout_trainer_logp/max_abs"] = tm.policy.current_rollout_abs_max;
+    j["rollout_trainer_logp/mean_abs"] = tm.policy.current_rollout_abs_mean();
+    j["rollout_trainer_logp/kl_k3"] = tm.policy.approx_kl_old();
+    j["rollout_trainer_logp/ratio_min"] = tm.policy.ratio_min;
+    j["rollout_trainer_logp/ratio_max"] = tm.policy.ratio_max;
+  }
+  // How far the samples trained lag the weights the update started from, in weight versions
+  // (each sample's first token's version): at most rollout.max_staleness.
+  j["async/max_staleness"] = job_.rollout.max_staleness;
+  j["async/weight_version"] = u.version;
+  if (!s.versions.empty()) {
+    int64_t lo = s.versions[0], hi = s.versions[0];
+    double sum = 0;
+    for (const int64_t v : s.versions) {
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+      sum += static_cast<double>(v);
+    }
+    j["async/oldest_version"] = lo;
+    j["async/staleness_min"] = u.version - hi;
+    j["async/staleness_mean"] =
+        static_cast<double>(u.version) - sum / static_cast<double>(s.versions.size());
+    j["async/staleness_max"] = u.version - lo;
   }
   j["samples_trained"] = s.batch();
   j["samples_masked_truncated"] = s.masked_truncated;
@@ -166,6 +192,10 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
     j["time/canary_s"] = u.canary->seconds;
   }
   j["time/step_s"] = step_s;
+  if (c.trainer_idle_s >= 0) {  // a disaggregated job
+    j["time/trainer_idle_s"] = c.trainer_idle_s;
+    j["time/rollout_idle_s"] = c.rollout_idle_s;
+  }
   if (remote_) remote_->add_metrics(j);
   write_metrics(j);
   if (hooks_.on_step) hooks_.on_step(j);

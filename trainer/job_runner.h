@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -25,6 +26,7 @@
 #include "trainer/job_step.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/optimizer.h"
+#include "trainer/rollout_queue.h"
 #include "trainer/tensorboard.h"
 
 namespace tandem::trainer::job_detail {
@@ -55,7 +57,9 @@ class Job {
   void share_samples(std::vector<Group>& groups);
   bool any_rank(bool mine);
   std::vector<Prompt> draw_prompts(int64_t count, int64_t& skipped);
-  Collected collect();
+  // The collect phase of `step` (its seeds). With rollout.max_staleness > 0 it runs on the
+  // rollout queue's thread, the steps ahead of the trainer's.
+  Collected collect(int64_t step);
   Updated update_and_publish(const Selected& selected);
   PublishStats publish();
   // weight_sync.canary after a publish (none when off); `step` made the weights.
@@ -102,6 +106,13 @@ class Job {
   Rollout* train_rollout_ = nullptr;  // remote_ or local_: what collect() generates with
   std::vector<Rollout*> published_;   // every Rollout that samples from the trainer's weights
   std::unique_ptr<Canary> canary_;    // weight_sync.canary: probes the engine after each publish
+  // The time train_rollout_ generates (a disaggregated job: its workers hold requests of it).
+  BusyClock rollout_busy_;
+  // Held while the reward functions score: the rollout queue's thread (training batches) and the
+  // job's (eval) both do.
+  std::mutex rewards_mutex_;
+  // The stream's state after the prompts of the last step trained (a checkpoint's).
+  nlohmann::json stream_state_;
   // Disaggregated: the weight version at which the canary found every worker's logprobs the
   // trainer's bitwise (-1: none), and the pool's rejoins then; the workers' logprobs serve as the
   // old ones while both still hold (workers_logp_exact).

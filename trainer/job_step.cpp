@@ -58,7 +58,8 @@ std::vector<Group> generate(Rollout& rollout, const model::LoadedModel& m,
     for (rollout::SampleOutput& s : o.samples) {
       const auto length = static_cast<int64_t>(s.tokens.size());
       groups[i].samples.push_back({std::move(s.tokens), std::move(s.logprobs), std::move(s.text),
-                                   s.finish_reason == rollout::FinishReason::length, 0, length});
+                                   s.finish_reason == rollout::FinishReason::length, 0, length,
+                                   static_cast<int64_t>(s.first_weight_version)});
     }
   }
   return groups;
@@ -123,6 +124,7 @@ Selected select(Collected& c, const JobConfig& job) {
       if (g.local) {
         s.shard.positions.push_back(s.shard.lengths.size());
         s.train.push_back({g.prompt.rendered.tokens, x.tokens, x.logprobs, advantage, group});
+        s.versions.push_back(x.version);
       }
       s.shard.lengths.push_back(x.length);
     }
@@ -133,6 +135,7 @@ Selected select(Collected& c, const JobConfig& job) {
   while (!s.shard.positions.empty() && s.shard.positions.back() >= s.shard.lengths.size()) {
     s.shard.positions.pop_back();
     s.train.pop_back();
+    s.versions.pop_back();
   }
   return s;
 }

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -33,6 +34,9 @@ struct Sample {
   bool truncated = false;  // stopped by rollout.max_new_tokens, not by an end token
   float reward = 0;        // the reward functions' weighted sum plus the overlong penalty
   int64_t length = 0;      // completion tokens (tokens.size() where this rank generated it)
+  // The weight version its first token was sampled from, the oldest of its tokens (the job's
+  // numbering, state.weight_version's).
+  int64_t version = 0;
 };
 
 // A prompt ready for the engine.
@@ -60,11 +64,19 @@ struct Collected {
   int64_t groups_kept = 0, refill_rounds = 0;
   int64_t prompts_skipped = 0;  // longer than data.max_prompt_tokens
   double rollout_s = 0, reward_s = 0;
+  // The prompt stream just after this step's prompts were drawn (PromptStream::state, epoch and
+  // index): what a checkpoint after this step records, though later steps' batches may be drawn.
+  nlohmann::json stream_state;
+  int64_t data_epoch = 0, data_position = 0;
+  // A disaggregated job: the seconds of the step the trainer waited for this batch, and the
+  // seconds the workers had no request of the job (-1: not measured, a colocated job).
+  double trainer_idle_s = -1, rollout_idle_s = -1;
 };
 
 // The select phase's result: what the update trains on, and the statistics of the batch.
 struct Selected {
   std::vector<TrainSample> train;  // this rank's share
+  std::vector<int64_t> versions;   // (train) each one's Sample::version
   BatchShard shard;                // where they lie in the batch of every rank's samples
   RewardStats rewards;             // of every generated group
   AdvantageStats advantages;       // of the kept groups
@@ -75,6 +87,7 @@ struct Selected {
 
 // The update and publish phases' result.
 struct Updated {
+  int64_t version = 0;  // of the weights the update started from (state.weight_version then)
   TrainStepMetrics train;
   PublishStats published;
   std::optional<CanaryResult> canary;  // with weight_sync.canary

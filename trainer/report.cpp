@@ -236,6 +236,12 @@ void write_report(const std::string& metrics_jsonl, const std::string& html_path
        {{"time/rollout_s", "rollout", "#ff7f0e", {}},
         {"time/reward_s", "reward", "#bcbd22", {}},
         {"time/train_s", "train", "#7f7f7f", {}}}},
+      // A disaggregated job: how long the trainer waited for its batch, and the workers for
+      // requests (rollout.max_staleness above 0 overlaps the two).
+      {"idle per step (s)",
+       {{"time/trainer_idle_s", "trainer", "#636363", {}},
+        {"time/rollout_idle_s", "rollout", "#fd8d3c", {}}},
+       /*optional=*/true},
       // Logged when the trainer recomputes the old logprobs (e.g. a bf16 rollout copy).
       {"rollout vs trainer logprob |Δ|",
        {{"rollout_trainer_logp/max_abs", "max", "#e6550d", {}},

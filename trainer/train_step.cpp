@@ -90,10 +90,11 @@ MetricVectors pack_metrics(const TrainStepMetrics& m) {
            static_cast<double>(p.is_capped),
            static_cast<double>(p.mismatch_tokens),
            p.mismatch_abs_sum,
-           p.mismatch_mult_sum},
+           p.mismatch_mult_sum,
+           p.current_rollout_abs_sum},
           {m.rollout_vs_trainer_max_abs, -p.ratio_min, p.ratio_max, -p.is_weight_min,
            p.is_weight_max, p.mismatch_abs_max, m.seconds_old, m.seconds_ref, m.seconds_update,
-           m.comm_s, m.comm_exposed_s}};
+           m.comm_s, m.comm_exposed_s, p.current_rollout_abs_max}};
 }
 
 void unpack_metrics(const MetricVectors& v, TrainStepMetrics& m) {
@@ -122,6 +123,7 @@ void unpack_metrics(const MetricVectors& v, TrainStepMetrics& m) {
   p.mismatch_tokens = i64(a[19]);
   p.mismatch_abs_sum = a[20];
   p.mismatch_mult_sum = a[21];
+  p.current_rollout_abs_sum = a[22];
   m.rollout_vs_trainer_max_abs = b[0];
   p.ratio_min = -b[1];
   p.ratio_max = b[2];
@@ -133,6 +135,7 @@ void unpack_metrics(const MetricVectors& v, TrainStepMetrics& m) {
   m.seconds_update = b[8];
   m.comm_s = b[9];
   m.comm_exposed_s = b[10];
+  p.current_rollout_abs_max = b[11];
 }
 
 // The batch's metrics from every rank's: sums summed, extremes of the extremes, the step's

@@ -684,3 +684,99 @@ TEST_CASE(
   CHECK(w.w0->stop() == 0);
   CHECK(w.w1->stop() == 0);
 }
+
+// rollout.max_staleness = 1: the workers generate the next step's batch while the trainer updates
+// on this one, so its samples come from the version before the one they are trained on; none
+// from further back. The versions are the workers' (each sample's first token's), the bound the
+// trainer's: a queue that ran two steps ahead, or samples stamped with a wrong version, fail here.
+TEST_CASE("a disaggregated job at rollout.max_staleness 1 trains on samples at most 1 version old",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-async");
+  TwoWorkers w(tmp);
+  const std::string workers = disaggregated(w.port0, w.port1);
+  const auto r = train(tmp, w.job, "async", workers + " rollout.max_staleness=1 trainer.steps=5");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("old logprobs: the workers' behaviour logprobs") != std::string::npos);
+  const auto steps = step_lines(tmp.file("async/metrics.jsonl"));
+  REQUIRE(steps.size() == 5);
+  int64_t stale_steps = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const nlohmann::json& m = steps[i];
+    INFO("step " << i + 1 << ": " << m.dump());
+    CHECK(m["async/max_staleness"] == 1);
+    REQUIRE(m["samples_trained"].get<int64_t>() > 0);
+    const int64_t version = m["async/weight_version"], oldest = m["async/oldest_version"];
+    CHECK(version == static_cast<int64_t>(i));  // one update a step
+    CHECK(oldest <= version);
+    CHECK(version - oldest <= 1);
+    CHECK(m["async/staleness_max"] == version - oldest);
+    CHECK(m["async/staleness_min"].get<int64_t>() >= 0);
+    stale_steps += m["async/staleness_max"].get<int64_t>() > 0 ? 1 : 0;
+    // The old logprobs are the behaviour's: not recomputed; the mismatch is the loss's ratio.
+    CHECK(m["old_logp_recomputed"] == 0);
+    CHECK(m.contains("rollout_trainer_logp/kl_k3"));
+    // The first step's samples are of the weights it updates: the workers' logprobs are the
+    // trainer's (as recomputed at 0).
+    if (i == 0) CHECK(m["rollout_trainer_logp/max_abs"].get<double>() < 1e-4);
+    CHECK(m["rollout_trainer_logp/mean_abs"].get<double>() <=
+          m["rollout_trainer_logp/max_abs"].get<double>());
+    CHECK(m["time/trainer_idle_s"].get<double>() >= 0);
+    CHECK(m["time/rollout_idle_s"].get<double>() >= 0);
+  }
+  // Batches were generated (from their first token) during the update before their step.
+  CHECK(stale_steps >= 1);
+
+  // At 0 the job is the sequential one: every sample of the version it is trained on.
+  const auto r0 = train(tmp, w.job, "sync", workers + " trainer.steps=3");
+  INFO(r0.out);
+  REQUIRE(r0.status == 0);
+  for (const nlohmann::json& m : step_lines(tmp.file("sync/metrics.jsonl"))) {
+    CHECK(m["async/max_staleness"] == 0);
+    CHECK(m["async/staleness_max"] == 0);
+  }
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+}
+
+// The batches made ahead draw their prompts before the step they belong to: a checkpoint records
+// the stream after the prompts of the steps it trained, so that a resumed job draws the prompts
+// of the batches made ahead again (none lost, none trained twice), and resumes within the bound.
+TEST_CASE("a disaggregated job at rollout.max_staleness 1 checkpoints the prompts it trained",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-async-resume");
+  TwoWorkers w(tmp);
+  const std::string async = disaggregated(w.port0, w.port1) +
+                            " rollout.max_staleness=1 checkpoint.every=1 checkpoint.keep_last=5";
+  {
+    const auto r = train(tmp, w.job, "run", async + " trainer.steps=3");
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+  }
+  for (int s = 1; s <= 3; ++s) {
+    std::ifstream in(tmp.file(fmt::format("run/ckpt/step-{}/trainer_state.json", s)));
+    REQUIRE(in.good());
+    const nlohmann::json state = nlohmann::json::parse(in);
+    INFO("step " << s << ": " << state.dump());
+    CHECK(state["data_position"] == 4 * s);  // rollout.prompts_per_step = 4, one epoch
+    CHECK(state["extra"]["stream"]["index"] == 4 * s);
+    CHECK(state["weight_version"] == s);
+  }
+  const auto r = train(tmp, w.job, "run", async + " trainer.steps=5");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("resumed from") != std::string::npos);
+  const auto steps = step_lines(tmp.file("run/metrics.jsonl"));
+  REQUIRE(steps.size() == 5);
+  for (size_t i = 3; i < 5; ++i) {
+    INFO("step " << i + 1 << ": " << steps[i].dump());
+    CHECK(steps[i]["step"] == i + 1);
+    CHECK(steps[i]["async/weight_version"] == i);
+    CHECK(steps[i]["async/staleness_max"].get<int64_t>() <= 1);
+  }
+  std::ifstream in(tmp.file("run/ckpt/step-5/trainer_state.json"));
+  REQUIRE(in.good());
+  CHECK(nlohmann::json::parse(in)["data_position"] == 20);
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+}

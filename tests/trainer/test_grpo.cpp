@@ -311,3 +311,26 @@ TEST_CASE("clip-higher and dual clip cut the gradient where their bounds are act
   CHECK(out.metrics.clipped_dual == 1);
   CHECK(out.loss == Approx(-1.28 + 1.5 - std::exp(-0.5) + 0.8).epsilon(1e-6));
 }
+
+TEST_CASE("the current policy's distance to the rollout's logprobs is measured per token",
+          "[unit]") {
+  for (const uint64_t seed : {3u, 17u, 99u}) {
+    const Batch b = random_batch(seed, 5);
+    double sum = 0, max = 0;
+    for (size_t t = 0; t < b.logp.size(); ++t) {
+      const double d =
+          std::abs(static_cast<double>(b.logp[t]) - static_cast<double>(b.rollout_logp[t]));
+      sum += d;
+      max = std::max(max, d);
+    }
+    REQUIRE(max > 0);
+    const PolicyLoss out = compute_policy_loss(b.input(), PolicyLossConfig{}, {b.tokens(), 5});
+    CHECK(out.metrics.current_rollout_abs_max == max);
+    CHECK(out.metrics.current_rollout_abs_mean() == Approx(sum / b.tokens()).epsilon(1e-12));
+    // Merged over two halves of the same batch: the same.
+    PolicyLossMetrics twice = out.metrics;
+    twice.merge(out.metrics);
+    CHECK(twice.current_rollout_abs_max == max);
+    CHECK(twice.current_rollout_abs_mean() == Approx(sum / b.tokens()).epsilon(1e-12));
+  }
+}

@@ -351,3 +351,25 @@ TEST_CASE("the grid trainer's sizes are checked against the world and the model"
   CHECK_THAT(error_for({"trainer.pp=3"}, 3),
              Catch::Contains("trainer.pp = 3 does not fit") && Catch::Contains("of 2 layers"));
 }
+
+TEST_CASE("job config takes rollout.max_staleness for a disaggregated job and names the key else",
+          "[unit]") {
+  const std::vector<std::string> disaggregated{"placement.mode=\"disaggregated\"",
+                                               "placement.workers=[\"127.0.0.1:9101\"]"};
+  CHECK(parse_job_config(kMinimal, "job.toml").rollout.max_staleness == 0);
+  std::vector<std::string> async = disaggregated;
+  async.push_back("rollout.max_staleness=2");
+  CHECK(parse_job_config(kMinimal, "job.toml", async).rollout.max_staleness == 2);
+  // Colocated: refused, naming the key.
+  CHECK_THAT(error_of(kMinimal, {"rollout.max_staleness=1"}),
+             Catch::Contains("rollout.max_staleness") && Catch::Contains("disaggregated"));
+  CHECK_THAT(error_of(kMinimal, {"rollout.max_staleness=-1"}),
+             Catch::Contains("rollout.max_staleness"));
+  // Old logprobs the trainer recomputes need the importance weight to reach the behaviour policy.
+  std::vector<std::string> epochs = async;
+  epochs.push_back("trainer.epochs=2");
+  CHECK_THAT(error_of(kMinimal, epochs),
+             Catch::Contains("rollout.max_staleness") && Catch::Contains("is_level"));
+  epochs.push_back("trainer.algorithm.is_level=\"token\"");
+  CHECK(parse_job_config(kMinimal, "job.toml", epochs).trainer.step.epochs == 2);
+}
