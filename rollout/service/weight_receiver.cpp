@@ -120,14 +120,27 @@ void WeightReceiver::authorize(const std::string& token) const {
   throw e;
 }
 
-void WeightReceiver::refuse(rpc::WeightPushFault::type fault, std::string message,
-                            std::string tensor) const {
+rpc::WeightPushRefused WeightReceiver::refusal(rpc::WeightPushFault::type fault,
+                                               std::string message, std::string tensor) const {
   rpc::WeightPushRefused e;
   e.message = std::move(message);
   e.fault = fault;
   e.worker_version = static_cast<int64_t>(version_.load());
   e.tensor = std::move(tensor);
-  throw e;
+  return e;
+}
+
+void WeightReceiver::refuse(rpc::WeightPushFault::type fault, std::string message,
+                            std::string tensor) const {
+  throw refusal(fault, std::move(message), std::move(tensor));
+}
+
+void WeightReceiver::note_closed(const std::string& why) {
+  // A flood of bad connections must not flood the log: the first ten, then every 1000th.
+  const int64_t n = ++closed_;
+  if (n <= 10 || n % 1000 == 0)
+    spdlog::warn("rollout server '{}': closed a weight channel connection: {} ({} so far)",
+                 options_.name, why, n);
 }
 
 void WeightReceiver::check_push(int64_t version, const std::string& which) const {
@@ -454,7 +467,7 @@ void WeightReceiver::serve_connection(int fd) {
     return a;
   };
   auto malformed = [&](const std::string& why) {
-    spdlog::warn("rollout server '{}': closed a weight channel connection: {}", options_.name, why);
+    note_closed(why);
     answer(answer_of(channel::kMalformed, why));
   };
   try {
@@ -492,16 +505,11 @@ void WeightReceiver::serve_connection(int fd) {
       int64_t bound_left = options_.max_bucket_bytes - std::max<int64_t>(h.data_bytes, 0);
       if (h.data_bytes < 0 || bound_left < 0 ||
           static_cast<int64_t>(h.pieces) * kWeightPieceBytes > bound_left) {
-        rpc::WeightPushRefused e;
-        try {
-          refuse(rpc::WeightPushFault::SIZE,
-                 fmt::format("{}: {} bytes of data in {} pieces; a bucket carries at most {}",
-                             which, h.data_bytes, h.pieces, options_.max_bucket_bytes));
-        } catch (const rpc::WeightPushRefused& r) {
-          e = r;
-        }
-        spdlog::warn("rollout server '{}': closed a weight channel connection: {}", options_.name,
-                     e.message);
+        const rpc::WeightPushRefused e =
+            refusal(rpc::WeightPushFault::SIZE,
+                    fmt::format("{}: {} bytes of data in {} pieces; a bucket carries at most {}",
+                                which, h.data_bytes, h.pieces, options_.max_bucket_bytes));
+        note_closed(e.message);
         return answer(refused(e));
       }
       std::vector<rpc::WeightPiece> pieces(h.pieces);

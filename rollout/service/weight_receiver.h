@@ -109,8 +109,11 @@ class WeightReceiver {
   uint32_t fill(Bucket& b, const std::function<void(char*, size_t)>& read);
   // Marks the bucket received where crc is the one sent.
   void finish(Bucket& b, uint32_t crc, uint32_t sent_crc);
+  rpc::WeightPushRefused refusal(rpc::WeightPushFault::type fault, std::string message,
+                                 std::string tensor = "") const;
   [[noreturn]] void refuse(rpc::WeightPushFault::type fault, std::string message,
                            std::string tensor = "") const;
+  void note_closed(const std::string& why);  // a data connection closed for bad input, logged
   void check_push(int64_t version, const std::string& which) const;  // mutex_ held
   Clock::time_point deadline() const;
 
@@ -130,6 +133,7 @@ class WeightReceiver {
 
   int listener_ = -1, data_port_ = 0;
   std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> closed_{0};  // data connections closed for bad input
   std::thread accept_thread_;
   struct Connection {
     int fd = -1;  // -1 once its thread closed it (connections_mutex_)
