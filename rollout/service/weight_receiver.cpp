@@ -109,6 +109,8 @@ WeightReceiver::WeightReceiver(const model::Weights& served, Options options,
   TANDEM_CHECK(listener_ >= 0, "rollout server '{}': cannot listen on {} for the weight channel",
                options_.name, options_.host);
   accept_thread_ = std::thread([this] { accept_loop(); });
+  spdlog::info("rollout server '{}': weight pushes' data channel on {}:{}", options_.name,
+               options_.host, data_port_);
 }
 
 WeightReceiver::~WeightReceiver() { stop(); }
