@@ -17,17 +17,13 @@
 #include <deque>
 #include <functional>
 #include <future>
-#include <map>
 #include <mutex>
-#include <optional>
 #include <thread>
 #include <unordered_map>
 
 #include "core/build_info.h"
-#include "core/crc32c.h"
 #include "core/error.h"
 #include "core/utf8.h"
-#include "kernels/ops.h"
 #include "rollout/service/client.h"
 #include "rollout/service/rpc/RolloutService.h"
 #include "rollout/service/rpc/rollout_constants.h"
