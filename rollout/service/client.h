@@ -64,18 +64,11 @@ class RolloutClient {
   void resume();
   void begin_weight_update(int64_t version);
   int64_t commit_weight_update(int64_t version, const std::string& checkpoint_path);
-  // Weights over the wire (rollout/service/weight_push.h sends a whole version through them).
-  // A bucket is idempotent by its index, so transport errors are retried like any call.
+  // Weights over the wire: the control calls of a push (rollout/service/weight_push.h sends a
+  // whole version, its buckets over the worker's data channel). A bucket is idempotent by its
+  // index, so transport errors are retried like any call.
   rpc::WeightPushReady begin_weight_push(int64_t version);
   void push_weight_bucket(rpc::WeightBucket& bucket);  // sets bucket.token
-  // A bucket whose data fill(emit) writes straight into the call's frame, calling emit(bytes, n)
-  // for its data in order (data_bytes in all), with no copy of the bucket of its own; its CRC-32C
-  // is computed on the way and sent after the data. fill may throw to give the call up (the
-  // connection is then closed).
-  using BucketFill = std::function<void(const std::function<void(const char*, size_t)>& emit)>;
-  void push_weight_bucket(int64_t version, int32_t index, rpc::WeightDType::type dtype,
-                          const std::vector<rpc::WeightPiece>& pieces, int64_t data_bytes,
-                          const BucketFill& fill);
   int64_t commit_weight_push(int64_t version, int32_t buckets);
   int64_t weight_version();
   bool health();

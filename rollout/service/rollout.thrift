@@ -133,6 +133,10 @@ struct WeightPushReady {
   // What one bucket may carry at most: its data, and each piece as its name's bytes + 32 (the
   // frame of limits.max_message_bytes less 4 KiB).
   3: i64 max_bucket_bytes = 0
+  // The worker's data channel (rollout/service/weight_channel.h): a plain TCP port on the same host
+  // that takes this push's buckets straight into place, each read once (no Thrift frame); absent
+  // or 0: send them by push_weight_bucket.
+  4: optional i32 data_port
 }
 
 struct WeightBucket {

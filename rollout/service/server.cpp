@@ -17,20 +17,17 @@
 #include <deque>
 #include <functional>
 #include <future>
-#include <map>
 #include <mutex>
-#include <optional>
 #include <thread>
 #include <unordered_map>
 
 #include "core/build_info.h"
-#include "core/crc32c.h"
 #include "core/error.h"
 #include "core/utf8.h"
-#include "kernels/ops.h"
 #include "rollout/service/client.h"
 #include "rollout/service/rpc/RolloutService.h"
 #include "rollout/service/rpc/rollout_constants.h"
+#include "rollout/service/weight_receiver.h"
 #include "rpc/bounded_thrift.h"
 
 namespace tandem::rollout {
@@ -38,14 +35,6 @@ namespace {
 
 namespace at = apache::thrift;
 using Clock = std::chrono::steady_clock;
-
-// Equal strings, in a time that does not depend on where they first differ.
-bool same_token(const std::string& given, const std::string& expected) {
-  if (given.size() != expected.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < given.size(); ++i) diff |= given[i] ^ expected[i];
-  return diff == 0;
-}
 
 [[noreturn]] void invalid(std::string message) {
   rpc::InvalidRequest e;
@@ -146,7 +135,7 @@ struct RolloutServer::Impl {
   std::unique_ptr<model::Tokenizer> tokenizer;
   std::vector<int32_t> eos_ids;
   int64_t vocab_size = 0;
-  std::unique_ptr<model::Weights> weights;  // the engine's; replaced by commit_weight_update
+  std::shared_ptr<model::Weights> weights;  // the engine's; replaced by commit_weight_update
   DType dtype = DType::f32;                 // of the weights, for the checkpoints to load
   std::unique_ptr<Engine> engine;           // touched by the engine thread only, once started
 
@@ -180,23 +169,10 @@ struct RolloutServer::Impl {
   std::mutex update_error_mutex;
   std::string last_update_error;
 
-  // Weights over the wire (begin_weight_push .. commit_weight_push): received by the RPC threads
-  // into `staging`, a copy of the engine's weights, while the engine generates on; the commit
-  // swaps it in on the engine thread between two steps.
-  struct Push {
-    int64_t version = 0;
-    std::unique_ptr<model::Weights> staging;
-    // Per tensor of `named` (by index): the runs received, first element -> end.
-    std::vector<std::map<int64_t, int64_t>> received;
-    std::unordered_map<int32_t, uint32_t> buckets;  // index -> CRC-32C of its data
-    int64_t bytes = 0;
-    Clock::time_point deadline{};  // ended unless a call of the push comes by then
-  };
-  model::ModelConfig config;                      // of the weights served, for the staging copy
-  std::unordered_map<std::string, size_t> named;  // HF name -> index in Weights::named()
-  std::mutex push_mutex;                          // guards push and spare
-  std::optional<Push> push;                       // the push in progress
-  std::unique_ptr<model::Weights> spare;  // swapped out by the last commit: the next staging copy
+  // Weights over the wire (begin_weight_push .. commit_weight_push, and the data channel):
+  // received into a staging copy while the engine generates on; the commit swaps it in on the
+  // engine thread between two steps.
+  std::unique_ptr<WeightReceiver> receiver;
 
   std::shared_ptr<at::transport::TServerSocket> socket;
   std::shared_ptr<at::server::TThreadedServer> server;
@@ -301,27 +277,6 @@ struct RolloutServer::Impl {
                  options.name, to, why, version.load());
   }
 
-  // Ends the push in progress when no call of it came within weight_update_timeout_s (its
-  // trainer died or gave up): its staging copy is kept for the next push.
-  void expire_push() {
-    std::optional<int64_t> ended;
-    {
-      std::lock_guard lock(push_mutex);
-      if (!push || Clock::now() < push->deadline) return;
-      ended = push->version;
-      spare = std::move(push->staging);
-      push.reset();
-    }
-    note_abandoned(*ended, fmt::format("no call of its push within {} s "
-                                       "(limits.weight_update_timeout_s)",
-                                       options.weight_update_timeout_s));
-  }
-
-  Clock::time_point push_deadline() const {
-    return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                              std::chrono::duration<double>(options.weight_update_timeout_s));
-  }
-
   void publish() {
     version = engine->weight_version();
     waiting = engine->num_waiting();
@@ -356,7 +311,7 @@ struct RolloutServer::Impl {
         pending.swap(tasks);
       }
       for (auto& task : pending) task();
-      expire_push();
+      receiver->expire();
       if (updating && Clock::now() >= update_deadline)
         abandon_update(update_version,
                        fmt::format("no commit_weight_update within {} s of begin_weight_update "
@@ -416,17 +371,6 @@ struct RolloutServer::Impl {
 namespace {
 
 using Impl = RolloutServer::Impl;
-
-// A weight bucket as the handler takes it: its data where it was read (the connection's frame).
-struct BucketView {
-  int64_t version = 0;
-  int32_t index = 0;
-  int32_t dtype = 0;  // rpc::WeightDType, as sent
-  const std::vector<rpc::WeightPiece>& pieces;
-  std::string_view data;
-  int32_t crc32c = 0;
-  const std::string& token;
-};
 
 class RolloutHandler : public rpc::RolloutServiceIf {
  public:
@@ -581,7 +525,7 @@ class RolloutHandler : public rpc::RolloutServiceIf {
       invalid("checkpoint_path is empty: a CPU worker loads the new weights from a checkpoint");
     // The checkpoint is read here, off the engine thread, which generates meanwhile unless
     // begin_weight_update paused it.
-    std::unique_ptr<model::Weights> next;
+    std::shared_ptr<model::Weights> next;
     try {
       next = std::move(model::load_model(update.checkpoint_path, m_.dtype).weights);
     } catch (const std::exception& e) {
@@ -609,180 +553,18 @@ class RolloutHandler : public rpc::RolloutServiceIf {
   // --- weights over the wire ----------------------------------------------------------------
 
   void begin_weight_push(rpc::WeightPushReady& out, const rpc::WeightPushBegin& begin) override {
-    authorize(begin.token);
-    const auto have = static_cast<int64_t>(m_.version.load());
-    if (begin.version <= have)
-      refuse(
-          rpc::WeightPushFault::VERSION,
-          fmt::format("weight version {} is not newer than the worker's {}", begin.version, have));
-    std::unique_ptr<model::Weights> staging;
-    std::optional<int64_t> ended;
-    {
-      std::lock_guard lock(m_.push_mutex);
-      if (m_.push) {
-        ended = m_.push->version;
-        staging = std::move(m_.push->staging);
-        m_.push.reset();
-      } else {
-        staging = std::move(m_.spare);
-      }
-    }
-    if (ended)
-      m_.note_abandoned(*ended, fmt::format("begin_weight_push of v{} ended it", begin.version));
-    // The first push allocates the copy it receives into; later ones reuse the weights swapped out.
-    if (!staging) staging = std::make_unique<model::Weights>(m_.config, m_.dtype);
-    Impl::Push p;
-    p.version = begin.version;
-    p.staging = std::move(staging);
-    p.received.resize(m_.named.size());
-    p.deadline = m_.push_deadline();
-    {
-      std::lock_guard lock(m_.push_mutex);
-      m_.push = std::move(p);
-    }
-    out.worker_version = have;
-    out.dtype = m_.dtype == DType::bf16 ? rpc::WeightDType::BF16 : rpc::WeightDType::F32;
-    out.max_bucket_bytes = max_bucket_bytes(m_.options);
-    spdlog::info("rollout server '{}': weight push of v{} begun; serving v{} meanwhile",
-                 m_.options.name, begin.version, have);
+    out = m_.receiver->begin(begin);
   }
 
   void push_weight_bucket(const rpc::WeightBucket& b) override {
-    take_bucket(
+    m_.receiver->take(
         {b.version, b.index, static_cast<int32_t>(b.dtype), b.pieces, b.data, b.crc32c, b.token});
   }
 
-  // Every piece is checked against the model, the push and the bucket's other pieces before any
-  // data is written, and the data is checksummed as it is copied (one pass): a refused bucket
-  // marks nothing received, so that nothing it wrote counts until a good bucket rewrites it.
-  void take_bucket(const BucketView& b) {
-    authorize(b.token);
-    const std::string which = fmt::format("bucket {} of v{}", b.index, b.version);
-    int64_t element_bytes = 0;
-    if (b.dtype == rpc::WeightDType::F32 && (m_.dtype == DType::f32 || m_.dtype == DType::bf16)) {
-      element_bytes = 4;
-    } else if (b.dtype == rpc::WeightDType::BF16 && m_.dtype == DType::bf16) {
-      element_bytes = 2;
-    } else {
-      refuse(rpc::WeightPushFault::DTYPE,
-             fmt::format("{}: data of dtype {} for weights of {}: send {} or f32", which, b.dtype,
-                         dtype_name(m_.dtype), dtype_name(m_.dtype)));
-    }
-    if (b.index < 0)
-      refuse(rpc::WeightPushFault::SIZE, fmt::format("{}: a negative bucket index", which));
-    int64_t elements = 0;
-    for (const rpc::WeightPiece& piece : b.pieces) {
-      if (piece.offset < 0 || piece.elements < 1 || piece.elements > (1ll << 40))
-        refuse(rpc::WeightPushFault::SIZE,
-               fmt::format("{}: a piece of '{}' at element {} of {} elements", which,
-                           to_valid_utf8(piece.name), piece.offset, piece.elements),
-               to_valid_utf8(piece.name));
-      elements += piece.elements;
-    }
-    if (elements * element_bytes != static_cast<int64_t>(b.data.size()))
-      refuse(rpc::WeightPushFault::SIZE,
-             fmt::format("{}: {} bytes of data for pieces of {} elements of {} bytes", which,
-                         b.data.size(), elements, element_bytes));
-
-    std::lock_guard lock(m_.push_mutex);
-    check_push(b.version, which);
-    Impl::Push& p = *m_.push;
-    if (auto seen = p.buckets.find(b.index); seen != p.buckets.end()) {
-      if (seen->second == static_cast<uint32_t>(b.crc32c) &&
-          crc32c(b.data) == static_cast<uint32_t>(b.crc32c))
-        return;  // sent again after a lost answer: taken once
-      refuse(rpc::WeightPushFault::OVERLAP,
-             fmt::format("{} arrived already, with other data", which));
-    }
-    std::vector<std::pair<size_t, const rpc::WeightPiece*>> targets;
-    std::vector<std::map<int64_t, int64_t>> mine(p.received.size());
-    for (const rpc::WeightPiece& piece : b.pieces) {
-      const auto it = m_.named.find(piece.name);
-      if (it == m_.named.end())
-        refuse(rpc::WeightPushFault::NAME,
-               fmt::format("{}: the model has no tensor '{}'", which, to_valid_utf8(piece.name)),
-               to_valid_utf8(piece.name));
-      const int64_t numel = p.staging->named()[it->second].tensor.numel();
-      if (piece.offset + piece.elements > numel)
-        refuse(rpc::WeightPushFault::SIZE,
-               fmt::format("{}: elements {}..{} of '{}', which has {}", which, piece.offset,
-                           piece.offset + piece.elements, piece.name, numel),
-               piece.name);
-      for (const auto* runs : {&p.received[it->second], &mine[it->second]})
-        if (overlaps(*runs, piece.offset, piece.offset + piece.elements))
-          refuse(rpc::WeightPushFault::OVERLAP,
-                 fmt::format("{}: elements {}..{} of '{}' arrived already", which, piece.offset,
-                             piece.offset + piece.elements, piece.name),
-                 piece.name);
-      mine[it->second][piece.offset] = piece.offset + piece.elements;
-      targets.emplace_back(it->second, &piece);
-    }
-    const char* src = b.data.data();
-    uint32_t crc = 0;
-    for (const auto& [index, piece] : targets) {
-      const Tensor& t = p.staging->named()[index].tensor;
-      // A chunk that stays in the cache between its checksum and its copy.
-      constexpr int64_t kChunk = 64 << 10;
-      for (int64_t first = 0; first < piece->elements; first += kChunk) {
-        const int64_t n = std::min(kChunk, piece->elements - first);
-        const char* from = src + first * element_bytes;
-        crc = crc32c({from, static_cast<size_t>(n * element_bytes)}, crc);
-        const int64_t at = piece->offset + first;
-        if (m_.dtype == DType::f32 || element_bytes == 2) {
-          std::memcpy(static_cast<char*>(t.data()) + at * element_bytes, from,
-                      static_cast<size_t>(n * element_bytes));
-        } else {  // f32 data for bf16 weights
-          ops::cast(Tensor::wrap(const_cast<char*>(from), {n}, DType::f32),
-                    Tensor::wrap(static_cast<uint16_t*>(t.data()) + at, {n}, DType::bf16));
-        }
-      }
-      src += piece->elements * element_bytes;
-    }
-    if (crc != static_cast<uint32_t>(b.crc32c))
-      refuse(rpc::WeightPushFault::CHECKSUM,
-             fmt::format("{}: the data's CRC-32C is {:#010x}, the bucket says {:#010x}", which, crc,
-                         static_cast<uint32_t>(b.crc32c)));
-    for (const auto& [index, piece] : targets)
-      p.received[index][piece->offset] = piece->offset + piece->elements;
-    p.buckets.emplace(b.index, crc);
-    p.bytes += static_cast<int64_t>(b.data.size());
-    p.deadline = m_.push_deadline();
-  }
-
   int64_t commit_weight_push(const rpc::WeightPushCommit& c) override {
-    authorize(c.token);
-    std::unique_ptr<model::Weights> next;
     int64_t bytes = 0;
-    {
-      std::lock_guard lock(m_.push_mutex);
-      // A commit sent again after its answer was lost: the version is in use already.
-      if (!m_.push && c.version == static_cast<int64_t>(m_.version.load())) return c.version;
-      const std::string which = fmt::format("commit of v{}", c.version);
-      check_push(c.version, which);
-      Impl::Push& p = *m_.push;
-      for (int32_t i = 0; i < c.buckets; ++i)
-        if (!p.buckets.contains(i))
-          refuse(rpc::WeightPushFault::INCOMPLETE,
-                 fmt::format("{}: bucket {} of {} has not arrived ({} have)", which, i, c.buckets,
-                             p.buckets.size()));
-      if (static_cast<int64_t>(p.buckets.size()) != c.buckets)
-        refuse(rpc::WeightPushFault::INCOMPLETE,
-               fmt::format("{}: {} buckets arrived, the commit says {}", which, p.buckets.size(),
-                           c.buckets));
-      for (size_t i = 0; i < p.received.size(); ++i) {
-        int64_t have = 0;
-        for (const auto& [first, end] : p.received[i]) have += end - first;
-        const model::NamedTensor& t = p.staging->named()[i];
-        if (have != t.tensor.numel())
-          refuse(rpc::WeightPushFault::INCOMPLETE,
-                 fmt::format("{}: {} of the {} elements of '{}' arrived", which, have,
-                             t.tensor.numel(), t.name),
-                 t.name);
-      }
-      next = std::move(p.staging);
-      bytes = p.bytes;
-      m_.push.reset();
-    }
+    std::shared_ptr<model::Weights> next = m_.receiver->complete(c, bytes);
+    if (!next) return c.version;  // sent again: in use already
     const auto version = static_cast<uint64_t>(c.version);
     std::string refused;
     m_.on_engine([&m = m_, &next, &refused, version] {
@@ -795,11 +577,14 @@ class RolloutHandler : public rpc::RolloutServiceIf {
       std::swap(m.weights, next);  // the old weights go once the engine no longer reads them
       m.publish();
     });
-    {
-      std::lock_guard lock(m_.push_mutex);
-      m_.spare = std::move(next);
+    m_.receiver->keep_spare(std::move(next));
+    if (!refused.empty()) {
+      rpc::WeightPushRefused e;
+      e.message = refused;
+      e.fault = rpc::WeightPushFault::VERSION;
+      e.worker_version = static_cast<int64_t>(m_.version.load());
+      throw e;
     }
-    if (!refused.empty()) refuse(rpc::WeightPushFault::VERSION, refused);
     spdlog::info("rollout server '{}': weights v{} over the wire ({} bytes)", m_.options.name,
                  version, bytes);
     return c.version;
@@ -865,36 +650,6 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     rpc::Unauthorized e;
     e.message = token.empty() ? "this worker requires a token" : "wrong token";
     throw e;
-  }
-
-  [[noreturn]] void refuse(rpc::WeightPushFault::type fault, std::string message,
-                           std::string tensor = "") const {
-    rpc::WeightPushRefused e;
-    e.message = std::move(message);
-    e.fault = fault;
-    e.worker_version = static_cast<int64_t>(m_.version.load());
-    e.tensor = std::move(tensor);
-    throw e;
-  }
-
-  // The push in progress is of `version` (push_mutex held).
-  void check_push(int64_t version, const std::string& which) const {
-    if (!m_.push)
-      refuse(rpc::WeightPushFault::NO_PUSH,
-             fmt::format("{}: no weight push in progress (begin_weight_push first; a push ends at "
-                         "its commit, at a newer begin, or after limits.weight_update_timeout_s "
-                         "without a call)",
-                         which));
-    if (m_.push->version != version)
-      refuse(rpc::WeightPushFault::VERSION,
-             fmt::format("{}: the push in progress is of v{}", which, m_.push->version));
-  }
-
-  // Whether [first, end) meets a run of `runs` (first element -> end, disjoint).
-  static bool overlaps(const std::map<int64_t, int64_t>& runs, int64_t first, int64_t end) {
-    auto it = runs.lower_bound(first);
-    if (it != runs.end() && it->first < end) return true;
-    return it != runs.begin() && std::prev(it)->second > first;
   }
 
   [[noreturn]] static void stale(uint64_t have, uint64_t want) {
@@ -997,8 +752,8 @@ class RolloutHandler : public rpc::RolloutServiceIf {
 // whose page faults cost more than the copy.
 class Processor : public rpc::RolloutServiceProcessor {
  public:
-  explicit Processor(std::shared_ptr<RolloutHandler> handler)
-      : RolloutServiceProcessor(handler), handler_(std::move(handler)) {}
+  Processor(std::shared_ptr<RolloutHandler> handler, Impl& m)
+      : RolloutServiceProcessor(std::move(handler)), m_(m) {}
 
  protected:
   bool dispatchCall(at::protocol::TProtocol* in, at::protocol::TProtocol* out,
@@ -1020,7 +775,7 @@ class Processor : public rpc::RolloutServiceProcessor {
     };
     rpc::RolloutService_push_weight_bucket_result result;
     try {
-      handler_->take_bucket({version_, index_, dtype_, pieces_, data_, crc_, token_});
+      m_.receiver->take({version_, index_, dtype_, pieces_, data_, crc_, token_});
     } catch (rpc::WeightPushRefused& e) {
       result.refused = std::move(e);
       result.__isset.refused = true;
@@ -1109,7 +864,7 @@ class Processor : public rpc::RolloutServiceProcessor {
     return true;
   }
 
-  std::shared_ptr<RolloutHandler> handler_;
+  Impl& m_;
   // The bucket being read: its data in the connection's frame, the rest kept between calls.
   int64_t version_ = 0;
   int32_t index_ = 0, dtype_ = 0, crc_ = 0;
@@ -1123,7 +878,7 @@ class ProcessorFactory : public at::TProcessorFactory {
  public:
   explicit ProcessorFactory(Impl& m) : m_(m) {}
   std::shared_ptr<at::TProcessor> getProcessor(const at::TConnectionInfo&) override {
-    return std::make_shared<Processor>(std::make_shared<RolloutHandler>(m_));
+    return std::make_shared<Processor>(std::make_shared<RolloutHandler>(m_), m_);
   }
 
  private:
@@ -1151,8 +906,16 @@ RolloutServer::RolloutServer(model::LoadedModel model, model::PromptFormat forma
   m.tokenizer = std::move(model.tokenizer);
   m.weights = std::move(model.weights);
   m.dtype = m.weights->dtype();
-  m.config = m.weights->config();
-  for (size_t i = 0; i < m.weights->named().size(); ++i) m.named[m.weights->named()[i].name] = i;
+  m.receiver = std::make_unique<WeightReceiver>(
+      *m.weights,
+      WeightReceiver::Options{.name = m.options.name,
+                              .host = m.options.host,
+                              .token = m.options.token,
+                              .max_bucket_bytes = max_bucket_bytes(m.options),
+                              .max_connections = m.options.max_connections,
+                              .idle_timeout_ms = m.options.idle_timeout_ms,
+                              .update_timeout_s = m.options.weight_update_timeout_s},
+      m.version, [&m](int64_t to, const std::string& why) { m.note_abandoned(to, why); });
   // Admitted calls never overflow the engine's queue: at most max_in_flight requests wait.
   engine.max_waiting = std::max(engine.max_waiting, m.options.max_in_flight + 1);
   m.engine = std::make_unique<Engine>(*m.weights, engine, m.tokenizer.get());
@@ -1247,6 +1010,7 @@ void RolloutServer::stop() {
     m.server->stop();
     m.serve_thread.join();
   }
+  if (m.receiver) m.receiver->stop();
 }
 
 }  // namespace tandem::rollout

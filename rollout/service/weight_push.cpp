@@ -1,12 +1,14 @@
-// Weights over the wire, the sender's side: bucket plans, packing with casts, and the push calls.
+// Weights over the wire, the sender's side: bucket plans, and a push's buckets sent over the
+// worker's data channel straight from the weights (cast on the way where the dtypes differ).
 #include "rollout/service/weight_push.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <algorithm>
-#include <atomic>
+#include <cerrno>
 #include <cstring>
-#include <exception>
 #include <string>
-#include <thread>
 
 #include <fmt/format.h>
 
@@ -14,6 +16,8 @@
 #include "core/error.h"
 #include "kernels/ops.h"
 #include "rollout/service/server.h"
+#include "rollout/service/weight_channel.h"
+#include "rpc/thrift_client.h"
 
 namespace tandem::rollout {
 namespace {
@@ -22,31 +26,156 @@ DType dtype_of(rpc::WeightDType::type t) {
   return t == rpc::WeightDType::BF16 ? DType::bf16 : DType::f32;
 }
 
-// The data of `pieces` of `w` in dtype `to` (f32 or bf16), to emit in order: straight from the
-// weights where the dtypes agree, else cast a chunk at a time into `cast`.
-void emit_pieces(const model::Weights& w, DType to, const std::vector<rpc::WeightPiece>& pieces,
-                 std::vector<char>& cast, const std::function<void(const char*, size_t)>& emit) {
-  const auto out_bytes = static_cast<int64_t>(dtype_size(to));
-  for (const rpc::WeightPiece& p : pieces) {
-    const Tensor& t = w.at(p.name);
-    const auto in_bytes = static_cast<int64_t>(dtype_size(t.dtype()));
-    const char* src = static_cast<const char*>(t.data()) + p.offset * in_bytes;
-    if (t.dtype() == to) {
-      emit(src, static_cast<size_t>(p.elements * in_bytes));
-      continue;
-    }
-    TANDEM_CHECK((t.dtype() == DType::f32 && to == DType::bf16) ||
-                     (t.dtype() == DType::bf16 && to == DType::f32),
-                 "weight push: tensor '{}' is {}, the worker takes {}: push f32 or bf16 weights",
-                 p.name, dtype_name(t.dtype()), dtype_name(to));
-    const int64_t chunk = static_cast<int64_t>(cast.size()) / out_bytes;
-    for (int64_t first = 0; first < p.elements; first += chunk) {
-      const int64_t n = std::min(chunk, p.elements - first);
-      ops::cast(Tensor::wrap(const_cast<char*>(src) + first * in_bytes, {n}, t.dtype()),
-                Tensor::wrap(cast.data(), {n}, to));
-      emit(cast.data(), static_cast<size_t>(n * out_bytes));
+// A chunk is checksummed, then handed to the socket while it is still in the cache.
+constexpr size_t kSendChunkBytes = 256 << 10;
+
+// The worker's answer as the Thrift calls' errors read (client.cpp), thrown unless it is kTaken.
+void check_answer(const channel::Answer& a, const std::string& where) {
+  if (a.code == channel::kTaken) return;
+  if (a.code == channel::kUnauthorized)
+    throw CallError(CallFailure::unauthorized,
+                    fmt::format("{}: the worker refused the token ({}): set the client's token "
+                                "to the worker's",
+                                where, a.message));
+  if (a.code == channel::kMalformed)
+    throw CallError(CallFailure::protocol,
+                    fmt::format("{}: the worker refused the channel's data: {}", where, a.message));
+  const std::string fault = rpc::to_string(static_cast<rpc::WeightPushFault::type>(a.code));
+  throw CallError(CallFailure::weights_refused,
+                  fmt::format("{}: the worker refused the weights ({}, it serves v{}): {}", where,
+                              fault, a.worker_version, a.message));
+}
+
+// Sends `n` bytes of the weights from where locate(weights) points, with their CRC-32C folded
+// into `crc`: the weights are read only inside source->read, by the checksum and by sends that do
+// not block (the kernel's copy), so a source withdrawn waits for no network.
+void send_from_weights(int fd, WeightSource& source,
+                       const std::function<const char*(const model::Weights&)>& locate, size_t n,
+                       uint32_t& crc, int64_t timeout_ms, const std::function<Error()>& withdrawn) {
+  size_t done = 0;
+  bool summed = false;
+  while (done < n) {
+    if (!source.read([&](const model::Weights& w) {
+          const char* p = locate(w);
+          if (!summed) crc = crc32c({p, n}, crc);
+          summed = true;
+          while (done < n) {
+            const ssize_t r = ::send(fd, p + done, n - done, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+            if (r <= 0)
+              throw channel::ChannelError(
+                  fmt::format("weight channel: sending a bucket: {}", std::strerror(errno)));
+            done += static_cast<size_t>(r);
+          }
+        }))
+      throw withdrawn();
+    if (done < n) {
+      pollfd p{fd, POLLOUT, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(timeout_ms));
+      if (r == 0)
+        throw channel::ChannelError(fmt::format(
+            "weight channel: sending a bucket: the worker took nothing for {} ms", timeout_ms));
+      if (r < 0 && errno != EINTR)
+        throw channel::ChannelError(
+            fmt::format("weight channel: sending a bucket: {}", std::strerror(errno)));
     }
   }
+}
+
+// The buckets of `plan` over the worker's data channel, one connection, back to back; the answers
+// are read after the last (the worker answers each in order), so no bucket waits for a round trip.
+int64_t push_over_channel(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
+                          int64_t version, const rpc::WeightPushReady& ready, DType to,
+                          const std::vector<std::vector<rpc::WeightPiece>>& plan,
+                          const std::function<Error()>& withdrawn) {
+  const ClientOptions& o = client.options();
+  const std::string where = fmt::format("rollout worker {}: weight channel", o.address);
+  const Endpoint e = parse_endpoint(o.address, "weight push", 9100);
+  int64_t sent = 0;
+  try {
+    channel::Fd fd(channel::connect_to(e.host, ready.data_port, o.connect_timeout_ms));
+    channel::set_timeouts(fd.get(), o.timeout_ms);
+    std::string hello(channel::kHello);
+    channel::put_u32(hello, static_cast<uint32_t>(o.token.size()));
+    hello += o.token;
+    channel::put_i64(hello, version);
+    channel::send_all(fd.get(), hello.data(), hello.size(), "sending the hello");
+    check_answer(channel::read_answer(fd.get()), where);
+
+    const auto out_bytes = static_cast<int64_t>(dtype_size(to));
+    std::vector<char> cast(kSendChunkBytes);
+    try {
+      for (size_t i = 0; i < plan.size(); ++i) {
+        channel::BucketHeader h;
+        h.index = static_cast<int32_t>(i);
+        h.dtype = to == DType::bf16 ? rpc::WeightDType::BF16 : rpc::WeightDType::F32;
+        h.pieces = static_cast<uint32_t>(plan[i].size());
+        for (const rpc::WeightPiece& p : plan[i]) h.data_bytes += p.elements * out_bytes;
+        std::string head = channel::encode(h);
+        for (const rpc::WeightPiece& p : plan[i]) {
+          channel::put_u32(head, static_cast<uint32_t>(p.name.size()));
+          head += p.name;
+          channel::put_i64(head, p.offset);
+          channel::put_i64(head, p.elements);
+        }
+        channel::send_all(fd.get(), head.data(), head.size(), "sending a bucket");
+        uint32_t crc = 0;
+        for (const rpc::WeightPiece& p : plan[i]) {
+          DType from = to;
+          if (!source->read([&](const model::Weights& w) { from = w.at(p.name).dtype(); }))
+            throw withdrawn();
+          TANDEM_CHECK(from == to || ((from == DType::f32 || from == DType::bf16) &&
+                                      (to == DType::f32 || to == DType::bf16)),
+                       "weight push: tensor '{}' is {}, the worker takes {}: push f32 or bf16 "
+                       "weights",
+                       p.name, dtype_name(from), dtype_name(to));
+          const auto in_bytes = static_cast<int64_t>(dtype_size(from));
+          const int64_t chunk = static_cast<int64_t>(kSendChunkBytes) / out_bytes;
+          for (int64_t first = 0; first < p.elements; first += chunk) {
+            const int64_t n = std::min(chunk, p.elements - first);
+            auto locate = [&](const model::Weights& w) {
+              return static_cast<const char*>(w.at(p.name).data()) + (p.offset + first) * in_bytes;
+            };
+            if (from == to) {
+              send_from_weights(fd.get(), *source, locate, static_cast<size_t>(n * out_bytes), crc,
+                                o.timeout_ms, withdrawn);
+              continue;
+            }
+            // Cast (under the source's lock) into a buffer of our own, then sent from it.
+            if (!source->read([&](const model::Weights& w) {
+                  ops::cast(Tensor::wrap(const_cast<char*>(locate(w)), {n}, from),
+                            Tensor::wrap(cast.data(), {n}, to));
+                }))
+              throw withdrawn();
+            const auto bytes = static_cast<size_t>(n * out_bytes);
+            crc = crc32c({cast.data(), bytes}, crc);
+            channel::send_all(fd.get(), cast.data(), bytes, "sending a bucket");
+          }
+        }
+        std::string trailer;
+        channel::put_u32(trailer, crc);
+        channel::send_all(fd.get(), trailer.data(), trailer.size(), "sending a bucket");
+        sent += h.data_bytes;
+      }
+    } catch (const channel::ChannelError&) {
+      // The worker may have said why before it closed the connection (a bucket over its bound).
+      for (size_t i = 0; i < plan.size(); ++i) {
+        channel::Answer a;
+        try {
+          a = channel::read_answer(fd.get());
+        } catch (const channel::ChannelError&) {
+          break;
+        }
+        check_answer(a, where);
+      }
+      throw;
+    }
+    for (size_t i = 0; i < plan.size(); ++i) check_answer(channel::read_answer(fd.get()), where);
+  } catch (const channel::ChannelError& err) {
+    throw CallError(CallFailure::transport, fmt::format("{}: {}", where, err.what()));
+  }
+  return sent;
 }
 
 }  // namespace
@@ -113,41 +242,12 @@ WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<Weigh
         plan = plan_weight_buckets(w, static_cast<int64_t>(dtype_size(to)), bound);
       }))
     throw withdrawn();
-  // Each bucket is written from the weights straight into its call's frame (cast on the way where
-  // the dtypes differ, a chunk at a time through a small buffer), then sent: the weights are read
-  // only while no byte of it is on the wire, so that a source withdrawn waits for no network.
-  // Two calls are in flight (two connections): the worker checksums and copies one bucket while
-  // the next is packed and on the wire.
-  const auto out_bytes = static_cast<int64_t>(dtype_size(to));
-  std::atomic<size_t> next{0};
-  std::atomic<int64_t> sent{0};
-  std::exception_ptr failure;
-  std::mutex failure_mutex;
-  auto send = [&] {
-    std::vector<char> cast(64 << 10);
-    try {
-      for (size_t i = next++; i < plan.size(); i = next++) {
-        int64_t bytes = 0;
-        for (const rpc::WeightPiece& p : plan[i]) bytes += p.elements * out_bytes;
-        client.push_weight_bucket(
-            version, static_cast<int32_t>(i), ready.dtype, plan[i], bytes, [&](const auto& emit) {
-              if (!source->read(
-                      [&](const model::Weights& w) { emit_pieces(w, to, plan[i], cast, emit); }))
-                throw withdrawn();
-            });
-        sent += bytes;
-      }
-    } catch (...) {
-      next = plan.size();  // the other stream stops too
-      std::lock_guard lock(failure_mutex);
-      if (!failure) failure = std::current_exception();
-    }
-  };
-  std::thread second(send);
-  send();
-  second.join();
-  if (failure) std::rethrow_exception(failure);
-  r.bytes = sent;
+  if (!ready.__isset.data_port || ready.data_port <= 0)
+    throw CallError(CallFailure::protocol,
+                    fmt::format("rollout worker {}: begin_weight_push announced no data channel "
+                                "(data_port): is the worker of this build?",
+                                client.options().address));
+  r.bytes = push_over_channel(client, source, version, ready, to, plan, withdrawn);
   r.buckets = static_cast<int64_t>(plan.size());
   r.version = client.commit_weight_push(version, static_cast<int32_t>(plan.size()));
   r.sent = true;

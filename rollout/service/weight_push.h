@@ -1,6 +1,7 @@
 // Weights over the wire, the sender's side: one weight version of a model pushed to a rollout
-// worker in bounded buckets (rollout.thrift: begin_weight_push, push_weight_bucket,
-// commit_weight_push), cast to the worker's dtype on the way, each bucket with its CRC-32C.
+// worker in bounded buckets (rollout.thrift: begin_weight_push and commit_weight_push for control,
+// the buckets over the worker's data channel, rollout/service/weight_channel.h), cast to the
+// worker's dtype on the way, each bucket with its CRC-32C.
 #pragma once
 
 #include <cstdint>
@@ -47,8 +48,10 @@ class WeightSource {
 // Brings the worker behind `client` to `version` of `w` (f32 or bf16): nothing when it holds that
 // version or a newer one; else begin_weight_push, every bucket of plan_weight_buckets (at most
 // max_bucket_bytes and the worker's bound, data in the worker's dtype: f32 rounded to bf16 or bf16
-// widened where they differ; the next bucket packed while one is sent) and the commit. Throws
-// CallError as the calls do; a push that fails midway leaves the worker on the weights it had.
+// widened where they differ) back to back over one data channel connection, each checksummed a
+// chunk at a time and handed to the socket from the weights, then the commit. Throws CallError as
+// the calls do (transport: the channel failed or timed out after the client's timeout_ms); a push
+// that fails midway leaves the worker on the weights it had.
 WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
                               int64_t max_bucket_bytes);
 // The same from weights that may be withdrawn midway: then it stops before its commit, throwing

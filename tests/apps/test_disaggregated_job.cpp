@@ -409,9 +409,10 @@ TEST_CASE("a disaggregated job goes on without a worker that stops answering in 
           "[multiproc]") {
   const tandem::test::TempDir tmp("disaggregated-push-hang");
   TwoWorkers w(tmp);
-  // Worker 1 behind a proxy that goes silent in the second weight bucket (the tiny model's
-  // weights fit in one): the first is the push at start, the second the push after step 1.
-  FreezingProxy proxy(w.port1, "push_weight_bucket", 2);
+  // Worker 1 behind a proxy that goes silent in the second commit of a weight push (its buckets go
+  // over the worker's data channel, past the proxy): the first is the push at start, the second
+  // the push after step 1.
+  FreezingProxy proxy(w.port1, "commit_weight_push", 2);
   const int64_t timeout_s = 60;
   const auto r =
       train(tmp, w.job, "run", disaggregated(w.port0, proxy.port()) + health_checked(timeout_s));

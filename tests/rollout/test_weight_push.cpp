@@ -3,7 +3,8 @@
 // generates as a worker loaded from the same weights (f32, and bf16 cast by either side); bad
 // buckets get typed refusals naming what is wrong and change nothing; a push interrupted midway,
 // ended by a newer one or by its bound leaves the worker on its previous version; a bucket frame
-// that lies about its data's size closes its connection only.
+// that lies about its data's size closes its connection only; the data channel refuses corrupted
+// buckets, wrong tokens and oversize frames, and a connection cut off mid-bucket leaves no trace.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +25,7 @@
 #include "model/prompt.h"
 #include "rollout/service/client.h"
 #include "rollout/service/server.h"
+#include "rollout/service/weight_channel.h"
 #include "rollout/service/weight_push.h"
 #include "tests/model/tiny_model.h"
 #include "tests/rpc/raw_frames.h"
@@ -49,7 +52,8 @@ struct Worker {
   std::unique_ptr<RolloutServer> server;
   std::unique_ptr<RolloutClient> client;
 
-  explicit Worker(const std::string& model, DType dtype = DType::f32, double push_bound_s = 300) {
+  explicit Worker(const std::string& model, DType dtype = DType::f32, double push_bound_s = 300,
+                  const std::string& token = "", int64_t idle_timeout_ms = 600'000) {
     model::LoadedModel m = model::load_model(models().file(model), dtype);
     const model::PromptFormat format = model::prompt_format(m.tok(), "auto");
     EngineOptions e;
@@ -59,9 +63,13 @@ struct Worker {
     ServerOptions o;
     o.max_message_bytes = 64 << 10;  // buckets of at most 60 KiB: tensors split across them
     o.weight_update_timeout_s = push_bound_s;
+    o.token = token;
+    o.idle_timeout_ms = idle_timeout_ms;
     server = std::make_unique<RolloutServer>(std::move(m), format, e, o);
-    client = std::make_unique<RolloutClient>(ClientOptions{
-        .address = "127.0.0.1:" + std::to_string(server->port()), .timeout_ms = 30000});
+    client = std::make_unique<RolloutClient>(
+        ClientOptions{.address = "127.0.0.1:" + std::to_string(server->port()),
+                      .timeout_ms = 30000,
+                      .token = token});
   }
 
   // Greedy-free sampled tokens and their logprobs, of the weights the worker serves.
@@ -121,6 +129,58 @@ rpc::WeightPiece piece(const std::string& name, int64_t offset, int64_t elements
   p.offset = offset;
   p.elements = elements;
   return p;
+}
+
+// A raw connection to a worker's data channel (rollout/service/weight_channel.h), past its hello.
+struct RawChannel {
+  int fd = -1;
+  channel::Answer hello;
+
+  RawChannel(int port, const std::string& token, int64_t version) {
+    fd = test::connect_loopback(port);
+    std::string h(channel::kHello);
+    channel::put_u32(h, static_cast<uint32_t>(token.size()));
+    h += token;
+    channel::put_i64(h, version);
+    test::send_all(fd, h);
+    hello = channel::read_answer(fd);
+  }
+  ~RawChannel() { ::close(fd); }
+  RawChannel(const RawChannel&) = delete;
+  RawChannel& operator=(const RawChannel&) = delete;
+
+  // A bucket's bytes as the sender writes them: header, pieces, `data`, the CRC-32C `crc`.
+  static std::string bucket(int32_t index, const std::vector<rpc::WeightPiece>& pieces,
+                            const std::string& data, uint32_t crc,
+                            std::optional<int64_t> data_bytes = std::nullopt) {
+    channel::BucketHeader h;
+    h.index = index;
+    h.dtype = rpc::WeightDType::F32;
+    h.pieces = static_cast<uint32_t>(pieces.size());
+    h.data_bytes = data_bytes.value_or(static_cast<int64_t>(data.size()));
+    std::string out = channel::encode(h);
+    for (const rpc::WeightPiece& p : pieces) {
+      channel::put_u32(out, static_cast<uint32_t>(p.name.size()));
+      out += p.name;
+      channel::put_i64(out, p.offset);
+      channel::put_i64(out, p.elements);
+    }
+    out += data;
+    channel::put_u32(out, crc);
+    return out;
+  }
+
+  // Whether the worker closed the connection (within 5 s).
+  bool closed() const {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 5000) != 1) return false;
+    char byte = 0;
+    return ::recv(fd, &byte, 1, 0) <= 0;
+  }
+};
+
+std::string fault_name(int32_t code) {
+  return rpc::to_string(static_cast<rpc::WeightPushFault::type>(code));
 }
 
 }  // namespace
@@ -362,6 +422,132 @@ TEST_CASE("a weight bucket frame whose data size lies closes that connection onl
   // The push and the worker go on.
   model::LoadedModel v1 = model::load_model(models().file("v1"));
   CHECK(push_weights(*w.client, *v1.weights, 2, 64 << 20).version == 2);
+}
+
+TEST_CASE("the weight channel refuses a corrupted bucket and takes the good one after it",
+          "[unit]") {
+  model::LoadedModel pushed = model::load_model(models().file("v1"));
+  const model::Weights& pw = *pushed.weights;
+  Worker w("v0");
+  const rpc::GenerateResponse before = w.sample();
+  const rpc::WeightPushReady ready = w.client->begin_weight_push(2);
+  REQUIRE(ready.__isset.data_port);
+  RawChannel ch(ready.data_port, "", 2);
+  CHECK(ch.hello.code == channel::kTaken);
+  const std::string norm = "model.layers.0.input_layernorm.weight";  // 64 elements
+  const rpc::WeightBucket good = bucket_of(pw, 2, 0, {piece(norm, 0, 64)});
+  const auto crc = static_cast<uint32_t>(good.crc32c);
+
+  std::string flipped = good.data;
+  flipped[17] ^= 1;  // one bit flipped on the way
+  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, flipped, crc));
+  channel::Answer a = channel::read_answer(ch.fd);
+  CHECK(fault_name(a.code) == "CHECKSUM");
+  CHECK_THAT(a.message, Contains("bucket 0 of v2: the data's CRC-32C"));
+  // Refused before its data (the data read past): the connection goes on.
+  test::send_all(ch.fd, RawChannel::bucket(0, {piece("no.such.tensor", 0, 64)}, good.data, crc));
+  a = channel::read_answer(ch.fd);
+  CHECK(fault_name(a.code) == "NAME");
+  CHECK(a.tensor == "no.such.tensor");
+  test::send_all(ch.fd, RawChannel::bucket(0, {piece(norm, 0, 60)}, good.data, crc));
+  CHECK(fault_name(channel::read_answer(ch.fd).code) == "SIZE");
+  // The refused buckets left no trace: the good one is taken, and once when sent again.
+  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, good.data, crc));
+  CHECK(channel::read_answer(ch.fd).code == channel::kTaken);
+  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, good.data, crc));
+  CHECK(channel::read_answer(ch.fd).code == channel::kTaken);
+  test::send_all(ch.fd, RawChannel::bucket(1, good.pieces, good.data, crc));
+  CHECK(fault_name(channel::read_answer(ch.fd).code) == "OVERLAP");
+  check_refused("INCOMPLETE", "of '" + pw.named()[0].name + "' arrived",
+                [&] { w.client->commit_weight_push(2, 1); });
+  // A partial push: the worker is on the weights it had.
+  CHECK(w.client->weight_version() == 0);
+  check_same_samples(w.sample(), before);
+}
+
+TEST_CASE("a weight channel cut off mid-bucket leaves nothing of it and the push goes on",
+          "[unit]") {
+  model::LoadedModel pushed = model::load_model(models().file("v1"));
+  const model::Weights& pw = *pushed.weights;
+  // Connections silent for 1 s are closed by the worker.
+  Worker w("v0", DType::f32, 300, "", 1000);
+  const rpc::GenerateResponse before = w.sample();
+  const int port = w.client->begin_weight_push(2).data_port;
+  const std::string norm = "model.layers.0.input_layernorm.weight";
+  const rpc::WeightBucket good = bucket_of(pw, 2, 0, {piece(norm, 0, 64)});
+  const std::string bytes =
+      RawChannel::bucket(0, good.pieces, good.data, static_cast<uint32_t>(good.crc32c));
+  {
+    RawChannel closes(port, "", 2);  // closes half way through the data
+    test::send_all(closes.fd, bytes.substr(0, bytes.size() - 100));
+  }
+  {
+    RawChannel stalls(port, "", 2);  // stops sending half way: closed after the idle timeout
+    test::send_all(stalls.fd, bytes.substr(0, bytes.size() - 100));
+    CHECK(stalls.closed());
+  }
+  // Neither marked its pieces received, nor holds them: the whole bucket is taken.
+  RawChannel ch(port, "", 2);
+  test::send_all(ch.fd, bytes);
+  CHECK(channel::read_answer(ch.fd).code == channel::kTaken);
+  CHECK(w.client->weight_version() == 0);
+  check_same_samples(w.sample(), before);
+  // A whole push over the channel takes.
+  CHECK(push_weights(*w.client, pw, 3, 64 << 20).version == 3);
+  CHECK(w.sample().samples[0].weight_version == 3);
+}
+
+TEST_CASE("the weight channel refuses a wrong token an oversize bucket and a stranger", "[unit]") {
+  Worker w("v0", DType::f32, 300, "s3cret");
+  const rpc::WeightPushReady ready = w.client->begin_weight_push(2);
+  {
+    RawChannel wrong(ready.data_port, "guess", 2);
+    CHECK(wrong.hello.code == channel::kUnauthorized);
+    CHECK_THAT(wrong.hello.message, Contains("wrong token"));
+    CHECK(wrong.closed());
+  }
+  {
+    RawChannel none(ready.data_port, "", 2);
+    CHECK(none.hello.code == channel::kUnauthorized);
+  }
+  {
+    RawChannel other(ready.data_port, "s3cret", 7);  // not the push in progress
+    CHECK(fault_name(other.hello.code) == "VERSION");
+    CHECK(other.closed());
+  }
+  const std::string norm = "model.layers.0.input_layernorm.weight";
+  for (const auto& [what, header] :
+       {std::pair{"data over the bound",
+                  RawChannel::bucket(0, {piece(norm, 0, 64)}, "", 0, ready.max_bucket_bytes + 1)},
+        std::pair{"a negative size", RawChannel::bucket(0, {piece(norm, 0, 64)}, "", 0, -8)},
+        std::pair{"pieces over the bound",
+                  RawChannel::bucket(0, std::vector<rpc::WeightPiece>(100000, piece(norm, 0, 1)),
+                                     "", 0, 4)}}) {
+    INFO(what);
+    RawChannel ch(ready.data_port, "s3cret", 2);
+    REQUIRE(ch.hello.code == channel::kTaken);
+    test::send_all(ch.fd, header);
+    const channel::Answer a = channel::read_answer(ch.fd);
+    CHECK(fault_name(a.code) == "SIZE");
+    CHECK(ch.closed());  // its framing cannot be trusted
+  }
+  {
+    const int fd = test::connect_loopback(ready.data_port);
+    test::send_all(fd, "GET / HTTP/1.1\r\n\r\n");
+    CHECK(channel::read_answer(fd).code == channel::kMalformed);
+    ::close(fd);
+  }
+  // The worker goes on: a push with the token takes.
+  model::LoadedModel v1 = model::load_model(models().file("v1"));
+  CHECK(push_weights(*w.client, *v1.weights, 3, 64 << 20).version == 3);
+  // A client with the wrong token cannot begin one.
+  RolloutClient wrong({.address = w.client->options().address, .token = "guess"});
+  try {
+    push_weights(wrong, *v1.weights, 4, 64 << 20);
+    FAIL("expected Unauthorized");
+  } catch (const CallError& e) {
+    CHECK(e.failure() == CallFailure::unauthorized);
+  }
 }
 
 }  // namespace tandem::rollout

@@ -1,0 +1,103 @@
+// The weight push's data channel: a plain TCP connection from a trainer to a worker's
+// WeightReceiver that carries a push's buckets (header, pieces, data, CRC-32C) outside Thrift, so
+// that each side copies a bucket's bytes once (docs/serve.md, "Weights over the wire"); its wire
+// format and its socket I/O, every wait bounded by a timeout.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+
+namespace tandem::rollout::channel {
+
+static_assert(std::endian::native == std::endian::little, "the data channel is little-endian");
+
+// A connection begins with the hello (client -> worker), answered once:
+//   "TNDMPSH1", u32 token bytes, token, i64 version of the push (begun by begin_weight_push)
+// then carries buckets back to back, each answered in order:
+//   u32 kBucketMagic, i32 index, i32 dtype (rpc::WeightDType), u32 pieces, i64 data bytes,
+//   per piece: u32 name bytes, name, i64 offset, i64 elements,
+//   the data (the pieces' elements one after another), u32 CRC-32C of the data.
+// An answer (worker -> client): i32 code (kTaken, an rpc::WeightPushFault, kUnauthorized or
+// kMalformed), i64 the worker's version, u32 bytes + message, u32 bytes + tensor.
+// After a malformed frame, or any answer to the hello but kTaken, the worker closes the
+// connection; after a refused bucket it reads the next one.
+constexpr std::string_view kHello = "TNDMPSH1";
+constexpr uint32_t kBucketMagic = 0x31424b54;  // "TKB1"
+constexpr int32_t kTaken = 0;
+constexpr int32_t kUnauthorized = 100;
+constexpr int32_t kMalformed = 101;
+constexpr uint32_t kMaxTokenBytes = 4096;
+constexpr uint32_t kMaxNameBytes = 4096;
+constexpr uint32_t kMaxMessageBytes = 1 << 16;
+constexpr size_t kBucketHeaderBytes = 24;
+
+struct BucketHeader {
+  uint32_t magic = kBucketMagic;
+  int32_t index = 0;
+  int32_t dtype = 0;
+  uint32_t pieces = 0;
+  int64_t data_bytes = 0;
+};
+
+struct Answer {
+  int32_t code = kTaken;
+  int64_t worker_version = 0;
+  std::string message;
+  std::string tensor;
+};
+
+// A failure of the connection itself (closed, reset, timed out); what() says which.
+class ChannelError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Little-endian fields appended to a buffer, and read back from one.
+void put_u32(std::string& out, uint32_t v);
+void put_i64(std::string& out, int64_t v);
+uint32_t get_u32(const char* p);
+int64_t get_i64(const char* p);
+
+std::string encode(const BucketHeader& h);
+BucketHeader decode_bucket_header(const char* p);  // kBucketHeaderBytes
+std::string encode(const Answer& a);
+
+// SO_RCVTIMEO and SO_SNDTIMEO of `fd`: a blocked recv or send fails after `ms`.
+void set_timeouts(int fd, int64_t ms);
+// Connects to host:port within timeout_ms; TCP_NODELAY; throws ChannelError.
+int connect_to(const std::string& host, int port, int64_t timeout_ms);
+// All `n` bytes, or ChannelError naming `what` (the peer closed, a reset, the timeout).
+void send_all(int fd, const void* data, size_t n, const char* what);
+void recv_all(int fd, void* data, size_t n, const char* what);
+// As recv_all, but false where the peer closed the connection before the first byte.
+bool recv_all_or_end(int fd, void* data, size_t n, const char* what);
+// An answer; a message or tensor name over kMaxMessageBytes is a ChannelError.
+Answer read_answer(int fd);
+
+// A file descriptor closed with its owner.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd();
+  int get() const { return fd_; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace tandem::rollout::channel
