@@ -233,8 +233,9 @@ std::vector<std::string> RemoteRollout::update_all(const model::Weights& policy,
       try {
         const std::optional<rollout::WeightPushResult> got =
             rollout::call_unless<rollout::WeightPushResult>(
-                [wire = wire_, c = w.client, v, dir, source, bucket_bytes] {
-                  return wire ? rollout::push_weights(*c, source, v, bucket_bytes)
+                [wire = wire_, c = w.client, v, dir, source, bucket_bytes,
+                 partial = job_.rollout.partial] {
+                  return wire ? rollout::push_weights(*c, source, v, bucket_bytes, partial)
                               : update_worker(*c, v, dir);
                 },
                 [&] { return pool_->worker(i).times_set_aside != epoch; });
@@ -321,7 +322,8 @@ bool RemoteRollout::rejoin(size_t i) {
       if (!wire_)
         got = update_worker(*w.client, target, dir).version;
       else if (copy)
-        got = rollout::push_weights(*w.client, copy, target, job_.weight_sync.bucket_mb << 20)
+        got = rollout::push_weights(*w.client, copy, target, job_.weight_sync.bucket_mb << 20,
+                                    job_.rollout.partial)
                   .version;
       else
         got = w.client->weight_version();

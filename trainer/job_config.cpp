@@ -242,6 +242,12 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "the next steps' batches while the trainer updates, and the loss's old logprobs "
               "are the rollout's (behaviour) ones (docs/train.md, \"Asynchronous rollouts\")."))
       .range(0, 1000);
+  add(bind<J>("rollout.partial", TANDEM_MEMBER(rollout.partial),
+              "Partial rollouts: samples still generating when new weights reach an engine go on "
+              "under them from its next step, each token tagged with the version that produced it "
+              "(true), or finish under the weights they started on while samples not started "
+              "wait for them (false). Matters where weights arrive during generation "
+              "(rollout.max_staleness above 0)."));
   // trainer
   add(bind<J>("trainer.steps", TANDEM_MEMBER(trainer.steps), "GRPO steps of the run."))
       .range(1, 1e9);

@@ -68,6 +68,10 @@ struct RolloutSection {
   // previous update (the sequential job). Above 0 (a disaggregated job) the next steps' batches
   // are generated while the trainer updates (trainer/rollout_queue.h).
   int64_t max_staleness = 0;
+  // Samples generating when new weights arrive go on under them from the engine's next step, each
+  // token tagged with its version (a partial rollout; true), or finish under the old weights
+  // while samples not started wait (false).
+  bool partial = true;
 };
 
 struct ShapingSection {

@@ -176,10 +176,11 @@ void RolloutClient::push_weight_bucket(rpc::WeightBucket& bucket) {
   });
 }
 
-int64_t RolloutClient::commit_weight_push(int64_t version, int32_t buckets) {
+int64_t RolloutClient::commit_weight_push(int64_t version, int32_t buckets, bool partial) {
   rpc::WeightPushCommit commit;
   commit.version = version;
   commit.buckets = buckets;
+  commit.partial = partial;
   commit.token = options_.token;
   return with_retries("commit_weight_push",
                       [&](rpc::RolloutServiceClient& c) { return c.commit_weight_push(commit); });

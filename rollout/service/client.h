@@ -69,7 +69,7 @@ class RolloutClient {
   // index, so transport errors are retried like any call.
   rpc::WeightPushReady begin_weight_push(int64_t version);
   void push_weight_bucket(rpc::WeightBucket& bucket);  // sets bucket.token
-  int64_t commit_weight_push(int64_t version, int32_t buckets);
+  int64_t commit_weight_push(int64_t version, int32_t buckets, bool partial = true);
   int64_t weight_version();
   bool health();
   rpc::Stats stats();

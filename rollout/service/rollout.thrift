@@ -153,6 +153,11 @@ struct WeightPushCommit {
   1: i64 version = 0
   2: i32 buckets = 0               // buckets the push sent; each must have arrived
   3: string token = ""
+  // Samples already started when the new weights are taken: true, they go on under the new
+  // weights from the next engine step (a partial rollout: per-token versions); false, they finish
+  // under the old ones, and samples not started wait for them (the worker reports the new version
+  // from the commit on).
+  4: bool partial = true
 }
 
 struct Stats {

@@ -221,12 +221,13 @@ void WeightSource::withdraw() {
 }
 
 WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
-                              int64_t max_bucket_bytes) {
-  return push_weights(client, std::make_shared<WeightSource>(w), version, max_bucket_bytes);
+                              int64_t max_bucket_bytes, bool partial) {
+  return push_weights(client, std::make_shared<WeightSource>(w), version, max_bucket_bytes,
+                      partial);
 }
 
 WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
-                              int64_t version, int64_t max_bucket_bytes) {
+                              int64_t version, int64_t max_bucket_bytes, bool partial) {
   WeightPushResult r;
   r.version = client.weight_version();
   if (r.version >= version) return r;
@@ -249,7 +250,7 @@ WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<Weigh
                                 client.options().address));
   r.bytes = push_over_channel(client, source, version, ready, to, plan, withdrawn);
   r.buckets = static_cast<int64_t>(plan.size());
-  r.version = client.commit_weight_push(version, static_cast<int32_t>(plan.size()));
+  r.version = client.commit_weight_push(version, static_cast<int32_t>(plan.size()), partial);
   r.sent = true;
   return r;
 }

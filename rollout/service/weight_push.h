@@ -52,11 +52,13 @@ class WeightSource {
 // chunk at a time and handed to the socket from the weights, then the commit. Throws CallError as
 // the calls do (transport: the channel failed or timed out after the client's timeout_ms); a push
 // that fails midway leaves the worker on the weights it had.
+// partial: the commit's (rollout.thrift, WeightPushCommit): samples already started go on under
+// the new weights (true) or finish under the old (false).
 WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
-                              int64_t max_bucket_bytes);
+                              int64_t max_bucket_bytes, bool partial = true);
 // The same from weights that may be withdrawn midway: then it stops before its commit, throwing
 // tandem::Error.
 WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
-                              int64_t version, int64_t max_bucket_bytes);
+                              int64_t version, int64_t max_bucket_bytes, bool partial = true);
 
 }  // namespace tandem::rollout

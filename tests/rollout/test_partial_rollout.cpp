@@ -145,3 +145,63 @@ TEST_CASE(
 }
 
 }  // namespace tandem::rollout
+
+namespace tandem::rollout {
+
+TEST_CASE(
+    "a served worker committing weights without partial rollouts finishes started samples on the "
+    "old weights and starts later requests on the new",
+    "[multiproc]") {
+  const test::TempDir tmp("no-partial-rollout");
+  test::write_tiny_smollm2_hf(tmp.file("v0"), 17);
+  test::write_tiny_smollm2_hf(tmp.file("v1"), 23);
+  std::unique_ptr<test::Subprocess> worker;
+  const int port = start_worker(worker, tmp, tmp.file("v0"));
+  const ClientOptions co{.address = "127.0.0.1:" + std::to_string(port), .timeout_ms = 120000};
+  RolloutClient generating(co), pushing(co), later(co);
+  const model::LoadedModel v1 = model::load_model(tmp.file("v1"));
+  rpc::GenerateRequest r;
+  r.request_id = "long";
+  r.prompt_tokens = {1, 20, 300, 4000, 77};
+  r.params.n = 16;
+  r.params.seed = 9;
+  r.params.max_tokens = 100;
+  r.params.temperature = 0.8;
+  r.params.stop_at_eos = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  const rpc::GenerateResponse alone = generating.generate(r);
+  const double alone_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rpc::GenerateResponse out;
+  std::thread request([&] { out = generating.generate(r); });
+  std::this_thread::sleep_for(std::chrono::duration<double>(alone_s / 4));
+  const WeightPushResult pushed = push_weights(pushing, *v1.weights, 1, 64 << 20, false);
+  // The worker reports the committed version at once; a request for it waits for the swap.
+  CHECK(pushing.weight_version() == 1);
+  rpc::GenerateRequest next = r;
+  next.request_id = "next";
+  next.params.n = 2;
+  next.params.max_tokens = 8;
+  next.min_weight_version = 1;
+  const rpc::GenerateResponse after = later.generate(next);
+  request.join();
+  INFO(worker->output());
+  CHECK(pushed.sent);
+  REQUIRE(out.samples.size() == 16);
+  // Every sample of the running request is the old weights', token for token the request alone.
+  for (size_t i = 0; i < out.samples.size(); ++i) {
+    INFO("sample " << i);
+    const rpc::Sample& s = out.samples[i];
+    CHECK(s.weight_version == 0);
+    CHECK(std::count(s.token_versions.begin(), s.token_versions.end(), 0) ==
+          static_cast<int64_t>(s.tokens.size()));
+    CHECK(s.tokens == alone.samples[i].tokens);
+    CHECK(s.logprobs == alone.samples[i].logprobs);
+  }
+  for (const rpc::Sample& s : after.samples) {
+    CHECK(s.first_weight_version == 1);
+    CHECK(s.weight_version == 1);
+  }
+}
+
+}  // namespace tandem::rollout
