@@ -173,9 +173,14 @@ TEST_CASE(
   const double alone_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rpc::GenerateResponse out;
-  std::thread request([&] { out = generating.generate(r); });
+  std::chrono::steady_clock::time_point answered;
+  std::thread request([&] {
+    out = generating.generate(r);
+    answered = std::chrono::steady_clock::now();
+  });
   std::this_thread::sleep_for(std::chrono::duration<double>(alone_s / 4));
   const WeightPushResult pushed = push_weights(pushing, *v1.weights, 1, 64 << 20, false);
+  const auto committed = std::chrono::steady_clock::now();
   // The worker reports the committed version at once; a request for it waits for the swap.
   CHECK(pushing.weight_version() == 1);
   rpc::GenerateRequest next = r;
@@ -187,6 +192,7 @@ TEST_CASE(
   request.join();
   INFO(worker->output());
   CHECK(pushed.sent);
+  CHECK(committed < answered);  // the commit came while the request ran
   REQUIRE(out.samples.size() == 16);
   // Every sample of the running request is the old weights', token for token the request alone.
   for (size_t i = 0; i < out.samples.size(); ++i) {
