@@ -15,6 +15,7 @@
 #include "model/shard_layout.h"
 #include "model/weights.h"
 #include "tests/model/tiny_model.h"
+#include "tests/model/unit_call_recorder.h"
 #include "tests/testutil.h"
 #include "trainer/checkpoint.h"
 #include "trainer/optimizer.h"
@@ -448,14 +449,7 @@ TEST_CASE(
     "a pipeline stage's decoder makes the unit calls walk_unit_calls makes on the units its "
     "shard layout numbers",
     "[unit]") {
-  // The order in which a decoder calls UnitHooks, as text.
-  struct Recorder final : UnitHooks {
-    std::vector<std::string> calls;
-    void acquire(size_t u) override { calls.push_back("acquire " + std::to_string(u)); }
-    void release(size_t u) override { calls.push_back("release " + std::to_string(u)); }
-    void begin_gradients(size_t u) override { calls.push_back("begin " + std::to_string(u)); }
-    void end_gradients(size_t u) override { calls.push_back("end " + std::to_string(u)); }
-  };
+  using Recorder = test::UnitCallRecorder;
   for (const Kind kind : {Kind::llama_tied, Kind::llama_untied_rope3}) {
     const ModelConfig c = config_of(kind, 4);
     Weights whole(c, DType::f32);

@@ -19,6 +19,7 @@
 #include "model/tensor_parallel.h"
 #include "model/weights.h"
 #include "tests/model/tiny_model.h"
+#include "tests/model/unit_call_recorder.h"
 #include "tests/testutil.h"
 #include "tests/trainer/on_ranks.h"
 
@@ -246,14 +247,7 @@ TEST_CASE(
 
 TEST_CASE("tensor-parallel score gives forward's bits and recompute the same bits and hook calls",
           "[unit]") {
-  // The order in which a decoder calls UnitHooks, as text.
-  struct Recorder final : UnitHooks {
-    std::vector<std::string> calls;
-    void acquire(size_t u) override { calls.push_back("acquire " + std::to_string(u)); }
-    void release(size_t u) override { calls.push_back("release " + std::to_string(u)); }
-    void begin_gradients(size_t u) override { calls.push_back("begin " + std::to_string(u)); }
-    void end_gradients(size_t u) override { calls.push_back("end " + std::to_string(u)); }
-  };
+  using Recorder = test::UnitCallRecorder;
   const float temperature = 0.9f;
   for (const Case& k : {Case{Kind::qwen3, 12, 6, 2}, Case{Kind::qwen2, 6, 6, 3}}) {
     const ModelConfig c = tp_config(k.kind, k.H, k.Hkv);

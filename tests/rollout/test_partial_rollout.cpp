@@ -71,37 +71,52 @@ std::pair<int64_t, int64_t> equal_under(const model::Weights& w, uint64_t versio
   return {equal, of};
 }
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A worker serving v0 (the tiny model of seed 17), v1 (seed 23) to push to it, and a request of
+// 16 samples of 100 tokens, answered once already to time it (alone_s, its answer alone).
+struct Served {
+  test::TempDir tmp;
+  std::unique_ptr<test::Subprocess> worker;
+  ClientOptions client;
+  std::unique_ptr<model::LoadedModel> v0, v1;
+  rpc::GenerateRequest request;
+  rpc::GenerateResponse alone;
+  double alone_s = 0;
+
+  explicit Served(const std::string& name) : tmp(name) {
+    test::write_tiny_smollm2_hf(tmp.file("v0"), 17);
+    test::write_tiny_smollm2_hf(tmp.file("v1"), 23);
+    const int port = start_worker(worker, tmp, tmp.file("v0"));
+    client = {.address = "127.0.0.1:" + std::to_string(port), .timeout_ms = 120000};
+    v0 = std::make_unique<model::LoadedModel>(model::load_model(tmp.file("v0")));
+    v1 = std::make_unique<model::LoadedModel>(model::load_model(tmp.file("v1")));
+    request.request_id = "long";
+    request.prompt_tokens = {1, 20, 300, 4000, 77};
+    request.params.n = 16;
+    request.params.seed = 9;
+    request.params.max_tokens = 100;
+    request.params.temperature = 0.8;
+    request.params.stop_at_eos = false;
+    RolloutClient c(client);
+    const auto t0 = std::chrono::steady_clock::now();
+    alone = c.generate(request);
+    alone_s = seconds_since(t0);
+    REQUIRE(alone.samples.size() == 16);
+  }
+};
+
 }  // namespace
 
 TEST_CASE(
     "a served worker takes weights pushed mid-request at a step boundary and its samples resume "
     "on them with per-token versions",
     "[multiproc]") {
-  const test::TempDir tmp("partial-rollout");
-  test::write_tiny_smollm2_hf(tmp.file("v0"), 17);
-  test::write_tiny_smollm2_hf(tmp.file("v1"), 23);
-  std::unique_ptr<test::Subprocess> worker;
-  const int port = start_worker(worker, tmp, tmp.file("v0"));
-  const ClientOptions co{.address = "127.0.0.1:" + std::to_string(port), .timeout_ms = 120000};
-  RolloutClient generating(co), pushing(co);
-  const model::LoadedModel v0 = model::load_model(tmp.file("v0"));
-  const model::LoadedModel v1 = model::load_model(tmp.file("v1"));
-
-  rpc::GenerateRequest r;
-  r.request_id = "long";
-  r.prompt_tokens = {1, 20, 300, 4000, 77};
-  r.params.n = 16;
-  r.params.seed = 9;
-  r.params.max_tokens = 100;
-  r.params.temperature = 0.8;
-  r.params.stop_at_eos = false;
-  // The same request once first, to time it: the push then lands a quarter into the second.
-  const auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  const auto t0 = std::chrono::steady_clock::now();
-  CHECK(generating.generate(r).samples.size() == 16);
-  const double alone_s = seconds_since(t0);
+  Served w("partial-rollout");
+  RolloutClient generating(w.client), pushing(w.client);
+  const rpc::GenerateRequest& r = w.request;
   rpc::GenerateResponse out;
   const auto t1 = std::chrono::steady_clock::now();
   double generate_s = 0;
@@ -109,11 +124,12 @@ TEST_CASE(
     out = generating.generate(r);
     generate_s = seconds_since(t1);
   });
-  std::this_thread::sleep_for(std::chrono::duration<double>(alone_s / 4));
-  const WeightPushResult pushed = push_weights(pushing, *v1.weights, 1, 64 << 20);
+  // The push lands a quarter into the request.
+  std::this_thread::sleep_for(std::chrono::duration<double>(w.alone_s / 4));
+  const WeightPushResult pushed = push_weights(pushing, *w.v1->weights, 1, 64 << 20);
   request.join();
-  INFO(worker->output());
-  INFO("the request took " << generate_s << " s, " << alone_s << " s alone");
+  INFO(w.worker->output());
+  INFO("the request took " << generate_s << " s, " << w.alone_s << " s alone");
   CHECK(pushed.sent);
   REQUIRE(out.samples.size() == 16);
 
@@ -134,8 +150,8 @@ TEST_CASE(
     // A partial sample: each of its tokens' logprobs is the forward's under its own version
     // (checked on the first few).
     if (++partial > 3) continue;
-    const auto [eq0, of0] = equal_under(*v0.weights, 0, r.prompt_tokens, s, 0.8f);
-    const auto [eq1, of1] = equal_under(*v1.weights, 1, r.prompt_tokens, s, 0.8f);
+    const auto [eq0, of0] = equal_under(*w.v0->weights, 0, r.prompt_tokens, s, 0.8f);
+    const auto [eq1, of1] = equal_under(*w.v1->weights, 1, r.prompt_tokens, s, 0.8f);
     CHECK(eq0 == of0);
     CHECK(eq1 == of1);
   }
@@ -144,42 +160,21 @@ TEST_CASE(
   CHECK(partial > 0);
 }
 
-}  // namespace tandem::rollout
-
-namespace tandem::rollout {
-
 TEST_CASE(
     "a served worker committing weights without partial rollouts finishes started samples on the "
     "old weights and starts later requests on the new",
     "[multiproc]") {
-  const test::TempDir tmp("no-partial-rollout");
-  test::write_tiny_smollm2_hf(tmp.file("v0"), 17);
-  test::write_tiny_smollm2_hf(tmp.file("v1"), 23);
-  std::unique_ptr<test::Subprocess> worker;
-  const int port = start_worker(worker, tmp, tmp.file("v0"));
-  const ClientOptions co{.address = "127.0.0.1:" + std::to_string(port), .timeout_ms = 120000};
-  RolloutClient generating(co), pushing(co), later(co);
-  const model::LoadedModel v1 = model::load_model(tmp.file("v1"));
-  rpc::GenerateRequest r;
-  r.request_id = "long";
-  r.prompt_tokens = {1, 20, 300, 4000, 77};
-  r.params.n = 16;
-  r.params.seed = 9;
-  r.params.max_tokens = 100;
-  r.params.temperature = 0.8;
-  r.params.stop_at_eos = false;
-  const auto t0 = std::chrono::steady_clock::now();
-  const rpc::GenerateResponse alone = generating.generate(r);
-  const double alone_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Served w("no-partial-rollout");
+  RolloutClient generating(w.client), pushing(w.client), later(w.client);
+  const rpc::GenerateRequest& r = w.request;
   rpc::GenerateResponse out;
   std::chrono::steady_clock::time_point answered;
   std::thread request([&] {
     out = generating.generate(r);
     answered = std::chrono::steady_clock::now();
   });
-  std::this_thread::sleep_for(std::chrono::duration<double>(alone_s / 4));
-  const WeightPushResult pushed = push_weights(pushing, *v1.weights, 1, 64 << 20, false);
+  std::this_thread::sleep_for(std::chrono::duration<double>(w.alone_s / 4));
+  const WeightPushResult pushed = push_weights(pushing, *w.v1->weights, 1, 64 << 20, false);
   const auto committed = std::chrono::steady_clock::now();
   // The worker reports the committed version at once; a request for it waits for the swap.
   CHECK(pushing.weight_version() == 1);
@@ -190,7 +185,7 @@ TEST_CASE(
   next.min_weight_version = 1;
   const rpc::GenerateResponse after = later.generate(next);
   request.join();
-  INFO(worker->output());
+  INFO(w.worker->output());
   CHECK(pushed.sent);
   CHECK(committed < answered);  // the commit came while the request ran
   REQUIRE(out.samples.size() == 16);
@@ -201,8 +196,8 @@ TEST_CASE(
     CHECK(s.weight_version == 0);
     CHECK(std::count(s.token_versions.begin(), s.token_versions.end(), 0) ==
           static_cast<int64_t>(s.tokens.size()));
-    CHECK(s.tokens == alone.samples[i].tokens);
-    CHECK(s.logprobs == alone.samples[i].logprobs);
+    CHECK(s.tokens == w.alone.samples[i].tokens);
+    CHECK(s.logprobs == w.alone.samples[i].logprobs);
   }
   for (const rpc::Sample& s : after.samples) {
     CHECK(s.first_weight_version == 1);
