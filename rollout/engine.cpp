@@ -316,6 +316,9 @@ void Engine::Impl::swap_when_drained() {
 }
 
 bool Engine::swap_pending() const { return impl_->pending_weights != nullptr; }
+uint64_t Engine::committed_version() const {
+  return swap_pending() ? impl_->pending_version : impl_->version;
+}
 
 void Engine::release_memory() {
   Impl& m = *impl_;

@@ -172,6 +172,8 @@ class Engine {
   uint64_t weight_version() const;
   // Whether an after_started swap waits for started samples.
   bool swap_pending() const;
+  // The version of the last set_weights: weight_version(), or the pending swap's.
+  uint64_t committed_version() const;
 
   // Memory phases of a colocated job: release_memory() gives the KV arena and the decoder's
   // activation arena back to the device while the trainer runs (nothing may be in flight; the

@@ -137,9 +137,8 @@ struct RolloutServer::Impl {
   int64_t vocab_size = 0;
   std::shared_ptr<model::Weights> weights;  // the engine's; replaced by commit_weight_update
   // A commit without partial rollouts: the weights the started samples finish under, kept until
-  // the engine's swap to `pending_version` (Engine::Swap::after_started) happened.
+  // the engine's pending swap (Engine::Swap::after_started) happened.
   std::shared_ptr<model::Weights> old_weights;
-  uint64_t pending_version = 0;
   DType dtype = DType::f32;        // of the weights, for the checkpoints to load
   std::unique_ptr<Engine> engine;  // touched by the engine thread only, once started
 
@@ -220,7 +219,7 @@ struct RolloutServer::Impl {
   void submit(const std::shared_ptr<Call>& call) {
     // A swap pending (a commit without partial rollouts): the engine starts the call on the
     // committed weights once the started samples are done.
-    const uint64_t have = engine->swap_pending() ? pending_version : engine->weight_version();
+    const uint64_t have = engine->committed_version();
     if (call->min_version > have) {
       call->stale = true;
       call->version = have;
@@ -286,7 +285,7 @@ struct RolloutServer::Impl {
   void publish() {
     if (old_weights && !engine->swap_pending()) old_weights.reset();
     // The committed version, which requests asking for it wait for while a swap is pending.
-    version = engine->swap_pending() ? pending_version : engine->weight_version();
+    version = engine->committed_version();
     waiting = engine->num_waiting();
     running = engine->num_running();
     free_blocks = engine->blocks().num_free_blocks();
@@ -542,9 +541,9 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     const auto version = static_cast<uint64_t>(update.version);
     try {
       m_.on_engine([&m = m_, &next, version] {
-        TANDEM_CHECK(version > m.engine->weight_version(),
+        TANDEM_CHECK(version > m.engine->committed_version(),
                      "weight version {} is not newer than the worker's {}", version,
-                     m.engine->weight_version());
+                     m.engine->committed_version());
         m.engine->set_weights(*next, version);
         std::swap(m.weights, next);  // the old weights go once the engine no longer reads them
         m.updating = false;
@@ -577,19 +576,16 @@ class RolloutHandler : public rpc::RolloutServiceIf {
     const bool partial = c.partial;
     std::string refused;
     m_.on_engine([&m = m_, &next, &refused, version, partial] {
-      const uint64_t have =
-          m.engine->swap_pending() ? m.pending_version : m.engine->weight_version();
+      const uint64_t have = m.engine->committed_version();
       if (version <= have) {
         refused = fmt::format("weight version {} is not newer than the worker's {}", version, have);
         return;
       }
       m.engine->set_weights(*next, version,
                             partial ? Engine::Swap::partial : Engine::Swap::after_started);
-      std::swap(m.weights, next);      // the old weights go once the engine no longer reads them
-      if (m.engine->swap_pending()) {  // started samples finish under the weights in use
-        m.pending_version = version;
-        if (!m.old_weights) m.old_weights = std::move(next);  // else next was pending, unused
-      }
+      std::swap(m.weights, next);  // the old weights go once the engine no longer reads them
+      // Started samples finish under the weights in use (else next was pending, unused).
+      if (m.engine->swap_pending() && !m.old_weights) m.old_weights = std::move(next);
       m.publish();
     });
     m_.receiver->keep_spare(std::move(next));
