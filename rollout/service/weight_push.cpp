@@ -46,10 +46,22 @@ void check_answer(const channel::Answer& a, const std::string& where) {
                               fault, a.worker_version, a.message));
 }
 
+// `crc` continued over the n bytes at p, or taken from another push of the same source that
+// checksummed this chunk already.
+void checksum(WeightSource& source, const WeightSource::Chunk& chunk, const char* p, size_t n,
+              uint32_t& crc) {
+  if (const std::optional<uint32_t> known = source.crc_after(chunk)) {
+    crc = *known;
+    return;
+  }
+  crc = crc32c({p, n}, crc);
+  source.note_crc_after(chunk, crc);
+}
+
 // Sends `n` bytes of the weights from where locate(weights) points, with their CRC-32C folded
 // into `crc`: the weights are read only inside source->read, by the checksum and by sends that do
 // not block (the kernel's copy), so a source withdrawn waits for no network.
-void send_from_weights(int fd, WeightSource& source,
+void send_from_weights(int fd, WeightSource& source, const WeightSource::Chunk& chunk,
                        const std::function<const char*(const model::Weights&)>& locate, size_t n,
                        uint32_t& crc, int64_t timeout_ms, const std::function<Error()>& withdrawn) {
   size_t done = 0;
@@ -57,7 +69,7 @@ void send_from_weights(int fd, WeightSource& source,
   while (done < n) {
     if (!source.read([&](const model::Weights& w) {
           const char* p = locate(w);
-          if (!summed) crc = crc32c({p, n}, crc);
+          if (!summed) checksum(source, chunk, p, n, crc);
           summed = true;
           while (done < n) {
             const ssize_t r = ::send(fd, p + done, n - done, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -87,7 +99,7 @@ void send_from_weights(int fd, WeightSource& source,
 // are read after the last (the worker answers each in order), so no bucket waits for a round trip.
 int64_t push_over_channel(RolloutClient& client, const std::shared_ptr<WeightSource>& source,
                           int64_t version, const rpc::WeightPushReady& ready, DType to,
-                          const std::vector<std::vector<rpc::WeightPiece>>& plan,
+                          int64_t bound, const std::vector<std::vector<rpc::WeightPiece>>& plan,
                           const std::function<Error()>& withdrawn) {
   const ClientOptions& o = client.options();
   const std::string where = fmt::format("rollout worker {}: weight channel", o.address);
@@ -121,6 +133,7 @@ int64_t push_over_channel(RolloutClient& client, const std::shared_ptr<WeightSou
         }
         channel::send_all(fd.get(), head.data(), head.size(), "sending a bucket");
         uint32_t crc = 0;
+        WeightSource::Chunk chunk_id{h.dtype, bound, static_cast<int64_t>(i), 0};
         for (const rpc::WeightPiece& p : plan[i]) {
           DType from = to;
           if (!source->read([&](const model::Weights& w) { from = w.at(p.name).dtype(); }))
@@ -132,14 +145,14 @@ int64_t push_over_channel(RolloutClient& client, const std::shared_ptr<WeightSou
                        p.name, dtype_name(from), dtype_name(to));
           const auto in_bytes = static_cast<int64_t>(dtype_size(from));
           const int64_t chunk = static_cast<int64_t>(kSendChunkBytes) / out_bytes;
-          for (int64_t first = 0; first < p.elements; first += chunk) {
+          for (int64_t first = 0; first < p.elements; first += chunk, ++chunk_id.index) {
             const int64_t n = std::min(chunk, p.elements - first);
             auto locate = [&](const model::Weights& w) {
               return static_cast<const char*>(w.at(p.name).data()) + (p.offset + first) * in_bytes;
             };
             if (from == to) {
-              send_from_weights(fd.get(), *source, locate, static_cast<size_t>(n * out_bytes), crc,
-                                o.timeout_ms, withdrawn);
+              send_from_weights(fd.get(), *source, chunk_id, locate,
+                                static_cast<size_t>(n * out_bytes), crc, o.timeout_ms, withdrawn);
               continue;
             }
             // Cast (under the source's lock) into a buffer of our own, then sent from it.
@@ -149,7 +162,7 @@ int64_t push_over_channel(RolloutClient& client, const std::shared_ptr<WeightSou
                 }))
               throw withdrawn();
             const auto bytes = static_cast<size_t>(n * out_bytes);
-            crc = crc32c({cast.data(), bytes}, crc);
+            checksum(*source, chunk_id, cast.data(), bytes, crc);
             channel::send_all(fd.get(), cast.data(), bytes, "sending a bucket");
           }
         }
@@ -209,15 +222,32 @@ std::vector<std::vector<rpc::WeightPiece>> plan_weight_buckets(const model::Weig
 }
 
 bool WeightSource::read(const std::function<void(const model::Weights&)>& fn) {
-  std::lock_guard lock(mutex_);
+  std::shared_lock lock(mutex_);
   if (weights_ == nullptr) return false;
   fn(*weights_);
   return true;
 }
 
 void WeightSource::withdraw() {
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   weights_ = nullptr;
+}
+
+std::optional<uint32_t> WeightSource::crc_after(const Chunk& chunk) {
+  std::lock_guard lock(crc_mutex_);
+  const auto it = crcs_.find(chunk);
+  if (it == crcs_.end()) return std::nullopt;
+  return it->second;
+}
+
+void WeightSource::note_crc_after(const Chunk& chunk, uint32_t crc) {
+  std::lock_guard lock(crc_mutex_);
+  crcs_.emplace(chunk, crc);
+}
+
+int64_t WeightSource::chunks_checksummed() {
+  std::lock_guard lock(crc_mutex_);
+  return static_cast<int64_t>(crcs_.size());
 }
 
 WeightPushResult push_weights(RolloutClient& client, const model::Weights& w, int64_t version,
@@ -248,7 +278,7 @@ WeightPushResult push_weights(RolloutClient& client, const std::shared_ptr<Weigh
                     fmt::format("rollout worker {}: begin_weight_push announced no data channel "
                                 "(data_port): is the worker of this build?",
                                 client.options().address));
-  r.bytes = push_over_channel(client, source, version, ready, to, plan, withdrawn);
+  r.bytes = push_over_channel(client, source, version, ready, to, bound, plan, withdrawn);
   r.buckets = static_cast<int64_t>(plan.size());
   r.version = client.commit_weight_push(version, static_cast<int32_t>(plan.size()), partial);
   r.sent = true;

@@ -6,8 +6,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <shared_mutex>
 #include <vector>
 
 #include "model/weights.h"
@@ -32,17 +35,37 @@ struct WeightPushResult {
 
 // The weights a push reads, which their owner withdraws before it changes them: a push given up
 // on (its worker set aside) may go on in the background, and must not read them after that.
+// The pushes of one source to several workers share the checksums of its chunks: each chunk is
+// checksummed by the first push that reaches it, and the others take its CRC from here.
 class WeightSource {
  public:
   explicit WeightSource(const model::Weights& w) : weights_(&w) {}
-  // Runs fn(weights) and returns true, unless they were withdrawn (false).
+  // Runs fn(weights) and returns true, unless they were withdrawn (false). Reads of several
+  // pushes run at once.
   bool read(const std::function<void(const model::Weights&)>& fn);
   // No read runs after it returns (one in progress is waited for).
   void withdraw();
 
+  // A chunk of a push: the dtype its data is sent in and the bucket bound (which fix the plan),
+  // the bucket and the chunk's place in it.
+  struct Chunk {
+    int32_t dtype = 0;
+    int64_t bound = 0;
+    int64_t bucket = 0;
+    int64_t index = 0;
+    auto operator<=>(const Chunk&) const = default;
+  };
+  // The bucket's running CRC-32C after `chunk`, when a push computed it already.
+  std::optional<uint32_t> crc_after(const Chunk& chunk);
+  void note_crc_after(const Chunk& chunk, uint32_t crc);
+  // The chunks checksummed so far (each once, whatever the pushes of this source).
+  int64_t chunks_checksummed();
+
  private:
-  std::mutex mutex_;
+  std::shared_mutex mutex_;
   const model::Weights* weights_;
+  std::mutex crc_mutex_;
+  std::map<Chunk, uint32_t> crcs_;
 };
 
 // Brings the worker behind `client` to `version` of `w` (f32 or bf16): nothing when it holds that

@@ -245,6 +245,35 @@ TEST_CASE("a weight push over the wire generates as a worker loaded from the sam
   }
 }
 
+TEST_CASE("pushes of one weight source to several workers checksum each chunk once", "[unit]") {
+  model::LoadedModel pushed = model::load_model(models().file("v1"));
+  const auto source = std::make_shared<WeightSource>(*pushed.weights);
+  Worker reference("v1");
+  Worker a("v0"), b("v0"), half("v0", DType::bf16);
+  CHECK(push_weights(*a.client, source, 4, 64 << 20).sent);
+  const int64_t chunks = source->chunks_checksummed();
+  CHECK(chunks > 100);  // a chunk or more per bucket of the workers' 64 KiB frames
+  // The second worker takes every CRC from the first push, and its commit checks them all.
+  CHECK(push_weights(*b.client, source, 4, 64 << 20).sent);
+  CHECK(source->chunks_checksummed() == chunks);
+  check_same_samples(a.sample(), reference.sample());
+  check_same_samples(b.sample(), reference.sample());
+  // Another dtype is another plan: its own checksums.
+  CHECK(push_weights(*half.client, source, 4, 64 << 20).sent);
+  CHECK(source->chunks_checksummed() > chunks);
+  CHECK(half.client->weight_version() == 4);
+  // At once from threads, with a withdraw only after both.
+  Worker c("v0"), d("v0");
+  const auto fresh = std::make_shared<WeightSource>(*pushed.weights);
+  std::thread other([&] { push_weights(*c.client, fresh, 6, 64 << 20); });
+  push_weights(*d.client, fresh, 6, 64 << 20);
+  other.join();
+  fresh->withdraw();
+  CHECK(fresh->chunks_checksummed() == chunks);
+  check_same_samples(c.sample(), reference.sample());
+  check_same_samples(d.sample(), reference.sample());
+}
+
 TEST_CASE(
     "a rollout worker refuses malformed weight buckets with typed errors and keeps its "
     "weights",
