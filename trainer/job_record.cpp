@@ -233,7 +233,13 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   if (job_.logging.samples_every > 0 && state_.step % job_.logging.samples_every == 0 &&
       !c.groups.empty() && !c.groups[0].samples.empty()) {
     const Group& g = c.groups[0];
+    // Every prompt whose group the step trained, by its example id: which prompts each step
+    // used, across restarts too.
+    nlohmann::json trained = nlohmann::json::array();
+    for (const Group& kept : c.groups)
+      if (kept.kept) trained.push_back(kept.prompt.example.id);
     samples_out_->write_line(nlohmann::json{{"step", state_.step},
+                                            {"trained_prompts", std::move(trained)},
                                             {"prompt", g.prompt.rendered.text},
                                             {"completion", g.samples[0].text},
                                             {"answer", g.prompt.example.answer},

@@ -15,11 +15,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -736,6 +739,76 @@ TEST_CASE("a disaggregated job at rollout.max_staleness 1 trains on samples at m
     CHECK(m["async/max_staleness"] == 0);
     CHECK(m["async/staleness_max"] == 0);
   }
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
+}
+
+// The prompts each step trained (samples.jsonl's trained_prompts, sorted), by step; a step
+// logged twice (by a run killed after its line and the run that resumed before it) counts as the
+// later line says.
+std::map<int64_t, std::vector<std::string>> trained_prompts(const std::string& samples) {
+  std::map<int64_t, std::vector<std::string>> by_step;
+  std::ifstream in(samples);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    auto ids = j["trained_prompts"].get<std::vector<std::string>>();
+    std::sort(ids.begin(), ids.end());
+    by_step[j["step"].get<int64_t>()] = std::move(ids);
+  }
+  return by_step;
+}
+
+// A trainer killed mid-run at rollout.max_staleness 1 (the batch of the next step in the making
+// or made, its prompts drawn) and started again resumes from its checkpoint and trains every
+// step on the prompts of the run that was not interrupted: no group lost, none used twice.
+TEST_CASE(
+    "a disaggregated job at rollout.max_staleness 1 killed and resumed trains each prompt once",
+    "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-async-kill");
+  TwoWorkers w(tmp);
+  const std::string async = disaggregated(w.port0, w.port1) +
+                            " rollout.max_staleness=1 checkpoint.every=1 checkpoint.keep_last=5 "
+                            "logging.samples_every=1 trainer.steps=5";
+  const auto r = train(tmp, w.job, "whole", async);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  const auto whole = trained_prompts(tmp.file("whole/samples.jsonl"));
+  REQUIRE(whole.size() == 5);
+  {
+    tandem::test::Subprocess run(
+        {"/bin/sh", "-c",
+         fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {} 2>&1",
+                     TANDEM_BIN_DIR, w.job, tmp.file("cut"), tmp.file("cut/ckpt"), async)});
+    // Killed once the third checkpoint is written ("tandem: checkpoint <dir>/step-3").
+    std::string written;
+    while (written.find("step-3") == std::string::npos) {
+      written = run.wait_for_line("tandem: checkpoint ", 180000);
+      INFO(run.output());
+      REQUIRE(!written.empty());
+    }
+    REQUIRE(::kill(run.pid(), SIGKILL) == 0);
+    CHECK(run.stop() == 128 + SIGKILL);
+  }
+  const auto resumed_run = train(tmp, w.job, "cut", async);
+  INFO(resumed_run.out);
+  REQUIRE(resumed_run.status == 0);
+  CHECK_THAT(resumed_run.out, Catch::Contains("resumed from"));
+  const auto resumed = trained_prompts(tmp.file("cut/samples.jsonl"));
+  CHECK(resumed == whole);
+  // One pass over the data's first 20 prompts (4 a step), each once.
+  std::set<std::string> once;
+  size_t trained = 0;
+  for (const auto& [step, ids] : resumed) {
+    INFO("step " << step);
+    CHECK(ids.size() == 4);
+    trained += ids.size();
+    once.insert(ids.begin(), ids.end());
+  }
+  CHECK(trained == 20);
+  CHECK(once.size() == 20);
+  for (const nlohmann::json& m : step_lines(tmp.file("cut/metrics.jsonl")))
+    CHECK(m["async/staleness_max"].get<int64_t>() <= 1);
   CHECK(w.w0->stop() == 0);
   CHECK(w.w1->stop() == 0);
 }
