@@ -27,6 +27,67 @@ Canary::Canary(const JobConfig& job, std::vector<int32_t> probe, Communicator* w
     probe_.resize(static_cast<size_t>(job.data.max_prompt_tokens));
 }
 
+// Rank 0 sends the probe to every worker that holds the weights last pushed; on several ranks
+// its answers go to every rank (rows of the workers in placement.workers order: 1 answered, 0 not
+// asked, then the token count, n tokens and n logprobs), which all score them in the same call.
+std::pair<std::vector<std::string>, std::vector<rollout::SampleOutput>> Canary::worker_probes(
+    RemoteRollout& workers, const rollout::Request& request) const {
+  const std::vector<std::string>& addresses = job_.placement.workers;
+  const auto n = static_cast<size_t>(job_.weight_sync.canary_tokens);
+  const size_t width = 2 + 2 * n;
+  std::vector<double> rows(addresses.size() * width, 0.0);
+  std::string failure;
+  if (world_ == nullptr || world_->rank() == 0) {
+    try {
+      for (const auto& [address, answer] : workers.generate_on_each(request)) {
+        TANDEM_CHECK(answer.status == rollout::RequestStatus::done && answer.samples.size() == 1 &&
+                         answer.samples[0].tokens.size() <= n &&
+                         answer.samples[0].logprobs.size() == answer.samples[0].tokens.size(),
+                     "weight_sync canary: rollout worker {} did not generate the probe: {}",
+                     address, answer.error);
+        const auto at = static_cast<size_t>(std::find(addresses.begin(), addresses.end(), address) -
+                                            addresses.begin());
+        TANDEM_CHECK(at < addresses.size(), "weight_sync canary: an answer of unknown worker {}",
+                     address);
+        double* row = rows.data() + at * width;
+        const rollout::SampleOutput& s = answer.samples[0];
+        row[0] = 1;
+        row[1] = static_cast<double>(s.tokens.size());
+        for (size_t i = 0; i < s.tokens.size(); ++i) {
+          row[2 + i] = s.tokens[i];
+          row[2 + n + i] = s.logprobs[i];
+        }
+      }
+    } catch (const std::exception& e) {
+      if (world_ == nullptr) throw;
+      failure = e.what();
+      rows.assign(rows.size(), 0.0);
+      rows[0] = -1;  // the others stop too
+    }
+  }
+  if (world_ != nullptr) {
+    const std::vector<double> all = gather_doubles(*world_, rows);
+    rows.assign(all.begin(), all.begin() + static_cast<ptrdiff_t>(rows.size()));  // rank 0's
+    if (!failure.empty()) TANDEM_FAIL("{}", failure);
+    TANDEM_CHECK(rows.empty() || rows[0] >= 0,
+                 "weight_sync canary: rank 0 could not probe the rollout workers (its error says "
+                 "why)");
+  }
+  std::vector<std::string> names;
+  std::vector<rollout::SampleOutput> answers;
+  for (size_t w = 0; w < addresses.size(); ++w) {
+    const double* row = rows.data() + w * width;
+    if (row[0] != 1) continue;
+    names.push_back(fmt::format("rollout worker {}", addresses[w]));
+    rollout::SampleOutput& s = answers.emplace_back();
+    for (size_t i = 0; i < static_cast<size_t>(row[1]); ++i) {
+      s.tokens.push_back(static_cast<int32_t>(row[2 + i]));
+      s.logprobs.push_back(static_cast<float>(row[2 + n + i]));
+    }
+  }
+  return {std::move(names), std::move(answers)};
+}
+
 // Each engine's largest |engine - trainer| logprob of its probe (NaN: infinite), the probes scored
 // in one call; -1 each on a pipeline stage that computes no logprobs.
 std::vector<double> Canary::differences(std::span<const rollout::SampleOutput> outs,
@@ -132,18 +193,15 @@ CanaryResult Canary::check(rollout::Engine& engine, PolicyTrainer& trainer,
     if (worst[i] > tolerance)
       fail(fmt::format("replica {} ({}) by up to {:.3g}", i, ranks_of(i), worst[i]));
   }
-  // Disaggregated: each worker's engine too (the job is one rank).
+  // Disaggregated: each worker's engine too.
   if (workers != nullptr) {
-    std::vector<std::string> names;
-    std::vector<rollout::SampleOutput> answers;
-    for (const auto& [address, answer] : workers->generate_on_each(request)) {
-      const std::string name = fmt::format("rollout worker {}", address);
-      TANDEM_CHECK(answer.status == rollout::RequestStatus::done && answer.samples.size() == 1,
-                   "weight_sync canary: {} did not generate the probe: {}", name, answer.error);
-      names.push_back(name);
-      answers.push_back(answer.samples[0]);
+    const auto [names, answers] = worker_probes(*workers, request);
+    std::vector<double> d = differences(answers, trainer, policy);
+    if (world_ != nullptr) {
+      const std::vector<double> every = gather_doubles(*world_, d);
+      for (size_t k = 0; k < every.size(); ++k)
+        d[k % d.size()] = std::max(d[k % d.size()], every[k]);
     }
-    const std::vector<double> d = differences(answers, trainer, policy);
     for (size_t i = 0; i < d.size(); ++i) {
       r.max_abs = std::max(r.max_abs, d[i]);
       if (d[i] > tolerance) fail(fmt::format("{} by up to {:.3g}", names[i], d[i]));

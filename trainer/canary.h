@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/comm.h"
@@ -38,17 +39,21 @@ class Canary {
   // stages or data-parallel replicas runs it as it runs its old logprobs) and gathers the ranks'
   // differences. Every rank calls it after the same publish (the engine's ranks make the same
   // engine calls, and the exchanges are collectives over world). step: the training step that
-  // made `version` (0: the weights the job started or resumed with). workers (disaggregated, one
-  // rank): the same probe on each rollout worker that holds the weights pushed last, each scored
-  // alike. Throws tandem::Error on every rank when a replica's or a worker's difference is above
-  // the tolerance (or not a number), or a replica generated no probe, naming the step, the
-  // version, each such replica with its ranks or worker, and the difference.
+  // made `version` (0: the weights the job started or resumed with). workers (disaggregated, on
+  // every rank): the same probe on each rollout worker that holds the weights pushed last, sent
+  // by rank 0 and scored alike by every rank. Throws tandem::Error on every rank when a replica's
+  // or a worker's difference is above the tolerance (or not a number), or a replica generated no
+  // probe, naming the step, the version, each such replica with its ranks or worker, and the
+  // difference.
   CanaryResult check(rollout::Engine& engine, PolicyTrainer& trainer, const model::Weights& policy,
                      int64_t step, uint64_t version, RemoteRollout* workers = nullptr);
 
  private:
   std::vector<double> differences(std::span<const rollout::SampleOutput> outs,
                                   PolicyTrainer& trainer, const model::Weights& policy) const;
+  // The workers' answers to `request` on every rank, and their names.
+  std::pair<std::vector<std::string>, std::vector<rollout::SampleOutput>> worker_probes(
+      RemoteRollout& workers, const rollout::Request& request) const;
 
   const JobConfig& job_;
   std::vector<int32_t> probe_;

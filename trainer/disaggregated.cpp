@@ -67,10 +67,52 @@ struct RemoteRollout::Worker {
 RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
                              const model::Weights& policy, uint64_t version)
     : job_(job),
-      policy_(policy),
+      policy_(&policy),
       wire_(job.placement.weights == "wire"),
       stop_ids_(m.stop_ids()),
       tokenizer_files_(model::hf_tokenizer_files(m.tok().data())) {
+  const int64_t newest = connect_workers(m);
+  // A worker from an earlier job may hold a newer version: the job's versions are shifted past
+  // every worker's, since a worker takes only newer ones.
+  offset_ = std::max<int64_t>(0, newest + 1 - static_cast<int64_t>(version));
+  start_pool();
+  std::vector<std::string> errors = update_all(policy, version, true);
+  std::lock_guard lock(mutex_);
+  for (size_t i = 0; i < workers_.size(); ++i)
+    TANDEM_CHECK(!workers_[i]->stale,
+                 "rollout worker {} did not take the job's weights at start: it serves '{}' and "
+                 "the job trains '{}' ({}); start it with the job's model. It said: {}",
+                 workers_[i]->address, workers_[i]->model, job.model.path, job.where("model.path"),
+                 errors[i]);
+  report_push(errors);
+}
+
+RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m, int64_t offset,
+                             uint64_t version)
+    : job_(job),
+      policy_(nullptr),
+      wire_(job.placement.weights == "wire"),
+      stop_ids_(m.stop_ids()),
+      tokenizer_files_(model::hf_tokenizer_files(m.tok().data())),
+      offset_(offset) {
+  connect_workers(m);
+  current_ = static_cast<int64_t>(version) + offset_;
+  last_push_.version = current_;
+  start_pool();
+}
+
+void RemoteRollout::publish(uint64_t version) {
+  if (policy_ != nullptr) {
+    push(*policy_, version);
+    return;
+  }
+  std::lock_guard lock(mutex_);
+  current_ = static_cast<int64_t>(version) + offset_;
+  last_push_.version = current_;
+}
+
+int64_t RemoteRollout::connect_workers(const model::LoadedModel& m) {
+  const JobConfig& job = job_;
   const PlacementSection& pl = job.placement;
   if (!pl.token_env.empty()) {
     // The token stays out of the config file (and of --print-config and the run's logs).
@@ -145,10 +187,11 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
     newest = std::max(newest, w->version);
     workers_.push_back(std::move(w));
   }
-  // A worker from an earlier job may hold a newer version: the job's versions are shifted past
-  // every worker's, since a worker takes only newer ones.
-  offset_ = std::max<int64_t>(0, newest + 1 - static_cast<int64_t>(version));
+  return newest;
+}
 
+void RemoteRollout::start_pool() {
+  const PlacementSection& pl = job_.placement;
   rollout::PoolOptions po;
   po.addresses = pl.workers;
   po.client = {.timeout_ms = pl.request_timeout_ms, .retries = 0, .token = token_};
@@ -158,16 +201,6 @@ RemoteRollout::RemoteRollout(const JobConfig& job, const model::LoadedModel& m,
   po.health_check_timeout_ms = static_cast<int64_t>(pl.health_check_timeout_s * 1000);
   po.rejoin = [this](size_t w) { return rejoin(w); };
   pool_ = std::make_unique<rollout::RolloutPool>(std::move(po));
-
-  std::vector<std::string> errors = update_all(policy, version, true);
-  std::lock_guard lock(mutex_);
-  for (size_t i = 0; i < workers_.size(); ++i)
-    TANDEM_CHECK(!workers_[i]->stale,
-                 "rollout worker {} did not take the job's weights at start: it serves '{}' and "
-                 "the job trains '{}' ({}); start it with the job's model. It said: {}",
-                 workers_[i]->address, workers_[i]->model, job.model.path, job.where("model.path"),
-                 errors[i]);
-  report_push(errors);
 }
 
 RemoteRollout::~RemoteRollout() {
@@ -302,6 +335,19 @@ void RemoteRollout::report_push(const std::vector<std::string>& errors) {
 
 bool RemoteRollout::rejoin(size_t i) {
   Worker& w = *workers_[i];
+  if (policy_ == nullptr) {
+    // A rank that does not push: the worker serves this rank again once the pushing rank has
+    // brought it to the latest version.
+    int64_t got = 0;
+    try {
+      got = w.client->weight_version();
+    } catch (const std::exception&) {
+      return false;
+    }
+    std::lock_guard lock(mutex_);
+    w.version = got;
+    return got >= current_;
+  }
   // Its version is asked again (a worker restarted on its address holds its model's weights, not
   // the last it took), and a push may come meanwhile: the worker serves again only once it holds
   // the latest version.

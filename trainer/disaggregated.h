@@ -44,6 +44,12 @@ class RemoteRollout final : public Rollout {
   // weights: RolloutGroup::whole_policy) outlives the rollout; publish pushes its later values.
   RemoteRollout(const JobConfig& job, const model::LoadedModel& m, const model::Weights& policy,
                 uint64_t version);
+  // Every other rank of a trainer on several ranks: the same start-up checks of every worker, and
+  // no push. It samples from what the pushing rank (rank 0, above) pushed: `offset` is that
+  // rollout's (offset()), and publish(version) records only the version its requests ask for;
+  // the job has the ranks wait for rank 0's push before they generate again (Job::publish).
+  RemoteRollout(const JobConfig& job, const model::LoadedModel& m, int64_t offset,
+                uint64_t version);
   ~RemoteRollout();
   RemoteRollout(const RemoteRollout&) = delete;
   RemoteRollout& operator=(const RemoteRollout&) = delete;
@@ -55,8 +61,13 @@ class RemoteRollout final : public Rollout {
   // workers' next engine step. Outputs in order, their samples' weight versions in the job's
   // numbering; throws tandem::Error when a request fails on placement.attempts workers.
   std::vector<rollout::RequestOutput> generate(std::vector<rollout::Request> requests) override;
-  // push(policy, version).
-  void publish(uint64_t version) override { push(policy_, version); }
+  // The pushing rank: push(policy, version). Another rank: from now on its requests ask the
+  // workers for `version`.
+  void publish(uint64_t version) override;
+  // Whether this rank pushes (it holds the policy).
+  bool pushes() const { return policy_ != nullptr; }
+  // The workers' version of the job's weight version 0.
+  int64_t offset() const { return offset_; }
   // The same request on every worker that holds the weights last pushed, one after another (the
   // weight_sync canary's probe): each worker's address and output. Throws naming a worker whose
   // call fails.
@@ -84,6 +95,11 @@ class RemoteRollout final : public Rollout {
 
  private:
   struct Worker;
+  // Waits for every worker of placement.workers to answer and checks it (the constructors' start-up
+  // checks); the newest weight version any of them holds.
+  int64_t connect_workers(const model::LoadedModel& m);
+  // The pool over the workers, its health checks calling rejoin.
+  void start_pool();
   // A request as the workers' protocol asks it (for the weights of the workers' version
   // `min_version` or later: the last pushed, current()), and an answer back, its versions in the
   // job's numbering.
@@ -106,8 +122,8 @@ class RemoteRollout final : public Rollout {
   void keep_copy(const model::Weights& policy, int64_t version);
 
   const JobConfig& job_;
-  const model::Weights& policy_;
-  const bool wire_;  // placement.weights = "wire"
+  const model::Weights* policy_;  // null on a rank that does not push
+  const bool wire_;               // placement.weights = "wire"
   std::vector<int32_t> stop_ids_;
   std::map<std::string, std::string> tokenizer_files_;
   std::string token_;

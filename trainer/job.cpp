@@ -281,8 +281,7 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   train_rollout_ = local_.get();
   published_ = {local_.get()};
   if (job.placement.mode == "disaggregated") {
-    remote_ = std::make_unique<RemoteRollout>(job, m_, rollout_->whole_policy(),
-                                              static_cast<uint64_t>(state_.weight_version));
+    start_remote();
     train_rollout_ = remote_.get();
     published_.push_back(remote_.get());
   }
@@ -295,6 +294,32 @@ Job::Job(const JobConfig& job, const std::atomic<bool>& stop, const JobHooks& ho
   }
   tokenizer_files_ = model::hf_tokenizer_files(m_.tok().data());
   first_step_ = state_.step;
+}
+
+// Rank 0 connects to the workers and pushes them its weights; on several ranks every other rank
+// then connects too, told rank 0's version offset, and generates its share from what rank 0
+// pushed. A rank 0 that fails tells the others, which stop too.
+void Job::start_remote() {
+  const auto version = static_cast<uint64_t>(state_.weight_version);
+  int64_t offset = -1;
+  std::string failure;
+  if (rank_ == 0) {
+    try {
+      remote_ = std::make_unique<RemoteRollout>(job_, m_, rollout_->whole_policy(), version);
+      offset = remote_->offset();
+    } catch (const std::exception& e) {
+      if (comm_ == nullptr) throw;
+      failure = e.what();
+    }
+  }
+  if (comm_ == nullptr) return;
+  comm_->broadcast(Tensor::wrap(&offset, {1}, DType::i64), 0);
+  if (!failure.empty()) TANDEM_FAIL("{}", failure);
+  TANDEM_CHECK(offset >= 0,
+               "rank 0 could not start the rollout workers of placement.workers (its error says "
+               "why; {})",
+               job_.where("placement.workers"));
+  if (rank_ != 0) remote_ = std::make_unique<RemoteRollout>(job_, m_, offset, version);
 }
 
 void Job::resume() {
@@ -437,7 +462,26 @@ PublishStats Job::publish() {
   const auto version = static_cast<uint64_t>(state_.weight_version);
   const PublishStats st = rollout_->publish(version);
   if (hooks_.after_publish) hooks_.after_publish(rank_, version, rollout_->own_weights());
-  for (Rollout* r : published_) r->publish(version);
+  std::string failure;
+  for (Rollout* r : published_) {
+    if (r != remote_.get() || comm_ == nullptr) {
+      r->publish(version);
+      continue;
+    }
+    // Rank 0 pushes to the workers; the other ranks generate again only once it has.
+    try {
+      r->publish(version);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    if (any_rank(!failure.empty())) {
+      if (!failure.empty()) TANDEM_FAIL("{}", failure);
+      TANDEM_FAIL(
+          "rank 0 could not push weight version {} to the rollout workers (its error "
+          "says why; {})",
+          version, job_.where("placement.workers"));
+    }
+  }
   return st;
 }
 
@@ -477,7 +521,8 @@ Updated Job::update_and_publish(const Selected& selected) {
     // behaviour), not the trainer's at a version the samples may not come from. At 0 the
     // workers' logprobs are the trainer's bitwise when the canary measured 0 on every worker
     // after the push they sampled from, and no worker came back unprobed since.
-    const bool recompute = k == 0 && !workers_logp_exact();
+    // (Every rank decides alike: a rank whose pool brought a worker back counts for all.)
+    const bool recompute = k == 0 && any_rank(!workers_logp_exact());
     trainer_->set_always_recompute_old(recompute);
     const int decision = k > 0 ? 2 : recompute ? 1 : 0;
     const bool multipass = job_.trainer.step.epochs > 1 || job_.trainer.step.minibatches > 1;
@@ -678,10 +723,12 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);
   check_rollout_tp(job, world, m.config());
   check_trainer_grid(job, world, m.config());
-  TANDEM_CHECK(world == 1 || job.placement.mode == "colocated",
-               "a disaggregated job trains on one rank for now, and {} were started ({}): start "
-               "`tandem train` alone ({})",
-               world, info.source, job.where("placement.mode"));
+  // Its batches made ahead would exchange their groups between the ranks on the rollout queue's
+  // thread, beside the update's collectives on the trainer's.
+  TANDEM_CHECK(world == 1 || job.rollout.max_staleness == 0,
+               "rollout.max_staleness = {} trains on one rank for now, and {} were started ({}): "
+               "set rollout.max_staleness = 0, or start `tandem train` alone ({})",
+               job.rollout.max_staleness, world, info.source, job.where("rollout.max_staleness"));
   std::unique_ptr<Communicator> comm;
   if (world > 1) {
     comm = Communicator::create(info, comm_options(job.distributed));

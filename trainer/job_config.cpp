@@ -706,9 +706,12 @@ void check_job(const Config& c, JobConfig& j) {
              "workers = [\"127.0.0.1:9100\"] (start one with `tandem serve configs/serve.toml`)");
     if (pl.device != "cpu")
       c.fail("placement.device", "a disaggregated job trains on cpu only for now");
-    if (pl.ranks > 1)
-      c.fail("placement.ranks",
-             "a disaggregated job trains on one rank for now: set placement.ranks = 0 or 1");
+    // The workers generate; the trainer's own engine only evaluates and probes, and rank 0's
+    // pushes the whole weights.
+    if (pl.rollout_tp > 1)
+      c.fail("placement.rollout_tp",
+             "a disaggregated job's rollout runs on its workers: set placement.rollout_tp = 1 (a "
+             "worker's own tensor-parallel split is its business)");
     std::set<std::string> seen;
     for (const std::string& w : pl.workers) {
       const auto colon = w.rfind(':');
@@ -726,6 +729,11 @@ void check_job(const Config& c, JobConfig& j) {
   }
 
   if (ro.max_staleness > 0) {
+    if (pl.ranks > 1 || t.tp * t.pp > 1)
+      c.fail("rollout.max_staleness",
+             fmt::format("{} trains on one rank for now, and placement.ranks = {}, trainer.tp = "
+                         "{}, trainer.pp = {} ({}): set rollout.max_staleness = 0",
+                         ro.max_staleness, pl.ranks, t.tp, t.pp, c.where("placement.ranks")));
     if (pl.mode != "disaggregated")
       c.fail("rollout.max_staleness",
              fmt::format("{} needs placement.mode = \"disaggregated\" ({}): a colocated job "
@@ -751,9 +759,6 @@ void check_job(const Config& c, JobConfig& j) {
 
   if (t.tp * t.pp > 1) {
     const std::string key = t.tp > 1 ? "trainer.tp" : "trainer.pp";
-    if (pl.mode == "disaggregated")
-      c.fail(key,
-             "a disaggregated job trains on one rank for now: set trainer.tp = trainer.pp = 1");
     if (pl.device != "cpu")
       c.fail(key, fmt::format("tensor- and pipeline-parallel training runs on cpu only for now, "
                               "and placement.device is \"{}\" ({})",

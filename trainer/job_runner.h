@@ -68,6 +68,8 @@ class Job {
   void evaluate();
   void checkpoint();
   void resume();
+  // placement.mode = "disaggregated": remote_ on every rank, rank 0's pushing.
+  void start_remote();
   std::string agreed_latest_checkpoint();
   void write_metrics(const nlohmann::ordered_json& line);
 

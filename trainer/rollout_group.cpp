@@ -94,16 +94,7 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& confi
       param_specs(*model::Weights::unbound(config, DType::f32));
   const weight_sync::Layout src = weight_sync::Layout::zero(specs, shards, /*full_tensors=*/false);
   make_publisher(job, config, src, weight_sync::bind_local(src, rank_, local), world);
-  if (job.placement.mode != "disaggregated" || (tp_ == 1 && dtype_ == DType::f32)) return;
-  // The whole f32 weights the workers load, on rank 0 (a disaggregated job trains on one rank).
-  const weight_sync::Layout whole = weight_sync::Layout::replicated(specs, 1).placed(0, world_);
-  if (rank_ == 0) whole_ = std::make_unique<model::Weights>(config, DType::f32);
-  std::vector<Tensor> to(specs.size());
-  if (whole_) to = weight_sync::bind(whole, rank_, params_of(*whole_));
-  whole_publisher_ = std::make_unique<weight_sync::Publisher>(
-      weight_sync::ReshardPlan::make(src, whole), world, weight_sync::bind_local(src, rank_, local),
-      std::move(to), sync_options(job.weight_sync));
-  whole_publisher_->publish(0);
+  make_whole(job, config, src, weight_sync::bind_local(src, rank_, local), world);
 }
 
 RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& config,
@@ -113,7 +104,24 @@ RolloutGroup::RolloutGroup(const JobConfig& job, const model::ModelConfig& confi
   TANDEM_CHECK(grid.world() == world_, "rollout: the trainer's grid has {} ranks, the job has {}",
                grid.world(), world_);
   make_engine(config, world);
-  make_publisher(job, config, grid, std::move(from), world);
+  make_publisher(job, config, grid, from, world);
+  make_whole(job, config, grid, std::move(from), world);
+}
+
+void RolloutGroup::make_whole(const JobConfig& job, const model::ModelConfig& config,
+                              const weight_sync::Layout& src, std::vector<Tensor> from,
+                              Communicator* world) {
+  if (job.placement.mode != "disaggregated" || (tp_ == 1 && dtype_ == DType::f32)) return;
+  // The whole f32 weights the workers load, on rank 0 (the rank that pushes them).
+  const std::vector<weight_sync::ParamSpec> specs(src.params().begin(), src.params().end());
+  const weight_sync::Layout whole = weight_sync::Layout::replicated(specs, 1).placed(0, world_);
+  if (rank_ == 0) whole_ = std::make_unique<model::Weights>(config, DType::f32);
+  std::vector<Tensor> to(specs.size());
+  if (whole_) to = weight_sync::bind(whole, rank_, params_of(*whole_));
+  whole_publisher_ = std::make_unique<weight_sync::Publisher>(
+      weight_sync::ReshardPlan::make(src, whole), world, std::move(from), std::move(to),
+      sync_options(job.weight_sync));
+  whole_publisher_->publish(0);
 }
 
 void RolloutGroup::make_engine(const model::ModelConfig& config, Communicator* world) {

@@ -105,6 +105,10 @@ class RolloutGroup {
   void make_publisher(const JobConfig& job, const model::ModelConfig& config,
                       const weight_sync::Layout& src, std::vector<Tensor> from,
                       Communicator* world);
+  // A disaggregated job whose engine is not the whole f32 model (placement.rollout_tp > 1, or
+  // rollout.dtype other than f32): rank 0's whole f32 copy for its workers, from `src`.
+  void make_whole(const JobConfig& job, const model::ModelConfig& config,
+                  const weight_sync::Layout& src, std::vector<Tensor> from, Communicator* world);
 
   const model::Weights* policy_;  // null: the trainer keeps ZeRO-3 pieces only
   const int rank_, world_, tp_, replica_;

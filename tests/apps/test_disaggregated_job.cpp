@@ -32,6 +32,7 @@
 #include "model/weights.h"
 #include "rollout/service/client.h"
 #include "tests/apps/dp_job.h"
+#include "tests/apps/serve_worker.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
@@ -39,42 +40,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using tandem::test::disaggregated;
+using tandem::test::start_worker;
 using tandem::test::dp_job::step_lines;
 
 // The shared tiny job as it is, on one rank.
 std::string write_job(const tandem::test::TempDir& tmp, const std::string& model) {
   return tandem::test::dp_job::write_tiny_job(tmp, model);
-}
-
-// `tandem serve` of `model` (its weights in `dtype`) on loopback port `port` (0: a free one),
-// requiring `token` when it is not empty; its port.
-int start_worker(std::unique_ptr<tandem::test::Subprocess>& worker,
-                 const tandem::test::TempDir& tmp, const std::string& model,
-                 const std::string& dtype = "f32", const std::string& token = "", int port = 0) {
-  const std::string config =
-      tmp.write("serve-" + dtype + ".toml",
-                fmt::format(R"([model]
-path = "{}"
-dtype = "{}"
-[engine]
-num_blocks = 256
-max_context = 256
-[server]
-port = {}
-token_env = "{}"
-[limits]
-max_prompt_tokens = 128
-max_new_tokens = 64
-max_n = 8
-)",
-                            model, dtype, port, token.empty() ? "" : "WORKER_TOKEN"));
-  std::vector<std::string> argv{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config};
-  if (!token.empty()) argv.insert(argv.begin(), {"/usr/bin/env", "WORKER_TOKEN=" + token});
-  worker = std::make_unique<tandem::test::Subprocess>(argv);
-  const std::string line = worker->wait_for_line("listening on ", 30000);
-  INFO(worker->output());
-  REQUIRE(!line.empty());
-  return std::stoi(line.substr(13));
 }
 
 tandem::test::CommandResult train(const tandem::test::TempDir& tmp, const std::string& job,
@@ -94,13 +66,6 @@ std::vector<nlohmann::json> steps_of(const tandem::test::TempDir& tmp, const std
   auto steps = step_lines(tmp.file(name + "/metrics.jsonl"));
   REQUIRE(steps.size() == steps_expected);
   return steps;
-}
-
-std::string disaggregated(int port0, int port1) {
-  return fmt::format(
-      "placement.mode=disaggregated 'placement.workers=[\"127.0.0.1:{}\", \"127.0.0.1:{}\"]' "
-      "placement.request_timeout_ms=30000",
-      port0, port1);
 }
 
 // A tiny model, its job and two `tandem serve` workers of it, in tmp.

@@ -372,4 +372,23 @@ TEST_CASE("job config takes rollout.max_staleness for a disaggregated job and na
              Catch::Contains("rollout.max_staleness") && Catch::Contains("is_level"));
   epochs.push_back("trainer.algorithm.is_level=\"token\"");
   CHECK(parse_job_config(kMinimal, "job.toml", epochs).trainer.step.epochs == 2);
+  // Above 0 on one rank only.
+  for (const char* ranks : {"placement.ranks=2", "trainer.pp=2"}) {
+    std::vector<std::string> wide = async;
+    wide.push_back(ranks);
+    CHECK_THAT(error_of(kMinimal, wide),
+               Catch::Contains("rollout.max_staleness") && Catch::Contains("one rank"));
+  }
+}
+
+TEST_CASE("job config takes a disaggregated job on several ranks and refuses a rollout split",
+          "[unit]") {
+  std::vector<std::string> keys{"placement.mode=\"disaggregated\"",
+                                "placement.workers=[\"127.0.0.1:9101\"]", "placement.ranks=2"};
+  CHECK(parse_job_config(kMinimal, "job.toml", keys).placement.ranks == 2);
+  keys.push_back("trainer.pp=2");
+  CHECK(parse_job_config(kMinimal, "job.toml", keys).trainer.pp == 2);
+  keys.push_back("placement.rollout_tp=2");
+  CHECK_THAT(error_of(kMinimal, keys),
+             Catch::Contains("placement.rollout_tp") && Catch::Contains("workers"));
 }
