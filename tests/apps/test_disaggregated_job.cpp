@@ -20,6 +20,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -136,11 +137,12 @@ struct BackgroundJob {
 
 // A loopback TCP proxy to a worker that forwards every connection until a client has sent a call
 // of `method` `nth` times; from then on it forwards nothing (a worker that stops answering in the
-// middle of that call, and after it).
+// middle of that call, and after it). Given `at_nth`, it forwards that call, runs at_nth once
+// (e.g. kills the worker in the middle of the call) and goes on forwarding every connection.
 class FreezingProxy {
  public:
-  FreezingProxy(int to, std::string method, int nth)
-      : to_(to), method_(std::move(method)), nth_(nth) {
+  FreezingProxy(int to, std::string method, int nth, std::function<void()> at_nth = {})
+      : to_(to), method_(std::move(method)), nth_(nth), at_nth_(std::move(at_nth)) {
     listen_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -159,6 +161,7 @@ class FreezingProxy {
   }
   int port() const { return port_; }
   bool frozen() const { return frozen_; }
+  bool fired() const { return fired_; }
 
  private:
   void accept_loop() {
@@ -196,11 +199,17 @@ class FreezingProxy {
           closed = true;
           break;
         }
-        if (side == 0 &&
-            std::string_view(buf, static_cast<size_t>(n)).find(method_) != std::string_view::npos)
-          frozen_ = frozen_ || ++seen_ >= nth_;
+        const bool nth =
+            side == 0 &&
+            std::string_view(buf, static_cast<size_t>(n)).find(method_) != std::string_view::npos &&
+            ++seen_ == nth_;
+        if (nth && !at_nth_) frozen_ = true;
         if (!frozen_ && ::write(side == 0 ? server : client, buf, static_cast<size_t>(n)) != n)
           closed = true;
+        if (nth && at_nth_) {
+          at_nth_();
+          fired_ = true;
+        }
       }
       if (closed) break;
     }
@@ -211,9 +220,10 @@ class FreezingProxy {
   int to_;
   std::string method_;
   int nth_;
+  std::function<void()> at_nth_;
   int listen_ = -1;
   int port_ = 0;
-  std::atomic<bool> stop_{false}, frozen_{false};
+  std::atomic<bool> stop_{false}, frozen_{false}, fired_{false};
   std::atomic<int> seen_{0};
   std::vector<std::thread> threads_;
 };
@@ -609,6 +619,47 @@ TEST_CASE("a worker restarted during a disaggregated job gets the current weight
   // The new worker holds the job's last version, and samples as the worker that took every one.
   const auto p0 = probe(w.port0), p1 = probe(w.port1);
   CHECK(p1.samples[0].weight_version == b[4]["disaggregated/weight_version"].get<int64_t>());
+  check_same_probe(p0, p1);
+  CHECK(w.w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
+}
+
+// Worker 1 is killed in the middle of the weight push after step 1 (its begin_weight_push taken,
+// its buckets on the way) and a new one started on its port: the job goes on without it, catches
+// the new one up with the latest version before it serves again, and it samples as worker 0.
+TEST_CASE("a worker killed in a weight push and restarted catches up before it serves again",
+          "[multiproc]") {
+  const tandem::test::TempDir tmp("disaggregated-killed-in-push");
+  TwoWorkers w(tmp);
+  const pid_t first = w.w1->pid();
+  FreezingProxy proxy(w.port1, "begin_weight_push", 2, [first] { ::kill(first, SIGKILL); });
+  tandem::test::Subprocess run(
+      {"/bin/sh", "-c",
+       fmt::format("exec {}/tandem train {} logging.dir={} checkpoint.dir={} {}{} "
+                   "trainer.steps=6 2>&1",
+                   TANDEM_BIN_DIR, w.job, tmp.file("run"), tmp.file("run/ckpt"),
+                   disaggregated(w.port0, proxy.port()), health_checked(60))});
+  for (int i = 0; i < 600 && !proxy.fired(); ++i) run.wait_for_line("\x01", 100);
+  REQUIRE(proxy.fired());
+  CHECK(w.w1->stop() == 128 + SIGKILL);
+  start_worker(w.w1, tmp, tmp.file("model"), "f32", "", w.port1);
+  const std::string metrics = tmp.file("run/metrics.jsonl");
+  for (int i = 0; i < 1200 && step_lines(metrics).size() < 6; ++i) run.wait_for_line("\x01", 200);
+  const int status = run.stop(0, 60000);
+  run.wait_for_line("\x01", 1000);
+  INFO(run.output());
+  REQUIRE(status == 0);
+  const auto b = step_lines(metrics);
+  REQUIRE(b.size() == 6);
+  const std::string name = fmt::format("rollout worker 127.0.0.1:{}", proxy.port());
+  CHECK_THAT(run.output(), Catch::Contains(name + " set aside") &&
+                               Catch::Contains(name + " holds weight version") &&
+                               Catch::Contains(name + " answers again and serves again"));
+  INFO(b[5].dump());
+  CHECK(b[5]["disaggregated/workers_stale"] == 0);
+  CHECK(b[5]["disaggregated/workers_set_aside"] == 0);
+  const auto p0 = probe(w.port0), p1 = probe(w.port1);
+  CHECK(p1.samples[0].weight_version == b[5]["disaggregated/weight_version"].get<int64_t>());
   check_same_probe(p0, p1);
   CHECK(w.w1->stop() == 0);
   CHECK(w.w0->stop() == 0);
