@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 
 #include "core/comm.h"
@@ -437,8 +438,9 @@ Collected Job::collect(int64_t step) {
       std::lock_guard lock(rewards_mutex_);
       breakdown = score(groups, rewards_, job_);
     }
-    if (world_ > 1) groups = exchange(std::move(groups), prompts, breakdown);
-    if (grid_ != nullptr) share_samples(groups);
+    Communicator* comm = queue_comm_ ? queue_comm_.get() : comm_;
+    if (world_ > 1) groups = exchange(*comm, std::move(groups), prompts, breakdown);
+    if (grid_ != nullptr) share_samples(*comm, groups);
     append(c.breakdown, breakdown);
     // Every rank sees every group's rewards: the same groups kept everywhere.
     for (Group& g : groups) {
@@ -641,6 +643,11 @@ JobResult Job::run() {
   // thread while this one trains (a disaggregated job; the queue's destructor waits for the batch
   // in the making).
   std::unique_ptr<RolloutQueue<Collected>> ahead;
+  if (job_.rollout.max_staleness > 0 && comm_ != nullptr && !queue_comm_) {
+    std::vector<int> ranks(static_cast<size_t>(world_));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    queue_comm_ = comm_->split("rollout-queue", ranks);
+  }
   if (job_.rollout.max_staleness > 0)
     ahead = std::make_unique<RolloutQueue<Collected>>(
         state_.step, job_.trainer.steps, job_.rollout.max_staleness,
@@ -723,12 +730,6 @@ JobResult run_job(const JobConfig& job, const std::atomic<bool>& stop, const Job
   model::LoadedModel m = model::load_model(job.model.path, DType::f32);
   check_rollout_tp(job, world, m.config());
   check_trainer_grid(job, world, m.config());
-  // Its batches made ahead would exchange their groups between the ranks on the rollout queue's
-  // thread, beside the update's collectives on the trainer's.
-  TANDEM_CHECK(world == 1 || job.rollout.max_staleness == 0,
-               "rollout.max_staleness = {} trains on one rank for now, and {} were started ({}): "
-               "set rollout.max_staleness = 0, or start `tandem train` alone ({})",
-               job.rollout.max_staleness, world, info.source, job.where("rollout.max_staleness"));
   std::unique_ptr<Communicator> comm;
   if (world > 1) {
     comm = Communicator::create(info, comm_options(job.distributed));

@@ -729,11 +729,6 @@ void check_job(const Config& c, JobConfig& j) {
   }
 
   if (ro.max_staleness > 0) {
-    if (pl.ranks > 1 || t.tp * t.pp > 1)
-      c.fail("rollout.max_staleness",
-             fmt::format("{} trains on one rank for now, and placement.ranks = {}, trainer.tp = "
-                         "{}, trainer.pp = {} ({}): set rollout.max_staleness = 0",
-                         ro.max_staleness, pl.ranks, t.tp, t.pp, c.where("placement.ranks")));
     if (pl.mode != "disaggregated")
       c.fail("rollout.max_staleness",
              fmt::format("{} needs placement.mode = \"disaggregated\" ({}): a colocated job "

@@ -35,19 +35,22 @@ bool Job::any_rank(bool mine) {
   return false;
 }
 
-// Each sample travels as its reward, its reward functions' total, truncation and length, then
-// each function's value and whether it failed: 4 + 2F doubles, all-gathered in rank order.
-std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& prompts,
+// Each sample travels as its reward, its reward functions' total, truncation, length and weight
+// version, then each function's value and whether it failed: 5 + 2F doubles, all-gathered in rank
+// order.
+std::vector<Group> Job::exchange(Communicator& comm, std::vector<Group> mine,
+                                 std::vector<Prompt>& prompts,
                                  rewards::RewardBreakdown& breakdown) {
-  const size_t F = job_.rewards.size(), K = 4 + 2 * F, G = static_cast<size_t>(job_.rollout.n);
+  const size_t F = job_.rewards.size(), K = 5 + 2 * F, G = static_cast<size_t>(job_.rollout.n);
   std::vector<double> out;
   size_t i = 0;
   for (const Group& g : mine) {
     TANDEM_CHECK(g.samples.size() == G, "rollout of prompt '{}' gave {} samples, not {}",
                  g.prompt.example.id, g.samples.size(), G);
     for (const Sample& x : g.samples) {
-      out.insert(out.end(), {static_cast<double>(x.reward), breakdown.total[i],
-                             x.truncated ? 1.0 : 0.0, static_cast<double>(x.length)});
+      out.insert(out.end(),
+                 {static_cast<double>(x.reward), breakdown.total[i], x.truncated ? 1.0 : 0.0,
+                  static_cast<double>(x.length), static_cast<double>(x.version)});
       for (size_t f = 0; f < F; ++f) out.push_back(breakdown.values[f][i]);
       for (size_t f = 0; f < F; ++f) out.push_back(breakdown.failed[f][i]);
       ++i;
@@ -59,9 +62,9 @@ std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& p
     counts.push_back(static_cast<int64_t>((b - a) * G * K));
   }
   std::vector<double> all(prompts.size() * G * K);
-  comm_->all_gather_v(Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::i64),
-                      Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::i64),
-                      counts);
+  comm.all_gather_v(Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::i64),
+                    Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::i64),
+                    counts);
 
   rewards::RewardBreakdown round;
   for (const RewardSpec& r : job_.rewards) round.names.push_back(r.name);
@@ -87,15 +90,13 @@ std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& p
         sample.reward = static_cast<float>(x[0]);
         sample.truncated = x[2] != 0;
         sample.length = static_cast<int64_t>(x[3]);
-        // Several ranks are a colocated job: every rank's engine samples from the version last
-        // published.
-        sample.version = state_.weight_version;
+        sample.version = static_cast<int64_t>(x[4]);
         groups.back().samples.push_back(std::move(sample));
       }
       round.total.push_back(x[1]);
       for (size_t f = 0; f < F; ++f) {
-        round.values[f].push_back(x[4 + f]);
-        round.failed[f].push_back(static_cast<uint8_t>(x[4 + F + f]));
+        round.values[f].push_back(x[5 + f]);
+        round.failed[f].push_back(static_cast<uint8_t>(x[5 + F + f]));
       }
     }
   }
@@ -107,7 +108,7 @@ std::vector<Group> Job::exchange(std::vector<Group> mine, std::vector<Prompt>& p
 // several ranks (its tensor-parallel ranks and pipeline stages), each of which runs every sample
 // of the replica's share: the tokens and the engine's logprobs of every sample travel to every
 // rank (2 doubles a token, all-gathered in rank order; the lengths came with the rewards).
-void Job::share_samples(std::vector<Group>& groups) {
+void Job::share_samples(Communicator& comm, std::vector<Group>& groups) {
   const size_t count = groups.size();
   const auto [first, last] = share(count, rank_);
   std::vector<double> out;
@@ -126,8 +127,8 @@ void Job::share_samples(std::vector<Group>& groups) {
     total += n;
   }
   std::vector<double> all(static_cast<size_t>(total));
-  comm_->all_gather_v(Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::i64),
-                      Tensor::wrap(all.data(), {total}, DType::i64), counts);
+  comm.all_gather_v(Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::i64),
+                    Tensor::wrap(all.data(), {total}, DType::i64), counts);
   const auto [mine_first, mine_last] = part_of(count, grid_->at().dp, grid_->dp_size());
   size_t at = 0;
   for (size_t p = 0; p < count; ++p) {

@@ -97,6 +97,48 @@ TEST_CASE("a disaggregated job on several ranks trains the batches of one rank",
   CHECK(w1->stop() == 0);
 }
 
+// rollout.max_staleness = 1 on several ranks: every rank generates its share of the next step's
+// batch on its rollout queue's thread (exchanging it with the others over a group of its own)
+// while the ranks update; every sample trained is at most one version old, on every rank.
+TEST_CASE("a disaggregated job on several ranks at rollout.max_staleness 1 trains within the bound",
+          "[multiproc]") {
+  const TempDir tmp("disaggregated-ranks-async");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"), 17, 6, false);
+  const std::string job = tandem::test::dp_job::write_tiny_job(tmp, tmp.file("model"), "",
+                                                               "[distributed]\ntimeout_s = 30\n");
+  std::unique_ptr<Subprocess> w0, w1;
+  const int port0 = start_worker(w0, tmp, tmp.file("model"));
+  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  for (const Layout& l :
+       {Layout{2, "dp2", "placement.ranks=2"}, Layout{2, "pp2", "trainer.pp=2"}}) {
+    INFO(l.name);
+    const auto r = tandem::test::dp_job::train(
+        tmp, job, l.ranks, l.name,
+        disaggregated(port0, port1) + " rollout.max_staleness=1 trainer.steps=5 " + l.keys);
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+    CHECK_THAT(r.out, Catch::Contains("old logprobs: the workers' behaviour logprobs"));
+    const auto steps = step_lines(tmp.file(l.name + "/metrics.jsonl"));
+    REQUIRE(steps.size() == 5);
+    int64_t stale_steps = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const nlohmann::json& m = steps[i];
+      INFO("step " << i + 1 << ": " << m.dump());
+      CHECK(m["distributed/ranks"] == l.ranks);
+      CHECK(m["samples_trained"] == 16);
+      CHECK(m["async/weight_version"] == static_cast<int64_t>(i));
+      CHECK(m["async/staleness_max"].get<int64_t>() <= 1);
+      CHECK(m["async/weight_version"].get<int64_t>() - m["async/oldest_version"].get<int64_t>() <=
+            1);
+      CHECK(m["old_logp_recomputed"] == 0);
+      stale_steps += m["async/staleness_max"].get<int64_t>() > 0 ? 1 : 0;
+    }
+    CHECK(stale_steps >= 1);
+  }
+  CHECK(w0->stop() == 0);
+  CHECK(w1->stop() == 0);
+}
+
 // Rank 0 cannot start the workers (none answers): every rank stops, none waits for it.
 TEST_CASE("a disaggregated job on 2 ranks whose workers do not answer stops every rank",
           "[multiproc]") {
