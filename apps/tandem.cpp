@@ -62,12 +62,13 @@ int main(int argc, char** argv) {
       ->add_option(
           "what", bench_what,
           "what to measure: kernels, generate, rollout, train, step, comm, sync, serve, pipeline, "
-          "tp")
+          "tp, overlap")
       ->required()
       ->check(CLI::IsMember({"kernels", "generate", "rollout", "train", "step", "comm", "sync",
-                             "serve", "pipeline", "tp"}));
-  bench->add_option("--model", bench_model,
-                    "generate, rollout, train, step, serve: the model (default: bundled SmolLM2)");
+                             "serve", "pipeline", "tp", "overlap"}));
+  bench->add_option(
+      "--model", bench_model,
+      "generate, rollout, train, step, serve, overlap: the model (default: bundled SmolLM2)");
   bench->add_flag("--json", bench_opt.json, "one JSON object per measurement");
   bench->add_flag("--quick", bench_opt.quick, "small sizes and few repetitions (smoke test)");
   bench->add_option("--filter", bench_opt.filter, "only cases whose op or case contains this");
@@ -144,6 +145,7 @@ int main(int argc, char** argv) {
         return tandem::bench::run_sharded_train_bench(bench_opt, bench_model);
       if (bench_what == "train") return tandem::bench::run_train_bench(bench_opt, bench_model);
       if (bench_what == "step") return tandem::bench::run_step_bench(bench_opt, bench_model);
+      if (bench_what == "overlap") return tandem::bench::run_overlap_bench(bench_opt, bench_model);
       if (bench_what == "rollout") return tandem::bench::run_rollout_bench(bench_opt, bench_model);
       if (bench_what == "generate")
         return tandem::bench::run_generate_bench(bench_opt, bench_model);

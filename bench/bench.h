@@ -133,6 +133,11 @@ int run_train_bench(const Options& opt, const std::string& model_path);
 // GRPOTrainer on the same model, prompts and lengths.
 int run_step_bench(const Options& opt, const std::string& model_path);
 
+// `tandem bench overlap`: a rollout and an update of the colocated job one after the other on
+// every core, beside the two at once on two threads (cores split, or shared); returns the exit
+// code.
+int run_overlap_bench(const Options& opt, const std::string& model_path);
+
 // `tandem bench serve`: N concurrent clients of a rollout server on loopback for a bounded time
 // beside the in-process engine on the same requests (tokens/s, p50 and p99 latency); returns
 // the exit code.

@@ -21,12 +21,21 @@ int initial_threads() {
   return omp_get_num_procs();
 }
 int g_threads = 0;
+thread_local int t_threads = 0;  // ScopedThreadCount's, 0: none
 }  // namespace
 
 int num_threads() {
+  if (t_threads != 0) return t_threads;
   if (g_threads == 0) g_threads = initial_threads();
   return g_threads;
 }
+
+ScopedThreadCount::ScopedThreadCount(int n) : saved_(t_threads) {
+  TANDEM_CHECK(n >= 1, "thread count must be positive, got {}", n);
+  t_threads = n;
+}
+
+ScopedThreadCount::~ScopedThreadCount() { t_threads = saved_; }
 
 void set_num_threads(int n) {
   TANDEM_CHECK(n >= 1, "thread count must be positive, got {}", n);

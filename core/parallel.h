@@ -8,9 +8,23 @@
 
 namespace tandem {
 
-// Threads the CPU ops use: TANDEM_NUM_THREADS, else the cores this process may run on.
+// Threads the CPU ops use: the calling thread's ScopedThreadCount, else TANDEM_NUM_THREADS, else
+// the cores this process may run on.
 int num_threads();
 void set_num_threads(int n);
+
+// While it lives, the ops called from this thread use `n` threads (two threads of a process
+// sharing the cores between them); the others keep num_threads().
+class ScopedThreadCount {
+ public:
+  explicit ScopedThreadCount(int n);
+  ~ScopedThreadCount();
+  ScopedThreadCount(const ScopedThreadCount&) = delete;
+  ScopedThreadCount& operator=(const ScopedThreadCount&) = delete;
+
+ private:
+  int saved_;
+};
 
 // Calls f(begin, end) on contiguous chunks of [0, n) in parallel. The split depends only on n
 // and the thread count; callers whose results must not depend on the split (every op) keep

@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/socket.h"
 
 namespace tandem::rendezvous {
 namespace {
@@ -224,29 +225,8 @@ namespace {
 
 enum Op : uint8_t { kSet = 1, kGet = 2, kCheck = 3 };
 
-bool write_all(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool read_all(int fd, void* data, size_t n) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
+bool write_all(int fd, const void* data, size_t n) { return net::send_all(fd, data, n); }
+bool read_all(int fd, void* data, size_t n) { return net::recv_all(fd, data, n); }
 
 }  // namespace
 
@@ -368,30 +348,12 @@ class TcpStoreClient : public gloo::rendezvous::Store {
  public:
   TcpStoreClient(const std::string& host, int port, milliseconds timeout, std::string who)
       : address_(fmt::format("{}:{}", host, port)), timeout_(timeout), who_(std::move(who)) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
     const auto deadline = Clock::now() + timeout;
     std::string last_error;
     auto pause = milliseconds(10);
     for (;;) {
-      addrinfo* res = nullptr;
-      const int gai = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-      if (gai != 0) {
-        last_error = ::gai_strerror(gai);
-      } else {
-        for (addrinfo* a = res; a != nullptr && fd_ < 0; a = a->ai_next) {
-          const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-          if (fd < 0) continue;
-          if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-            fd_ = fd;
-          } else {
-            last_error = std::strerror(errno);
-            ::close(fd);
-          }
-        }
-        ::freeaddrinfo(res);
-      }
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      fd_ = net::connect_tcp(host, port, std::max<int64_t>(1, left.count()), last_error);
       if (fd_ >= 0) break;
       TANDEM_CHECK(Clock::now() + pause < deadline,
                    "{}: cannot reach the coordinator's tcp store at {} within {} s ({}): check "
@@ -400,13 +362,7 @@ class TcpStoreClient : public gloo::rendezvous::Store {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, milliseconds(200));
     }
-    const int one = 1;
-    ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    timeval tv{};
-    tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-    tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    net::set_io_timeouts(fd_, timeout.count());
     sockaddr_storage local{};
     socklen_t len = sizeof(local);
     if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&local), &len) == 0) {

@@ -22,14 +22,6 @@ namespace {
 
 namespace at = apache::thrift;
 
-// Equal strings, in a time that does not depend on where they first differ.
-bool same_token(const std::string& given, const std::string& expected) {
-  if (given.size() != expected.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < given.size(); ++i) diff |= given[i] ^ expected[i];
-  return diff == 0;
-}
-
 class Handler : public rpc::RewardServiceIf {
  public:
   Handler(std::shared_ptr<RewardFunction> function, const RewardServer::Options& options)

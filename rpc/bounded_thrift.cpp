@@ -11,6 +11,7 @@
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TTransportException.h>
 
+#include <algorithm>
 #include <future>
 #include <mutex>
 #include <new>
@@ -338,6 +339,13 @@ void route_thrift_output_to_log() {
   std::call_once(once, [] {
     at::GlobalOutput.setOutputFunction([](const char* msg) { spdlog::debug("thrift: {}", msg); });
   });
+}
+
+bool same_token(const std::string& given, const std::string& expected) {
+  unsigned char diff = given.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < std::min(given.size(), expected.size()); ++i)
+    diff |= static_cast<unsigned char>(given[i] ^ expected[i]);
+  return diff == 0;
 }
 
 }  // namespace tandem

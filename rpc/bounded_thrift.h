@@ -77,6 +77,10 @@ std::shared_ptr<apache::thrift::TProcessor> report_refused_requests(
 std::thread serve_when_listening(std::shared_ptr<apache::thrift::server::TServer> server,
                                  const std::string& name);
 
+// A call's token against a server's (every call of the rollout and reward services carries one):
+// equal strings, in a time that does not depend on where they first differ.
+bool same_token(const std::string& given, const std::string& expected);
+
 // Sends Thrift's own diagnostics (printed to stderr by default) to the log at debug level: the
 // clients' and servers' errors already say what failed. Every client and server calls it.
 void route_thrift_output_to_log();

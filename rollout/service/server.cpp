@@ -656,12 +656,7 @@ class RolloutHandler : public rpc::RolloutServiceIf {
   }
 
  private:
-  void authorize(const std::string& token) const {
-    if (m_.options.token.empty() || same_token(token, m_.options.token)) return;
-    rpc::Unauthorized e;
-    e.message = token.empty() ? "this worker requires a token" : "wrong token";
-    throw e;
-  }
+  void authorize(const std::string& token) const { rollout::authorize(token, m_.options.token); }
 
   [[noreturn]] static void stale(uint64_t have, uint64_t want) {
     rpc::StaleWeights e;

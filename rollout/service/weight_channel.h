@@ -1,7 +1,7 @@
 // The weight push's data channel: a plain TCP connection from a trainer to a worker's
 // WeightReceiver that carries a push's buckets (header, pieces, data, CRC-32C) outside Thrift, so
 // that each side copies a bucket's bytes once (docs/serve.md, "Weights over the wire"); its wire
-// format and its socket I/O, every wait bounded by a timeout.
+// format and its socket I/O (core/socket.h), every wait bounded by a timeout.
 #pragma once
 
 #include <bit>
@@ -67,37 +67,13 @@ std::string encode(const BucketHeader& h);
 BucketHeader decode_bucket_header(const char* p);  // kBucketHeaderBytes
 std::string encode(const Answer& a);
 
-// SO_RCVTIMEO and SO_SNDTIMEO of `fd`: a blocked recv or send fails after `ms`.
-void set_timeouts(int fd, int64_t ms);
-// Connects to host:port within timeout_ms; TCP_NODELAY; throws ChannelError.
-int connect_to(const std::string& host, int port, int64_t timeout_ms);
-// All `n` bytes, or ChannelError naming `what` (the peer closed, a reset, the timeout).
+// The socket I/O of both sides (core/socket.h) with a ChannelError naming `what` (the peer
+// closed, a reset, the timeout of net::set_io_timeouts).
 void send_all(int fd, const void* data, size_t n, const char* what);
 void recv_all(int fd, void* data, size_t n, const char* what);
 // As recv_all, but false where the peer closed the connection before the first byte.
 bool recv_all_or_end(int fd, void* data, size_t n, const char* what);
 // An answer; a message or tensor name over kMaxMessageBytes is a ChannelError.
 Answer read_answer(int fd);
-
-// A file descriptor closed with its owner.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept;
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd();
-  int get() const { return fd_; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 }  // namespace tandem::rollout::channel

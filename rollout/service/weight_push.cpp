@@ -14,6 +14,7 @@
 
 #include "core/crc32c.h"
 #include "core/error.h"
+#include "core/socket.h"
 #include "kernels/ops.h"
 #include "rollout/service/server.h"
 #include "rollout/service/weight_channel.h"
@@ -106,8 +107,12 @@ int64_t push_over_channel(RolloutClient& client, const std::shared_ptr<WeightSou
   const Endpoint e = parse_endpoint(o.address, "weight push", 9100);
   int64_t sent = 0;
   try {
-    channel::Fd fd(channel::connect_to(e.host, ready.data_port, o.connect_timeout_ms));
-    channel::set_timeouts(fd.get(), o.timeout_ms);
+    std::string why;
+    net::Fd fd(net::connect_tcp(e.host, ready.data_port, o.connect_timeout_ms, why));
+    if (fd.get() < 0)
+      throw channel::ChannelError(
+          fmt::format("weight channel: cannot connect to {}:{}: {}", e.host, ready.data_port, why));
+    net::set_io_timeouts(fd.get(), o.timeout_ms);
     std::string hello(channel::kHello);
     channel::put_u32(hello, static_cast<uint32_t>(o.token.size()));
     hello += o.token;

@@ -14,10 +14,12 @@
 
 #include "core/crc32c.h"
 #include "core/error.h"
+#include "core/socket.h"
 #include "core/utf8.h"
 #include "kernels/ops.h"
 #include "rollout/service/server.h"
 #include "rollout/service/weight_channel.h"
+#include "rpc/bounded_thrift.h"
 
 namespace tandem::rollout {
 namespace {
@@ -41,11 +43,11 @@ char* scratch() {
 
 }  // namespace
 
-bool same_token(const std::string& given, const std::string& expected) {
-  if (given.size() != expected.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < given.size(); ++i) diff |= given[i] ^ expected[i];
-  return diff == 0;
+void authorize(const std::string& given, const std::string& expected) {
+  if (expected.empty() || same_token(given, expected)) return;
+  rpc::Unauthorized e;
+  e.message = given.empty() ? "this worker requires a token" : "wrong token";
+  throw e;
 }
 
 // A bucket between open() and its end: the ranges it writes are marked as being written until it
@@ -116,10 +118,7 @@ WeightReceiver::WeightReceiver(const model::Weights& served, Options options,
 WeightReceiver::~WeightReceiver() { stop(); }
 
 void WeightReceiver::authorize(const std::string& token) const {
-  if (options_.token.empty() || same_token(token, options_.token)) return;
-  rpc::Unauthorized e;
-  e.message = token.empty() ? "this worker requires a token" : "wrong token";
-  throw e;
+  rollout::authorize(token, options_.token);
 }
 
 rpc::WeightPushRefused WeightReceiver::refusal(rpc::WeightPushFault::type fault,
@@ -449,7 +448,7 @@ void WeightReceiver::stop() {
 
 void WeightReceiver::serve_connection(int fd) {
   using channel::Answer;
-  channel::set_timeouts(fd, options_.idle_timeout_ms);
+  net::set_io_timeouts(fd, options_.idle_timeout_ms);
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   auto answer = [&](const Answer& a) {

@@ -23,8 +23,10 @@
 
 namespace tandem::rollout {
 
-// Equal strings, in a time that does not depend on where they first differ (tokens).
-bool same_token(const std::string& given, const std::string& expected);
+// Every call of a worker's (the Thrift calls, the data channel's hello): throws rpc::Unauthorized
+// unless `expected` is empty or `given` is it (compared in a time that does not depend on where
+// they first differ).
+void authorize(const std::string& given, const std::string& expected);
 
 // A weight bucket as a Thrift call carried it: its data where it was read (the call's frame).
 struct BucketView {

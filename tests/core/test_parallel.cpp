@@ -1,7 +1,8 @@
-// The CPU thread pool's loops: every index once, whatever the thread count.
+// The CPU thread pool's loops: every index once, whatever the thread count; a thread's own count.
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <thread>
 #include <vector>
 
 #include "core/parallel.h"
@@ -26,5 +27,29 @@ TEST_CASE("parallel loops visit every index exactly once with 1 and 2 threads", 
       CHECK(bad == 0);
     }
   }
+  set_num_threads(threads);
+}
+
+TEST_CASE("a scoped thread count holds for its own thread only", "[unit]") {
+  const int threads = num_threads();
+  set_num_threads(2);
+  {
+    const ScopedThreadCount one(1);
+    CHECK(num_threads() == 1);
+    int other = 0;
+    std::thread t([&] { other = num_threads(); });
+    t.join();
+    CHECK(other == 2);
+    std::atomic<int> teams{0};
+    parallel_for(100, [&](int64_t, int64_t) { ++teams; });
+    CHECK(teams == 1);
+    {
+      const ScopedThreadCount three(3);
+      CHECK(num_threads() == 3);
+    }
+    CHECK(num_threads() == 1);
+  }
+  CHECK(num_threads() == 2);
+  CHECK_THROWS(ScopedThreadCount(0));
   set_num_threads(threads);
 }
