@@ -16,12 +16,12 @@
 
 #include "bench/bench.h"
 #include "bench/peers.h"
+#include "bench/update_step.h"
 #include "core/clock.h"
 #include "core/parallel.h"
 #include "model/decoder.h"
 #include "model/loader.h"
 #include "rollout/engine.h"
-#include "trainer/optimizer.h"
 
 namespace tandem::bench {
 namespace {
@@ -112,20 +112,8 @@ int run_overlap_bench(const Options& opt, const std::string& model_path) {
     pairs.push_back({prompts[i / static_cast<size_t>(G)], completions[i]});
   const model::PackedBatch batch = model::PackedBatch::from_prompts(pairs, true);
   const int64_t tokens = batch.num_tokens();
-  model::Decoder dec(*m.weights, model::DecoderOptions{.max_tokens = tokens});
-  model::Weights grads(c, DType::f32, Device::cpu(), ArenaClass::gradients);
-  trainer::AdamWConfig ac;
-  ac.max_grad_norm = 1.0f;
-  trainer::AdamW adamw(*m.weights, ac);
-  Tensor lp = Tensor::empty({tokens}, DType::f32), ent = Tensor::empty({tokens}, DType::f32);
-  Tensor dlp = Tensor::empty({tokens}, DType::f32);
-  std::fill_n(dlp.data_as<float>(), tokens, 1.0f / static_cast<float>(tokens));
-  auto update_once = [&] {
-    grads.zero();
-    dec.forward(batch, lp, ent);
-    dec.backward(dlp, Tensor(), grads);
-    adamw.step(grads, 1e-7f);
-  };
+  UpdateStep update(*m.weights, batch);
+  auto update_once = [&] { update.run(1e-7f); };
   update_once();  // warm-up
 
   const int cores = num_threads();

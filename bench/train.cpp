@@ -16,6 +16,7 @@
 
 #include "bench/bench.h"
 #include "bench/peers.h"
+#include "bench/update_step.h"
 #include "core/parallel.h"
 #include "kernels/ops.h"
 #include "model/decoder.h"
@@ -65,14 +66,7 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
   }
   const model::PackedBatch batch = model::PackedBatch::from_sequences(seqs);
   const int64_t T = batch.num_tokens();
-  model::Decoder dec(*m.weights, model::DecoderOptions{.max_tokens = T});
-  model::Weights grads(c, DType::f32, Device::cpu(), ArenaClass::gradients);
-  trainer::AdamWConfig ac;
-  ac.max_grad_norm = 1.0f;
-  trainer::AdamW adamw(*m.weights, ac);
-  Tensor lp = Tensor::empty({T}, DType::f32), ent = Tensor::empty({T}, DType::f32);
-  Tensor dlp = Tensor::empty({T}, DType::f32);
-  std::fill_n(dlp.data_as<float>(), T, 1.0f / static_cast<float>(T));
+  UpdateStep update(*m.weights, batch);
   const double flops_per_token = 6.0 * static_cast<double>(m.weights->num_parameters());
   // Causal attention's multiply-adds, forward: QK^T and PV over each sequence's triangle;
   // backward: five such products (the scores again, dV, dP, dQ, dK).
@@ -113,10 +107,7 @@ int run_train_bench(const Options& opt, const std::string& model_path) {
       ops::take_op_times();
       ops::set_op_timing(true);
       const auto t0 = std::chrono::steady_clock::now();
-      grads.zero();
-      dec.forward(batch, lp, ent);
-      dec.backward(dlp, Tensor(), grads);
-      adamw.step(grads, 1e-5f);
+      update.run(1e-5f);
       const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ops::set_op_timing(false);
       if (i == 0) continue;

@@ -38,21 +38,30 @@ struct Layout {
   bool engine_f32 = true;
 };
 
+// A tiny model of 6 layers (pp = 2 splits them) and an untied head, so that pipeline stages train
+// one rank's gradients bitwise (tests/apps/test_grid_job.cpp); its job of one minibatch, so that
+// the old logprobs may be the workers' (30 s bounds every collective); two workers of it.
+struct Setup {
+  std::string job;
+  std::unique_ptr<Subprocess> w0, w1;
+  int port0 = 0, port1 = 0;
+  explicit Setup(const TempDir& tmp) {
+    tandem::test::write_tiny_smollm2_hf(tmp.file("model"), 17, 6, false);
+    job = tandem::test::dp_job::write_tiny_job(tmp, tmp.file("model"), "",
+                                               "[distributed]\ntimeout_s = 30\n");
+    port0 = start_worker(w0, tmp, tmp.file("model"));
+    port1 = start_worker(w1, tmp, tmp.file("model"));
+  }
+};
+
 TEST_CASE("a disaggregated job on several ranks trains the batches of one rank", "[multiproc]") {
   const TempDir tmp("disaggregated-ranks");
-  // 6 layers (pp = 2 splits them) and an untied head, so that pipeline stages train one rank's
-  // gradients bitwise (tests/apps/test_grid_job.cpp).
-  tandem::test::write_tiny_smollm2_hf(tmp.file("model"), 17, 6, false);
-  // One minibatch, so that the old logprobs may be the workers' (30 s bounds every collective).
-  const std::string job = tandem::test::dp_job::write_tiny_job(tmp, tmp.file("model"), "",
-                                                               "[distributed]\ntimeout_s = 30\n");
-  std::unique_ptr<Subprocess> w0, w1;
-  const int port0 = start_worker(w0, tmp, tmp.file("model"));
-  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  Setup w(tmp);
+  const std::string& job = w.job;
   const std::string keys =
       "trainer.deterministic=true rollout.seed=5 weight_sync.canary=true "
       "weight_sync.canary_tokens=4 " +
-      disaggregated(port0, port1);
+      disaggregated(w.port0, w.port1);
   auto run = [&](const Layout& l) {
     const auto r = tandem::test::dp_job::train(tmp, job, l.ranks, l.name, keys + " " + l.keys);
     INFO(r.out);
@@ -93,8 +102,8 @@ TEST_CASE("a disaggregated job on several ranks trains the batches of one rank",
     CHECK(max_weight_diff(tmp.file("one/ckpt/step-3/policy"),
                           tmp.file(l.name + "/ckpt/step-3/policy")) == 0);
   }
-  CHECK(w0->stop() == 0);
-  CHECK(w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
 }
 
 // rollout.max_staleness = 1 on several ranks: every rank generates its share of the next step's
@@ -103,18 +112,13 @@ TEST_CASE("a disaggregated job on several ranks trains the batches of one rank",
 TEST_CASE("a disaggregated job on several ranks at rollout.max_staleness 1 trains within the bound",
           "[multiproc]") {
   const TempDir tmp("disaggregated-ranks-async");
-  tandem::test::write_tiny_smollm2_hf(tmp.file("model"), 17, 6, false);
-  const std::string job = tandem::test::dp_job::write_tiny_job(tmp, tmp.file("model"), "",
-                                                               "[distributed]\ntimeout_s = 30\n");
-  std::unique_ptr<Subprocess> w0, w1;
-  const int port0 = start_worker(w0, tmp, tmp.file("model"));
-  const int port1 = start_worker(w1, tmp, tmp.file("model"));
+  Setup w(tmp);
   for (const Layout& l :
        {Layout{2, "dp2", "placement.ranks=2"}, Layout{2, "pp2", "trainer.pp=2"}}) {
     INFO(l.name);
     const auto r = tandem::test::dp_job::train(
-        tmp, job, l.ranks, l.name,
-        disaggregated(port0, port1) + " rollout.max_staleness=1 trainer.steps=5 " + l.keys);
+        tmp, w.job, l.ranks, l.name,
+        disaggregated(w.port0, w.port1) + " rollout.max_staleness=1 trainer.steps=5 " + l.keys);
     INFO(r.out);
     REQUIRE(r.status == 0);
     CHECK_THAT(r.out, Catch::Contains("old logprobs: the workers' behaviour logprobs"));
@@ -135,8 +139,8 @@ TEST_CASE("a disaggregated job on several ranks at rollout.max_staleness 1 train
     }
     CHECK(stale_steps >= 1);
   }
-  CHECK(w0->stop() == 0);
-  CHECK(w1->stop() == 0);
+  CHECK(w.w0->stop() == 0);
+  CHECK(w.w1->stop() == 0);
 }
 
 // Rank 0 cannot start the workers (none answers): every rank stops, none waits for it.
