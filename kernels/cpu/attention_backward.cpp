@@ -283,7 +283,11 @@ __attribute__((always_inline)) inline void dkdv_item(const BackwardArgs& a, cons
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = it.kvh * G + g;
       // Query rows [qrow0, qrow0 + rows) whose first sits diag positions after the block's.
-      auto add_tile = [&](int64_t qrow0, int64_t rows, int64_t diag) {
+      // Inlined, so that it is compiled for the item's instruction set (dkdv_item_avx2's AVX2 and
+      // FMA): a lambda is a function of its own, compiled for the baseline, whose portable sums
+      // would call libm's fmaf for every product.
+      auto add_tile = [&](int64_t qrow0, int64_t rows, int64_t diag)
+          __attribute__((always_inline)) {
         tile_probs<kSimd>(a, h, qrow0, rows, diag, n, kt, vt, S, P, dS);
         const float* qr = a.q + (qrow0 * a.H + h) * D;  // rows H * D apart
         const float* gr = a.dout + (qrow0 * a.H + h) * D;
