@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/clock.h"
 #include "core/comm.h"
 #include "core/error.h"
 #include "core/parallel.h"
@@ -357,6 +358,12 @@ std::vector<std::unique_ptr<Communicator>> loopback_communicators(int ranks, dou
       },
       what);
   return comms;
+}
+
+double seconds_of(const std::function<void()>& fn) {
+  const Clock::time_point t0 = Clock::now();
+  fn();
+  return seconds_since(t0);
 }
 
 }  // namespace tandem::bench

@@ -173,6 +173,9 @@ int run_pipeline_bench(const Options& opt);
 // returns the exit code.
 int run_tp_bench(const Options& opt);
 
+// Seconds fn takes, on the wall clock.
+double seconds_of(const std::function<void()>& fn);
+
 // The model shapes the kernel benchmarks use.
 struct ModelShape {
   const char* name;

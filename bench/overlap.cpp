@@ -17,7 +17,6 @@
 #include "bench/bench.h"
 #include "bench/peers.h"
 #include "bench/update_step.h"
-#include "core/clock.h"
 #include "core/parallel.h"
 #include "model/decoder.h"
 #include "model/loader.h"
@@ -25,12 +24,6 @@
 
 namespace tandem::bench {
 namespace {
-
-double seconds_of(const std::function<void()>& fn) {
-  const Clock::time_point t0 = Clock::now();
-  fn();
-  return seconds_since(t0);
-}
 
 // fa and fb at once on two threads, fa's ops on threads_a threads and fb's on threads_b (0: every
 // core each); seconds until both are done.

@@ -13,7 +13,6 @@
 
 #include "bench/bench.h"
 #include "bench/peers.h"
-#include "core/clock.h"
 #include "core/parallel.h"
 #include "kernels/ops.h"
 #include "model/loader.h"
@@ -23,12 +22,6 @@ namespace tandem::bench {
 namespace {
 
 namespace fs = std::filesystem;
-
-double seconds_of(const std::function<void()>& fn) {
-  const Clock::time_point t0 = Clock::now();
-  fn();
-  return seconds_since(t0);
-}
 
 // B distinct prompts of `len` tokens: different texts, so nothing is shared between them.
 std::vector<std::vector<int32_t>> make_prompts(const model::Tokenizer& tok, int64_t batch,

@@ -28,8 +28,9 @@ Canary::Canary(const JobConfig& job, std::vector<int32_t> probe, Communicator* w
 }
 
 // Rank 0 sends the probe to every worker that holds the weights last pushed; on several ranks
-// its answers go to every rank (rows of the workers in placement.workers order: 1 answered, 0 not
-// asked, then the token count, n tokens and n logprobs), which all score them in the same call.
+// its answers are broadcast to every rank (rows of the workers in placement.workers order: 1
+// answered, 0 not asked, then the token count, n tokens and n logprobs), which all score them in
+// the same call.
 std::pair<std::vector<std::string>, std::vector<rollout::SampleOutput>> Canary::worker_probes(
     RemoteRollout& workers, const rollout::Request& request) const {
   const std::vector<std::string>& addresses = job_.placement.workers;
@@ -66,8 +67,9 @@ std::pair<std::vector<std::string>, std::vector<rollout::SampleOutput>> Canary::
     }
   }
   if (world_ != nullptr) {
-    const std::vector<double> all = gather_doubles(*world_, rows);
-    rows.assign(all.begin(), all.begin() + static_cast<ptrdiff_t>(rows.size()));  // rank 0's
+    static_assert(sizeof(double) == sizeof(int64_t));  // sent as i64 bits, as gather_doubles does
+    world_->broadcast(Tensor::wrap(rows.data(), {static_cast<int64_t>(rows.size())}, DType::i64),
+                      0);
     if (!failure.empty()) TANDEM_FAIL("{}", failure);
     TANDEM_CHECK(rows.empty() || rows[0] >= 0,
                  "weight_sync canary: rank 0 could not probe the rollout workers (its error says "

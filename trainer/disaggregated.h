@@ -64,8 +64,6 @@ class RemoteRollout final : public Rollout {
   // The pushing rank: push(policy, version). Another rank: from now on its requests ask the
   // workers for `version`.
   void publish(uint64_t version) override;
-  // Whether this rank pushes (it holds the policy).
-  bool pushes() const { return policy_ != nullptr; }
   // The workers' version of the job's weight version 0.
   int64_t offset() const { return offset_; }
   // The same request on every worker that holds the weights last pushed, one after another (the
