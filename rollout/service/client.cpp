@@ -7,8 +7,6 @@
 #include <thrift/protocol/TProtocolException.h>
 #include <algorithm>
 
-#include "core/crc32c.h"
-
 namespace tandem::rollout {
 namespace {
 

@@ -108,7 +108,7 @@ enum WeightPushFault {
   NAME = 2,        // a tensor the worker's model does not have
   SIZE = 3,        // a piece outside its tensor, or data of another length than its pieces
   DTYPE = 4,       // data in a type the worker does not take (its own, or F32, cast on arrival)
-  CHECKSUM = 5,    // data whose CRC-32C is not the bucket's crc32c
+  CHECKSUM = 5,    // data whose XXH3-64 is not the bucket's xxh3
   OVERLAP = 6,     // a piece of a tensor that another bucket of the push carried already
   INCOMPLETE = 7,  // a commit before every tensor, or every bucket, arrived
   NO_PUSH = 8      // a bucket or commit without a push begun (never begun, committed, or ended)
@@ -145,8 +145,9 @@ struct WeightBucket {
   3: WeightDType dtype = WeightDType.F32
   4: list<WeightPiece> pieces      // their data packed one after another in `data`
   5: binary data
-  6: i32 crc32c = 0                // CRC-32C of data (its 32 bits as an i32)
+  // 6: retired (the CRC-32C of earlier builds)
   7: string token = ""
+  8: i64 xxh3 = 0                   // XXH3-64 (seed 0) of data, its 64 bits as an i64
 }
 
 struct WeightPushCommit {

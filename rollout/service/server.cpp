@@ -565,7 +565,7 @@ class RolloutHandler : public rpc::RolloutServiceIf {
 
   void push_weight_bucket(const rpc::WeightBucket& b) override {
     m_.receiver->take(
-        {b.version, b.index, static_cast<int32_t>(b.dtype), b.pieces, b.data, b.crc32c, b.token});
+        {b.version, b.index, static_cast<int32_t>(b.dtype), b.pieces, b.data, b.xxh3, b.token});
   }
 
   int64_t commit_weight_push(const rpc::WeightPushCommit& c) override {
@@ -781,7 +781,7 @@ class Processor : public rpc::RolloutServiceProcessor {
     };
     rpc::RolloutService_push_weight_bucket_result result;
     try {
-      m_.receiver->take({version_, index_, dtype_, pieces_, data_, crc_, token_});
+      m_.receiver->take({version_, index_, dtype_, pieces_, data_, xxh3_, token_});
     } catch (rpc::WeightPushRefused& e) {
       result.refused = std::move(e);
       result.__isset.refused = true;
@@ -816,7 +816,8 @@ class Processor : public rpc::RolloutServiceProcessor {
 
   // The call's arguments: a struct whose field 1 is the bucket.
   void read_args(at::protocol::TProtocol* in) {
-    version_ = index_ = dtype_ = crc_ = 0;
+    version_ = xxh3_ = 0;
+    index_ = dtype_ = 0;
     pieces_.clear();
     data_ = {};
     token_.clear();
@@ -860,10 +861,10 @@ class Processor : public rpc::RolloutServiceProcessor {
             fmt::format("weight bucket: data of {} bytes, more than its frame holds", size));
       data_ = {reinterpret_cast<const char*>(at), static_cast<size_t>(size)};
       in->getTransport()->consume(static_cast<uint32_t>(size));
-    } else if (id == 6 && type == tp::T_I32) {
-      in->readI32(crc_);
     } else if (id == 7 && type == tp::T_STRING) {
       in->readString(token_);
+    } else if (id == 8 && type == tp::T_I64) {
+      in->readI64(xxh3_);
     } else {
       return false;
     }
@@ -872,8 +873,8 @@ class Processor : public rpc::RolloutServiceProcessor {
 
   Impl& m_;
   // The bucket being read: its data in the connection's frame, the rest kept between calls.
-  int64_t version_ = 0;
-  int32_t index_ = 0, dtype_ = 0, crc_ = 0;
+  int64_t version_ = 0, xxh3_ = 0;
+  int32_t index_ = 0, dtype_ = 0;
   std::vector<rpc::WeightPiece> pieces_;
   std::string_view data_;
   std::string token_;

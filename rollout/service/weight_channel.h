@@ -1,5 +1,5 @@
 // The weight push's data channel: a plain TCP connection from a trainer to a worker's
-// WeightReceiver that carries a push's buckets (header, pieces, data, CRC-32C) outside Thrift, so
+// WeightReceiver that carries a push's buckets (header, pieces, data, XXH3-64) outside Thrift, so
 // that each side copies a bucket's bytes once (docs/serve.md, "Weights over the wire"); its wire
 // format and its socket I/O (core/socket.h), every wait bounded by a timeout.
 #pragma once
@@ -17,17 +17,17 @@ namespace tandem::rollout::channel {
 static_assert(std::endian::native == std::endian::little, "the data channel is little-endian");
 
 // A connection begins with the hello (client -> worker), answered once:
-//   "TNDMPSH1", u32 token bytes, token, i64 version of the push (begun by begin_weight_push)
+//   "TNDMPSH2", u32 token bytes, token, i64 version of the push (begun by begin_weight_push)
 // then carries buckets back to back, each answered in order:
 //   u32 kBucketMagic, i32 index, i32 dtype (rpc::WeightDType), u32 pieces, i64 data bytes,
 //   per piece: u32 name bytes, name, i64 offset, i64 elements,
-//   the data (the pieces' elements one after another), u32 CRC-32C of the data.
+//   the data (the pieces' elements one after another), u64 XXH3-64 (seed 0) of the data.
 // An answer (worker -> client): i32 code (kTaken, an rpc::WeightPushFault, kUnauthorized or
 // kMalformed), i64 the worker's version, u32 bytes + message, u32 bytes + tensor.
 // After a malformed frame, or any answer to the hello but kTaken, the worker closes the
 // connection; after a refused bucket it reads the next one.
-constexpr std::string_view kHello = "TNDMPSH1";
-constexpr uint32_t kBucketMagic = 0x31424b54;  // "TKB1"
+constexpr std::string_view kHello = "TNDMPSH2";
+constexpr uint32_t kBucketMagic = 0x32424b54;  // "TKB2"
 constexpr int32_t kTaken = 0;
 constexpr int32_t kUnauthorized = 100;
 constexpr int32_t kMalformed = 101;

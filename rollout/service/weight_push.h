@@ -13,6 +13,7 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "core/xxh3.h"
 #include "model/weights.h"
 #include "rollout/service/client.h"
 
@@ -36,7 +37,7 @@ struct WeightPushResult {
 // The weights a push reads, which their owner withdraws before it changes them: a push given up
 // on (its worker set aside) may go on in the background, and must not read them after that.
 // The pushes of one source to several workers share the checksums of its chunks: each chunk is
-// checksummed by the first push that reaches it, and the others take its CRC from here.
+// hashed by the first push that reaches it, and the others take the bucket's hash state from here.
 class WeightSource {
  public:
   explicit WeightSource(const model::Weights& w) : weights_(&w) {}
@@ -55,17 +56,17 @@ class WeightSource {
     int64_t index = 0;
     auto operator<=>(const Chunk&) const = default;
   };
-  // The bucket's running CRC-32C after `chunk`, when a push computed it already.
-  std::optional<uint32_t> crc_after(const Chunk& chunk);
-  void note_crc_after(const Chunk& chunk, uint32_t crc);
+  // The bucket's running XXH3-64 after `chunk`, when a push computed it already.
+  std::optional<Xxh3> hash_after(const Chunk& chunk);
+  void note_hash_after(const Chunk& chunk, const Xxh3& hash);
   // The chunks checksummed so far (each once, whatever the pushes of this source).
   int64_t chunks_checksummed();
 
  private:
   std::shared_mutex mutex_;
   const model::Weights* weights_;
-  std::mutex crc_mutex_;
-  std::map<Chunk, uint32_t> crcs_;
+  std::mutex hash_mutex_;
+  std::map<Chunk, Xxh3> hashes_;
 };
 
 // Brings the worker behind `client` to `version` of `w` (f32 or bf16): nothing when it holds that

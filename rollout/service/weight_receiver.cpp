@@ -12,10 +12,10 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/crc32c.h"
 #include "core/error.h"
 #include "core/socket.h"
 #include "core/utf8.h"
+#include "core/xxh3.h"
 #include "kernels/ops.h"
 #include "rollout/service/server.h"
 #include "rollout/service/weight_channel.h"
@@ -68,7 +68,7 @@ class WeightReceiver::Bucket {
   int32_t index = 0;
   int64_t element_bytes = 0, data_bytes = 0;
   std::shared_ptr<model::Weights> staging;  // null: a bucket taken already, sent again
-  uint32_t taken_crc = 0;                   // of that bucket
+  uint64_t taken_hash = 0;                  // of that bucket
   std::vector<Target> targets;
 
  private:
@@ -241,7 +241,7 @@ std::unique_ptr<WeightReceiver::Bucket> WeightReceiver::open(
   check_push(version, which);
   Push& p = *push_;
   if (auto seen = p.buckets.find(index); seen != p.buckets.end()) {
-    b->taken_crc = seen->second;  // compared with the data's once it is read
+    b->taken_hash = seen->second;  // compared with the data's once it is read
     return b;
   }
   std::vector<std::map<int64_t, int64_t>> mine(p.received.size());
@@ -271,16 +271,16 @@ std::unique_ptr<WeightReceiver::Bucket> WeightReceiver::open(
   return b;
 }
 
-uint32_t WeightReceiver::fill(Bucket& b, const std::function<void(char*, size_t)>& read) {
-  uint32_t crc = 0;
+uint64_t WeightReceiver::fill(Bucket& b, const std::function<void(char*, size_t)>& read) {
+  Xxh3 hash;
   if (!b.staging) {  // sent again: read to be compared
     for (int64_t done = 0; done < b.data_bytes;) {
       const size_t n = std::min<size_t>(kChunkBytes, static_cast<size_t>(b.data_bytes - done));
       read(scratch(), n);
-      crc = crc32c({scratch(), n}, crc);
+      hash.update(scratch(), n);
       done += static_cast<int64_t>(n);
     }
-    return crc;
+    return hash.digest();
   }
   const int64_t eb = b.element_bytes;
   const bool cast = dtype_ == DType::bf16 && eb == 4;  // f32 data for bf16 weights
@@ -294,28 +294,28 @@ uint32_t WeightReceiver::fill(Bucket& b, const std::function<void(char*, size_t)
       if (!cast) {
         char* dst = static_cast<char*>(to.data()) + at * eb;
         read(dst, bytes);
-        crc = crc32c({dst, bytes}, crc);
+        hash.update(dst, bytes);
       } else {
         read(scratch(), bytes);
-        crc = crc32c({scratch(), bytes}, crc);
+        hash.update(scratch(), bytes);
         ops::cast(Tensor::wrap(scratch(), {n}, DType::f32),
                   Tensor::wrap(static_cast<uint16_t*>(to.data()) + at, {n}, DType::bf16));
       }
     }
   }
-  return crc;
+  return hash.digest();
 }
 
-void WeightReceiver::finish(Bucket& b, uint32_t crc, uint32_t sent_crc) {
+void WeightReceiver::finish(Bucket& b, uint64_t hash, uint64_t sent_hash) {
   if (!b.staging) {
-    if (b.taken_crc == sent_crc && crc == sent_crc) return;  // a retry: taken once
+    if (b.taken_hash == sent_hash && hash == sent_hash) return;  // a retry: taken once
     refuse(rpc::WeightPushFault::OVERLAP,
            fmt::format("{} arrived already, with other data", b.which));
   }
-  if (crc != sent_crc)
+  if (hash != sent_hash)
     refuse(rpc::WeightPushFault::CHECKSUM,
-           fmt::format("{}: the data's CRC-32C is {:#010x}, the bucket says {:#010x}", b.which, crc,
-                       sent_crc));
+           fmt::format("{}: the data's XXH3-64 is {:#018x}, the bucket says {:#018x}", b.which,
+                       hash, sent_hash));
   std::lock_guard lock(mutex_);
   if (!push_ || push_->staging != b.staging)
     refuse(rpc::WeightPushFault::NO_PUSH,
@@ -327,7 +327,7 @@ void WeightReceiver::finish(Bucket& b, uint32_t crc, uint32_t sent_crc) {
     p.writing[t.tensor].erase(t.offset);
     p.received[t.tensor][t.offset] = t.offset + t.elements;
   }
-  p.buckets.emplace(b.index, crc);
+  p.buckets.emplace(b.index, hash);
   p.bytes += b.data_bytes;
   p.deadline = deadline();
   b.staging.reset();  // taken: nothing to unmark
@@ -338,11 +338,11 @@ void WeightReceiver::take(const BucketView& v) {
   std::unique_ptr<Bucket> b =
       open(v.version, v.index, v.dtype, v.pieces, static_cast<int64_t>(v.data.size()));
   const char* src = v.data.data();
-  const uint32_t crc = fill(*b, [&](char* dst, size_t n) {
+  const uint64_t hash = fill(*b, [&](char* dst, size_t n) {
     std::memcpy(dst, src, n);
     src += n;
   });
-  finish(*b, crc, static_cast<uint32_t>(v.crc32c));
+  finish(*b, hash, static_cast<uint64_t>(v.xxh3));
 }
 
 std::shared_ptr<model::Weights> WeightReceiver::complete(const rpc::WeightPushCommit& c,
@@ -534,11 +534,11 @@ void WeightReceiver::serve_connection(int fd) {
       bool consumed = false;
       try {
         std::unique_ptr<Bucket> b = open(version, h.index, h.dtype, pieces, h.data_bytes);
-        const uint32_t crc = fill(*b, read);
-        char sent[4];
-        read(sent, 4);
+        const uint64_t hash = fill(*b, read);
+        char sent[8];
+        read(sent, 8);
         consumed = true;
-        finish(*b, crc, channel::get_u32(sent));
+        finish(*b, hash, static_cast<uint64_t>(channel::get_i64(sent)));
       } catch (const rpc::WeightPushRefused& e) {
         a = refused(e);
         // A bucket refused before its data: the data is read past, and the next bucket comes.
@@ -548,8 +548,8 @@ void WeightReceiver::serve_connection(int fd) {
             read(scratch(), n);
             left -= static_cast<int64_t>(n);
           }
-          char sent[4];
-          read(sent, 4);
+          char sent[8];
+          read(sent, 8);
         }
       }
       answer(a);

@@ -35,7 +35,7 @@ struct BucketView {
   int32_t dtype = 0;  // rpc::WeightDType, as sent
   const std::vector<rpc::WeightPiece>& pieces;
   std::string_view data;
-  int32_t crc32c = 0;
+  int64_t xxh3 = 0;
   const std::string& token;
 };
 
@@ -94,7 +94,7 @@ class WeightReceiver {
     // Per tensor of Weights::named() (by index): the runs received, first element -> end, and
     // the runs of buckets being written.
     std::vector<std::map<int64_t, int64_t>> received, writing;
-    std::unordered_map<int32_t, uint32_t> buckets;  // index -> CRC-32C of its data
+    std::unordered_map<int32_t, uint64_t> buckets;  // index -> XXH3-64 of its data
     int64_t bytes = 0;
     Clock::time_point deadline{};
   };
@@ -107,10 +107,10 @@ class WeightReceiver {
   // The checks before any data is read; the bucket's ranges marked as being written.
   std::unique_ptr<Bucket> open(int64_t version, int32_t index, int32_t dtype,
                                const std::vector<rpc::WeightPiece>& pieces, int64_t data_bytes);
-  // Reads the bucket's data with read(dst, n) (exactly n bytes) into place; its CRC-32C.
-  uint32_t fill(Bucket& b, const std::function<void(char*, size_t)>& read);
-  // Marks the bucket received where crc is the one sent.
-  void finish(Bucket& b, uint32_t crc, uint32_t sent_crc);
+  // Reads the bucket's data with read(dst, n) (exactly n bytes) into place; its XXH3-64.
+  uint64_t fill(Bucket& b, const std::function<void(char*, size_t)>& read);
+  // Marks the bucket received where `hash` is the one sent.
+  void finish(Bucket& b, uint64_t hash, uint64_t sent_hash);
   rpc::WeightPushRefused refusal(rpc::WeightPushFault::type fault, std::string message,
                                  std::string tensor = "") const;
   [[noreturn]] void refuse(rpc::WeightPushFault::type fault, std::string message,

@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "core/crc32c.h"
 #include "core/half.h"
+#include "core/xxh3.h"
 #include "model/loader.h"
 #include "model/prompt.h"
 #include "rollout/service/client.h"
@@ -119,7 +119,7 @@ rpc::WeightBucket bucket_of(const model::Weights& w, int64_t version, int32_t in
     const auto* src = static_cast<const char*>(w.at(p.name).data()) + p.offset * 4;
     b.data.append(src, static_cast<size_t>(p.elements * 4));
   }
-  b.crc32c = static_cast<int32_t>(crc32c(b.data));
+  b.xxh3 = static_cast<int64_t>(tandem::xxh3(b.data));
   return b;
 }
 
@@ -149,9 +149,9 @@ struct RawChannel {
   RawChannel(const RawChannel&) = delete;
   RawChannel& operator=(const RawChannel&) = delete;
 
-  // A bucket's bytes as the sender writes them: header, pieces, `data`, the CRC-32C `crc`.
+  // A bucket's bytes as the sender writes them: header, pieces, `data`, the XXH3-64 `hash`.
   static std::string bucket(int32_t index, const std::vector<rpc::WeightPiece>& pieces,
-                            const std::string& data, uint32_t crc,
+                            const std::string& data, uint64_t hash,
                             std::optional<int64_t> data_bytes = std::nullopt) {
     channel::BucketHeader h;
     h.index = index;
@@ -166,7 +166,7 @@ struct RawChannel {
       channel::put_i64(out, p.elements);
     }
     out += data;
-    channel::put_u32(out, crc);
+    channel::put_i64(out, static_cast<int64_t>(hash));
     return out;
   }
 
@@ -253,7 +253,7 @@ TEST_CASE("pushes of one weight source to several workers checksum each chunk on
   CHECK(push_weights(*a.client, source, 4, 64 << 20).sent);
   const int64_t chunks = source->chunks_checksummed();
   CHECK(chunks > 100);  // a chunk or more per bucket of the workers' 64 KiB frames
-  // The second worker takes every CRC from the first push, and its commit checks them all.
+  // The second worker takes every hash from the first push, and its commit checks them all.
   CHECK(push_weights(*b.client, source, 4, 64 << 20).sent);
   CHECK(source->chunks_checksummed() == chunks);
   check_same_samples(a.sample(), reference.sample());
@@ -308,13 +308,13 @@ TEST_CASE(
     rpc::WeightBucket b = bucket_of(pw, 2, 0, {piece(norm, 0, 32), piece(norm, 32, 32)});
     b.pieces[1].elements = 64;
     b.data.append(std::string(128, '\0'));
-    b.crc32c = static_cast<int32_t>(crc32c(b.data));
+    b.xxh3 = static_cast<int64_t>(tandem::xxh3(b.data));
     c.push_weight_bucket(b);
   });
   check_refused("SIZE", "252 bytes of data for pieces of 64 elements", [&] {
     rpc::WeightBucket b = good();
     b.data.resize(252);
-    b.crc32c = static_cast<int32_t>(crc32c(b.data));
+    b.xxh3 = static_cast<int64_t>(tandem::xxh3(b.data));
     c.push_weight_bucket(b);
   });
   check_refused("SIZE", "of -3 elements", [&] {
@@ -326,7 +326,7 @@ TEST_CASE(
     rpc::WeightBucket b = good();
     b.dtype = rpc::WeightDType::BF16;  // 128 bytes for 64 elements would fit, the type does not
     b.data.resize(128);
-    b.crc32c = static_cast<int32_t>(crc32c(b.data));
+    b.xxh3 = static_cast<int64_t>(tandem::xxh3(b.data));
     c.push_weight_bucket(b);
   });
   check_refused("DTYPE", "data of dtype 7", [&] {
@@ -465,27 +465,27 @@ TEST_CASE("the weight channel refuses a corrupted bucket and takes the good one 
   CHECK(ch.hello.code == channel::kTaken);
   const std::string norm = "model.layers.0.input_layernorm.weight";  // 64 elements
   const rpc::WeightBucket good = bucket_of(pw, 2, 0, {piece(norm, 0, 64)});
-  const auto crc = static_cast<uint32_t>(good.crc32c);
+  const auto hash = static_cast<uint64_t>(good.xxh3);
 
   std::string flipped = good.data;
   flipped[17] ^= 1;  // one bit flipped on the way
-  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, flipped, crc));
+  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, flipped, hash));
   channel::Answer a = channel::read_answer(ch.fd);
   CHECK(fault_name(a.code) == "CHECKSUM");
-  CHECK_THAT(a.message, Contains("bucket 0 of v2: the data's CRC-32C"));
+  CHECK_THAT(a.message, Contains("bucket 0 of v2: the data's XXH3-64"));
   // Refused before its data (the data read past): the connection goes on.
-  test::send_all(ch.fd, RawChannel::bucket(0, {piece("no.such.tensor", 0, 64)}, good.data, crc));
+  test::send_all(ch.fd, RawChannel::bucket(0, {piece("no.such.tensor", 0, 64)}, good.data, hash));
   a = channel::read_answer(ch.fd);
   CHECK(fault_name(a.code) == "NAME");
   CHECK(a.tensor == "no.such.tensor");
-  test::send_all(ch.fd, RawChannel::bucket(0, {piece(norm, 0, 60)}, good.data, crc));
+  test::send_all(ch.fd, RawChannel::bucket(0, {piece(norm, 0, 60)}, good.data, hash));
   CHECK(fault_name(channel::read_answer(ch.fd).code) == "SIZE");
   // The refused buckets left no trace: the good one is taken, and once when sent again.
-  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, good.data, crc));
+  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, good.data, hash));
   CHECK(channel::read_answer(ch.fd).code == channel::kTaken);
-  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, good.data, crc));
+  test::send_all(ch.fd, RawChannel::bucket(0, good.pieces, good.data, hash));
   CHECK(channel::read_answer(ch.fd).code == channel::kTaken);
-  test::send_all(ch.fd, RawChannel::bucket(1, good.pieces, good.data, crc));
+  test::send_all(ch.fd, RawChannel::bucket(1, good.pieces, good.data, hash));
   CHECK(fault_name(channel::read_answer(ch.fd).code) == "OVERLAP");
   check_refused("INCOMPLETE", "of '" + pw.named()[0].name + "' arrived",
                 [&] { w.client->commit_weight_push(2, 1); });
@@ -505,7 +505,7 @@ TEST_CASE("a weight channel cut off mid-bucket leaves nothing of it and the push
   const std::string norm = "model.layers.0.input_layernorm.weight";
   const rpc::WeightBucket good = bucket_of(pw, 2, 0, {piece(norm, 0, 64)});
   const std::string bytes =
-      RawChannel::bucket(0, good.pieces, good.data, static_cast<uint32_t>(good.crc32c));
+      RawChannel::bucket(0, good.pieces, good.data, static_cast<uint64_t>(good.xxh3));
   {
     RawChannel closes(port, "", 2);  // closes half way through the data
     test::send_all(closes.fd, bytes.substr(0, bytes.size() - 100));
