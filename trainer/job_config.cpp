@@ -353,6 +353,12 @@ std::vector<Binding<JobConfig>> make_job_bindings() {
               "dynamic_sampling: rounds of more prompts while fewer than prompts_per_step groups "
               "have reward variance; then the step trains on what it has (0: no refill)."))
       .range(0, 1000);
+  add(bind<J>("trainer.algorithm.downsample", TANDEM_MEMBER(trainer.shaping.downsample),
+              "PODS max-variance down-sampling: of the rollout.n samples of each group, train on "
+              "this many, the lowest and highest rewards whose variance is largest (advantages "
+              "over them); 0: all. Rollout is cheap beside the update where it generates many "
+              "samples at once (docs/train.md)."))
+      .range(0, 65536);
   add(bind<J>("trainer.algorithm.mask_truncated", TANDEM_MEMBER(trainer.shaping.mask_truncated),
               "Leave samples cut by max_new_tokens out of the loss."));
   add(bind<J>("trainer.algorithm.overlong_buffer", TANDEM_MEMBER(trainer.shaping.overlong_buffer),
@@ -653,18 +659,25 @@ std::shared_ptr<const config::Schema> make_schema() {
 void check_job(const Config& c, JobConfig& j) {
   const auto& ro = j.rollout;
   auto& t = j.trainer;
-  int64_t batch = ro.prompts_per_step * ro.n;
+  const int64_t down = t.shaping.downsample;
+  if (down != 0 && (down < 2 || down > ro.n))
+    c.fail("trainer.algorithm.downsample",
+           fmt::format("expected 0 (off) or 2 to rollout.n = {} samples of a group, found {} ({})",
+                       ro.n, down, c.where("rollout.n")));
+  // The samples of a group that are trained on, and so the batch the minibatches divide.
+  const int64_t group = down != 0 ? down : ro.n;
+  const std::string group_key = down != 0 ? "trainer.algorithm.downsample" : "rollout.n";
+  int64_t batch = ro.prompts_per_step * group;
   if (batch % t.step.minibatches != 0)
-    c.fail(
-        "trainer.minibatches",
-        fmt::format("{} does not divide the batch rollout.prompts_per_step * rollout.n = {} * {} "
-                    "= {} ({}, {})",
-                    t.step.minibatches, ro.prompts_per_step, ro.n, batch,
-                    c.where("rollout.prompts_per_step"), c.where("rollout.n")));
-  if (t.step.minibatches > 1 && (batch / t.step.minibatches) % ro.n != 0)
     c.fail("trainer.minibatches",
-           fmt::format("each minibatch of {} samples must hold whole groups of rollout.n = {}",
-                       batch / t.step.minibatches, ro.n));
+           fmt::format("{} does not divide the batch rollout.prompts_per_step * {} = {} * {} "
+                       "= {} ({}, {})",
+                       t.step.minibatches, group_key, ro.prompts_per_step, group, batch,
+                       c.where("rollout.prompts_per_step"), c.where(group_key)));
+  if (t.step.minibatches > 1 && (batch / t.step.minibatches) % group != 0)
+    c.fail("trainer.minibatches",
+           fmt::format("each minibatch of {} samples must hold whole groups of {} = {}",
+                       batch / t.step.minibatches, group_key, group));
   if (t.grpo.loss.dual_clip_c != 0 && t.grpo.loss.dual_clip_c <= 1)
     c.fail("trainer.algorithm.dual_clip_c",
            fmt::format("expected 0 (off) or a number > 1, found {}", t.grpo.loss.dual_clip_c));

@@ -80,6 +80,7 @@ struct ShapingSection {
   bool mask_truncated = false;    // leave samples cut by max_new_tokens out of the loss
   int64_t overlong_buffer = 0;    // DAPO soft overlong penalty; 0 with factor 0: off
   double overlong_factor = 0.0;
+  int64_t downsample = 0;  // PODS: the samples of each group trained on (max variance); 0: all
 };
 
 struct TrainerSection {

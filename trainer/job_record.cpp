@@ -156,6 +156,7 @@ void Job::record(const Collected& c, const Selected& s, const Updated& u, double
   }
   j["samples_trained"] = s.batch();
   j["samples_masked_truncated"] = s.masked_truncated;
+  j["samples_downsampled"] = s.downsampled;
   j["samples_dropped_remainder"] = s.dropped_remainder;
   j["data/prompts_skipped_too_long"] = c.prompts_skipped;
   j["packed_tokens"] = tm.packed_tokens;

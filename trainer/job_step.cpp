@@ -97,25 +97,31 @@ std::vector<float> rewards_of(const Group& g) {
 Selected select(Collected& c, const JobConfig& job) {
   std::vector<float> all_rewards, kept_rewards;
   std::vector<int32_t> all_sizes, kept_sizes;
-  for (const Group& g : c.groups) {
+  const int64_t down = job.trainer.shaping.downsample;
+  std::vector<std::vector<size_t>> trained(c.groups.size());  // of each kept group
+  Selected s;
+  for (size_t gi = 0; gi < c.groups.size(); ++gi) {
+    const Group& g = c.groups[gi];
     const std::vector<float> r = rewards_of(g);
     all_rewards.insert(all_rewards.end(), r.begin(), r.end());
     all_sizes.push_back(static_cast<int32_t>(r.size()));
     if (!g.kept) continue;
-    kept_rewards.insert(kept_rewards.end(), r.begin(), r.end());
-    kept_sizes.push_back(static_cast<int32_t>(r.size()));
+    trained[gi] = max_variance_subset(r, down > 0 ? static_cast<size_t>(down) : r.size());
+    for (const size_t i : trained[gi]) kept_rewards.push_back(r[i]);
+    kept_sizes.push_back(static_cast<int32_t>(trained[gi].size()));
+    s.downsampled += static_cast<int64_t>(r.size() - trained[gi].size());
   }
-  Selected s;
   s.rewards = reward_stats(all_rewards, all_sizes);
   const Advantages adv = compute_advantages(kept_rewards, kept_sizes, job.trainer.grpo.advantage);
   s.advantages = adv.stats;
   // The batch is every rank's kept samples in group order; this rank trains the local ones.
   size_t a = 0;
-  int64_t group = -1;
-  for (Group& g : c.groups) {
-    ++group;
+  for (size_t gi = 0; gi < c.groups.size(); ++gi) {
+    Group& g = c.groups[gi];
+    const auto group = static_cast<int64_t>(gi);
     if (!g.kept) continue;
-    for (Sample& x : g.samples) {
+    for (const size_t i : trained[gi]) {
+      Sample& x = g.samples[i];
       const float advantage = adv.values[a++];
       if (!enters_loss(x.truncated, job.trainer.shaping.mask_truncated)) {
         ++s.masked_truncated;

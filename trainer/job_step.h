@@ -81,6 +81,7 @@ struct Selected {
   RewardStats rewards;             // of every generated group
   AdvantageStats advantages;       // of the kept groups
   int64_t masked_truncated = 0;    // kept samples left out by trainer.shaping.mask_truncated
+  int64_t downsampled = 0;         // kept groups' samples left out by trainer.shaping.downsample
   int64_t dropped_remainder = 0;   // left out so that trainer.minibatches divides the batch
   size_t batch() const { return shard.lengths.size(); }
 };
@@ -109,9 +110,10 @@ rewards::RewardBreakdown score(std::span<Group> groups, rewards::RewardSet& rewa
 
 std::vector<float> rewards_of(const Group& g);
 
-// The select phase: advantages of the kept groups, computed once (the reward statistics describe
-// every generated group); the samples that enter the loss; a remainder that trainer.minibatches
-// does not divide dropped and counted.
+// The select phase: of each kept group the samples trained on (all, or PODS's max-variance
+// trainer.shaping.downsample of them), their advantages computed once over them (the reward
+// statistics describe every generated sample); the samples that enter the loss; a remainder that
+// trainer.minibatches does not divide dropped and counted.
 Selected select(Collected& c, const JobConfig& job);
 
 }  // namespace tandem::trainer::job_detail

@@ -545,3 +545,24 @@ TEST_CASE("tandem train resumes with a changed config only when allowed and reco
   CHECK(config.find("lr = 0.5") != std::string::npos);
   CHECK(config.find("lr = 0.001") == std::string::npos);
 }
+
+TEST_CASE("tandem train with trainer.algorithm.downsample trains the max-variance pair of a group",
+          "[e2e]") {
+  const tandem::test::TempDir tmp("train-downsample");
+  tandem::test::write_tiny_smollm2_hf(tmp.file("model"));
+  // Groups of 4, 2 of each trained: 4 of the 8 samples a step. A pair of the highest and lowest
+  // reward, when the group's rewards differ, is {0, 1}: advantages +a and -a, whatever the rest of
+  // the group (all four would give 1 of 4 correct, say, an uneven +1.5 and -0.5).
+  const auto steps = run_tiny_job(tmp, tmp.file("model"), "trainer.algorithm.downsample=2");
+  REQUIRE(steps.size() == 3);
+  int with_signal = 0;
+  for (const auto& m : steps) {
+    INFO(m.dump());
+    CHECK(m["samples_trained"].get<int64_t>() == 4);
+    CHECK(m["samples_downsampled"].get<int64_t>() == 4);
+    const double hi = m["advantage/max"].get<double>(), lo = m["advantage/min"].get<double>();
+    CHECK(hi == Approx(-lo).margin(1e-6));
+    with_signal += hi > 0 ? 1 : 0;
+  }
+  CHECK(with_signal > 0);
+}

@@ -391,3 +391,23 @@ TEST_CASE("job config takes a disaggregated job on several ranks and refuses a r
   CHECK_THAT(error_of(kMinimal, keys),
              Catch::Contains("placement.rollout_tp") && Catch::Contains("workers"));
 }
+
+TEST_CASE("job config takes trainer.algorithm.downsample of 2 to rollout.n and divides its batch",
+          "[unit]") {
+  CHECK(parse_job_config(kMinimal, "job.toml").trainer.shaping.downsample == 0);
+  const std::vector<std::string> four{"rollout.n=16", "trainer.algorithm.downsample=4"};
+  const JobConfig j = parse_job_config(kMinimal, "job.toml", four);
+  CHECK(j.trainer.shaping.downsample == 4);
+  for (const char* bad : {"trainer.algorithm.downsample=1", "trainer.algorithm.downsample=17"})
+    CHECK_THAT(error_of(kMinimal, {"rollout.n=16", bad}),
+               Catch::Contains("trainer.algorithm.downsample: expected 0 (off) or 2 to "
+                               "rollout.n = 16 samples of a group"));
+  // The minibatches divide the batch trained on: prompts_per_step * downsample.
+  const std::vector<std::string> thirds{"rollout.prompts_per_step=3", "rollout.n=8",
+                                        "trainer.algorithm.downsample=2", "trainer.minibatches=3"};
+  CHECK(parse_job_config(kMinimal, "job.toml", thirds).trainer.step.minibatches == 3);
+  CHECK_THAT(error_of(kMinimal, {"rollout.prompts_per_step=3", "rollout.n=8",
+                                 "trainer.algorithm.downsample=3", "trainer.minibatches=2"}),
+             Catch::Contains("2 does not divide the batch rollout.prompts_per_step * "
+                             "trainer.algorithm.downsample = 3 * 3 = 9"));
+}
