@@ -225,9 +225,6 @@ namespace {
 
 enum Op : uint8_t { kSet = 1, kGet = 2, kCheck = 3 };
 
-bool write_all(int fd, const void* data, size_t n) { return net::send_all(fd, data, n); }
-bool read_all(int fd, void* data, size_t n) { return net::recv_all(fd, data, n); }
-
 }  // namespace
 
 struct TcpStoreServer::State {
@@ -244,20 +241,22 @@ struct TcpStoreServer::State {
     for (;;) {
       uint8_t op = 0;
       uint32_t key_len = 0;
-      if (!read_all(fd, &op, 1) || !read_all(fd, &key_len, 4) || key_len > kMaxStoreKeyBytes) break;
+      if (!net::recv_all(fd, &op, 1) || !net::recv_all(fd, &key_len, 4) ||
+          key_len > kMaxStoreKeyBytes)
+        break;
       std::string key(key_len, '\0');
-      if (!read_all(fd, key.data(), key_len)) break;
+      if (!net::recv_all(fd, key.data(), key_len)) break;
       if (op == kSet) {
         uint64_t n = 0;
-        if (!read_all(fd, &n, 8) || n > kMaxStoreValueBytes) break;
+        if (!net::recv_all(fd, &n, 8) || n > kMaxStoreValueBytes) break;
         std::vector<char> value(n);
-        if (!read_all(fd, value.data(), n)) break;
+        if (!net::recv_all(fd, value.data(), n)) break;
         {
           std::lock_guard lock(mu);
           data[key] = std::move(value);
         }
         const uint8_t ok = 1;
-        if (!write_all(fd, &ok, 1)) break;
+        if (!net::send_all(fd, &ok, 1)) break;
       } else if (op == kGet || op == kCheck) {
         std::vector<char> value;
         uint8_t found = 0;
@@ -268,10 +267,10 @@ struct TcpStoreServer::State {
             if (op == kGet) value = it->second;
           }
         }
-        if (!write_all(fd, &found, 1)) break;
+        if (!net::send_all(fd, &found, 1)) break;
         if (found && op == kGet) {
           const uint64_t n = value.size();
-          if (!write_all(fd, &n, 8) || !write_all(fd, value.data(), n)) break;
+          if (!net::send_all(fd, &n, 8) || !net::send_all(fd, value.data(), n)) break;
         }
       } else {
         break;
@@ -388,7 +387,8 @@ class TcpStoreClient : public gloo::rendezvous::Store {
     request(kSet, key);
     const uint64_t n = value.size();
     uint8_t ok = 0;
-    if (!write_all(fd_, &n, 8) || !write_all(fd_, value.data(), n) || !read_all(fd_, &ok, 1))
+    if (!net::send_all(fd_, &n, 8) || !net::send_all(fd_, value.data(), n) ||
+        !net::recv_all(fd_, &ok, 1))
       lost(key);
   }
 
@@ -398,11 +398,11 @@ class TcpStoreClient : public gloo::rendezvous::Store {
     request(kGet, key);
     uint8_t found = 0;
     uint64_t n = 0;
-    if (!read_all(fd_, &found, 1) || (found && !read_all(fd_, &n, 8))) lost(key);
+    if (!net::recv_all(fd_, &found, 1) || (found && !net::recv_all(fd_, &n, 8))) lost(key);
     TANDEM_CHECK(found && n <= kMaxStoreValueBytes, "tcp store at {}: '{}' vanished", address_,
                  key);
     std::vector<char> value(n);
-    if (!read_all(fd_, value.data(), n)) lost(key);
+    if (!net::recv_all(fd_, value.data(), n)) lost(key);
     return value;
   }
 
@@ -418,7 +418,7 @@ class TcpStoreClient : public gloo::rendezvous::Store {
         std::erase_if(missing, [&](const std::string& key) {
           request(kCheck, key);
           uint8_t found = 0;
-          if (!read_all(fd_, &found, 1)) lost(key);
+          if (!net::recv_all(fd_, &found, 1)) lost(key);
           return found == 1;
         });
       }
@@ -438,7 +438,8 @@ class TcpStoreClient : public gloo::rendezvous::Store {
     TANDEM_CHECK(key.size() <= kMaxStoreKeyBytes, "tcp store: key of {} bytes is too long",
                  key.size());
     const uint32_t n = static_cast<uint32_t>(key.size());
-    if (!write_all(fd_, &op, 1) || !write_all(fd_, &n, 4) || !write_all(fd_, key.data(), n))
+    if (!net::send_all(fd_, &op, 1) || !net::send_all(fd_, &n, 4) ||
+        !net::send_all(fd_, key.data(), n))
       lost(key);
   }
   [[noreturn]] void lost(const std::string& key) {

@@ -17,16 +17,18 @@
 #include "model/loader.h"
 #include "rollout/service/client.h"
 #include "rollout/service/weight_push.h"
+#include "tests/apps/serve_worker.h"
 #include "tests/model/tiny_model.h"
 #include "tests/testutil.h"
 
 namespace tandem::rollout {
 namespace {
 
-// `tandem serve` of `model` on a free loopback port; its port.
-int start_worker(std::unique_ptr<test::Subprocess>& worker, const test::TempDir& tmp,
-                 const std::string& model) {
-  const std::string config = tmp.write("serve.toml", fmt::format(R"([model]
+// `tandem serve` of `model` on a free loopback port, sized for long samples (240 new tokens, 64 a
+// request); its port.
+int start_long_worker(std::unique_ptr<test::Subprocess>& worker, const test::TempDir& tmp,
+                      const std::string& model) {
+  return test::serve(worker, tmp.write("serve.toml", fmt::format(R"([model]
 path = "{}"
 [engine]
 num_blocks = 2048
@@ -39,13 +41,7 @@ max_prompt_tokens = 16
 max_new_tokens = 240
 max_n = 64
 )",
-                                                                 model));
-  worker = std::make_unique<test::Subprocess>(
-      std::vector<std::string>{std::string(TANDEM_BIN_DIR) + "/tandem", "serve", config});
-  const std::string line = worker->wait_for_line("listening on ", 30000);
-  INFO("worker: " << worker->output());
-  REQUIRE(!line.empty());
-  return std::stoi(line.substr(13));
+                                                                 model)));
 }
 
 // Each token's logprob under `w` where its version is `version`, against the sample's: how many
@@ -89,7 +85,7 @@ struct Served {
   explicit Served(const std::string& name) : tmp(name) {
     test::write_tiny_smollm2_hf(tmp.file("v0"), 17);
     test::write_tiny_smollm2_hf(tmp.file("v1"), 23);
-    const int port = start_worker(worker, tmp, tmp.file("v0"));
+    const int port = start_long_worker(worker, tmp, tmp.file("v0"));
     client = {.address = "127.0.0.1:" + std::to_string(port), .timeout_ms = 120000};
     v0 = std::make_unique<model::LoadedModel>(model::load_model(tmp.file("v0")));
     v1 = std::make_unique<model::LoadedModel>(model::load_model(tmp.file("v1")));
